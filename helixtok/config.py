@@ -1,0 +1,75 @@
+"""BuildConfig: every option of a build, validated once at the edge."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass
+
+from .errors import ConfigError
+
+PACKINGS = ("packed", "document")
+DEFAULT_SHARD_BYTES = 1 << 30
+# ~4 MiB of input per work unit: big enough that per-unit overhead is noise,
+# small enough that N workers stay balanced on corpora of a few dozen MB.
+DEFAULT_UNIT_BYTES = 4 << 20
+
+
+@dataclass(frozen=True, kw_only=True)
+class BuildConfig:
+    seq_len: int = 2048
+    packing: str = "packed"
+    min_tail_len: int | None = None  # document packing only; default seq_len // 4
+    text_field: str = "text"
+    add_bos: bool = False
+    eos_token: str | None = None
+    bos_token: str | None = None
+    pad_token: str | None = None
+    val_fraction: float = 0.0
+    split_seed: int = 0
+    shard_bytes: int = DEFAULT_SHARD_BYTES
+    unit_bytes: int = DEFAULT_UNIT_BYTES
+    workers: int = 0  # 0 = all cores
+    strict: bool = False
+    batch_chars: int = 1 << 20  # characters per encode_batch call in a worker
+    max_piece_chars: int = 200_000  # longer documents are encoded in pieces
+
+    def __post_init__(self) -> None:
+        if self.seq_len < 1:
+            raise ConfigError(f"--seq-len must be >= 1, got {self.seq_len}")
+        if self.packing not in PACKINGS:
+            raise ConfigError(f"--pack must be one of {', '.join(PACKINGS)}, got {self.packing!r}")
+        if self.min_tail_len is not None:
+            if self.packing != "document":
+                raise ConfigError("--min-tail-len applies only to --pack document")
+            if not 1 <= self.min_tail_len <= self.seq_len:
+                raise ConfigError(
+                    f"--min-tail-len must be between 1 and --seq-len ({self.seq_len}), got {self.min_tail_len}"
+                )
+        if not 0.0 <= self.val_fraction < 1.0:
+            raise ConfigError(f"--val-fraction must be in [0, 1), got {self.val_fraction}")
+        if self.shard_bytes < 1:
+            raise ConfigError(f"--shard-size must be positive, got {self.shard_bytes}")
+        if self.workers < 0:
+            raise ConfigError(f"--workers must be >= 0 (0 = all cores), got {self.workers}")
+        if not self.text_field:
+            raise ConfigError("--text-field must not be empty")
+
+    @property
+    def tail_len(self) -> int:
+        """Minimum tail kept in document packing (seq_len // 4 unless given, at least 1)."""
+        if self.min_tail_len is not None:
+            return self.min_tail_len
+        return max(1, self.seq_len // 4)
+
+    @property
+    def num_workers(self) -> int:
+        return self.workers or len(os.sched_getaffinity(0))
+
+    def identity(self) -> dict:
+        """The options that change the output bytes (workers and batch sizes do not)."""
+        d = asdict(self)
+        for k in ("workers", "strict", "batch_chars"):
+            d.pop(k)
+        if self.packing == "document":
+            d["min_tail_len"] = self.tail_len
+        return d

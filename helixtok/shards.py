@@ -1,0 +1,121 @@
+"""Shard writer: whole chunks into <split>-NNNNN.bin (temp file + fsync + rename), with sidecars."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+
+VALID_DTYPE = np.dtype("<u4")  # per-chunk count of real (non-pad) tokens, document packing
+DOCS_DTYPE = np.dtype("<u8")  # token offsets within the shard where a document starts, packed
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class _HashedFile:
+    """A temp file whose bytes are hashed as written; `commit` fsyncs and renames it into place."""
+
+    def __init__(self, final: str):
+        self.final = final
+        self.tmp = os.path.join(os.path.dirname(final), "." + os.path.basename(final) + ".tmp")
+        self.fh = open(self.tmp, "wb")
+        self.sha = hashlib.sha256()
+        self.bytes = 0
+
+    def write(self, arr: np.ndarray) -> None:
+        buf = np.ascontiguousarray(arr).data
+        self.fh.write(buf)
+        self.sha.update(buf)
+        self.bytes += buf.nbytes
+
+    def commit(self) -> dict:
+        self.fh.flush()
+        os.fsync(self.fh.fileno())
+        self.fh.close()
+        os.replace(self.tmp, self.final)
+        return {"path": os.path.basename(self.final), "bytes": self.bytes, "sha256": self.sha.hexdigest()}
+
+    def abort(self) -> None:
+        self.fh.close()
+        if os.path.exists(self.tmp):
+            os.remove(self.tmp)
+
+
+@dataclass
+class ShardWriter:
+    """Writes one split's chunks; shards hold `chunks_per_shard` chunks (the last fewer)."""
+
+    out_dir: str
+    split: str
+    dtype: np.dtype
+    seq_len: int
+    chunks_per_shard: int
+    sidecar: str  # "valid" (document packing) or "docs" (packed)
+    shards: list[dict] = field(default_factory=list)
+    num_chunks: int = 0
+    _bin: _HashedFile | None = None
+    _side: _HashedFile | None = None
+    _in_shard: int = 0
+
+    def _open(self) -> None:
+        stem = os.path.join(self.out_dir, f"{self.split}-{len(self.shards):05d}")
+        self._bin = _HashedFile(stem + ".bin")
+        self._side = _HashedFile(f"{stem}.{self.sidecar}")
+        self._in_shard = 0
+
+    def _close(self) -> None:
+        entry = self._bin.commit()
+        entry["num_chunks"] = self._in_shard
+        side = self._side.commit()
+        side.pop("bytes")
+        if self.sidecar == "docs":
+            side["count"] = self._docs_in_shard
+        entry[self.sidecar] = side
+        self.shards.append(entry)
+        self._bin = self._side = None
+
+    _docs_in_shard: int = 0
+
+    def write(self, chunks: np.ndarray, valid: np.ndarray | None = None, doc_starts: np.ndarray | None = None
+              ) -> None:
+        """chunks [k, seq_len]; valid [k] (document packing) or doc_starts: sorted offsets of
+        document starts counted from the first token of `chunks` (packed)."""
+        done = 0
+        k = len(chunks)
+        while done < k:
+            if self._bin is None:
+                self._open()
+                self._docs_in_shard = 0
+            take = min(self.chunks_per_shard - self._in_shard, k - done)
+            self._bin.write(chunks[done: done + take].astype(self.dtype, copy=False))
+            if valid is not None:
+                self._side.write(valid[done: done + take].astype(VALID_DTYPE, copy=False))
+            if doc_starts is not None:
+                lo, hi = done * self.seq_len, (done + take) * self.seq_len
+                a, b = np.searchsorted(doc_starts, [lo, hi])
+                offs = doc_starts[a:b] - lo + self._in_shard * self.seq_len
+                self._side.write(offs.astype(DOCS_DTYPE))
+                self._docs_in_shard += int(b - a)
+            self._in_shard += take
+            self.num_chunks += take
+            done += take
+            if self._in_shard == self.chunks_per_shard:
+                self._close()
+
+    def finish(self) -> list[dict]:
+        if self._bin is not None:
+            self._close()
+        return self.shards
+
+    def abort(self) -> None:
+        for f in (self._bin, self._side):
+            if f is not None:
+                f.abort()

@@ -1,0 +1,446 @@
+"""Find corpus files, cut them into work units, and read documents out of a unit."""
+
+from __future__ import annotations
+
+import glob
+import gzip
+import io
+import json
+import os
+import stat
+import zlib
+from dataclasses import dataclass, field
+from typing import Iterator
+
+from .errors import InputError
+
+SUFFIXES = {
+    ".txt": "text",
+    ".md": "text",
+    ".jsonl": "jsonl",
+    ".jsonl.gz": "jsonl.gz",
+    ".jsonl.zst": "jsonl.zst",
+    ".jsonl.zstd": "jsonl.zst",
+    ".parquet": "parquet",
+}
+SUPPORTED = ", ".join(SUFFIXES)
+MAX_EXAMPLES = 5  # locations kept per skip reason, for the summary and the manifest
+_GLOB_CHARS = set("*?[")
+
+
+def file_kind(path: str) -> str | None:
+    low = path.lower()
+    for suffix in sorted(SUFFIXES, key=len, reverse=True):
+        if low.endswith(suffix):
+            return SUFFIXES[suffix]
+    return None
+
+
+@dataclass
+class Tally:
+    """Counts of what was skipped or repaired, with the first few locations of each."""
+
+    counts: dict[str, int] = field(default_factory=dict)
+    examples: dict[str, list[str]] = field(default_factory=dict)
+
+    def add(self, reason: str, where: str, n: int = 1) -> None:
+        self.counts[reason] = self.counts.get(reason, 0) + n
+        ex = self.examples.setdefault(reason, [])
+        if len(ex) < MAX_EXAMPLES:
+            ex.append(where)
+
+    def merge(self, other: "Tally") -> None:
+        for reason, n in other.counts.items():
+            self.counts[reason] = self.counts.get(reason, 0) + n
+            ex = self.examples.setdefault(reason, [])
+            ex.extend(other.examples.get(reason, [])[: MAX_EXAMPLES - len(ex)])
+
+    def to_json(self) -> dict:
+        return {r: {"count": self.counts[r], "examples": self.examples.get(r, [])} for r in sorted(self.counts)}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Tally":
+        t = cls()
+        for r, v in d.items():
+            t.counts[r] = v["count"]
+            t.examples[r] = list(v["examples"])
+        return t
+
+
+@dataclass(frozen=True)
+class InputFile:
+    path: str  # as found, used to open the file and in error messages
+    name: str  # relative to the common root of all inputs: what the manifest records
+    kind: str
+    size: int
+    mtime_ns: int
+
+
+# --------------------------------------------------------------------------- discovery
+
+
+def discover(paths: list[str], *, exclude: str | None = None) -> tuple[list[InputFile], Tally]:
+    """Expand files, directories (recursively, following links) and globs into a sorted file list.
+
+    A path or pattern that names nothing is an error; unsupported files met inside a
+    directory are left out and counted (named explicitly, they are an error).
+    """
+    warnings = Tally()
+    found: dict[str, str] = {}  # realpath -> path as found
+    skip_real = os.path.realpath(exclude) if exclude else None
+
+    def add_file(p: str, explicit: bool) -> None:
+        kind = file_kind(p)
+        if kind is None:
+            if explicit:
+                hint = ""
+                if p.lower().endswith((".json", ".json.gz")):
+                    hint = (" If it holds JSON Lines, rename it to .jsonl; if it is one JSON array,"
+                            f" convert it with: jq -c '.[]' {p} > {p}l")
+                raise InputError(f"{p}: unsupported file type; supported: {SUPPORTED}.{hint}")
+            warnings.add("unsupported_file", p)
+            return
+        real = os.path.realpath(p)
+        if real in found:
+            warnings.add("duplicate_file", f"{p} (same file as {found[real]})")
+            return
+        found[real] = p
+
+    def walk(d: str, ancestors: frozenset[str]) -> None:
+        try:
+            entries = sorted(os.scandir(d), key=lambda e: e.name)
+        except PermissionError as e:
+            raise InputError(f"{d}: cannot list directory ({e.strerror}); fix its permissions or leave it out") from e
+        for e in entries:
+            p = os.path.join(d, e.name)
+            real = os.path.realpath(p)
+            if skip_real and (real == skip_real or real.startswith(skip_real + os.sep)):
+                continue
+            try:
+                st = os.stat(p)
+            except FileNotFoundError as err:
+                raise InputError(f"{p}: broken symbolic link; fix it or remove it") from err
+            except OSError as err:
+                if err.errno == 40:  # ELOOP: a link that points at itself
+                    warnings.add("symlink_loop", p)
+                    continue
+                raise InputError(f"{p}: cannot stat ({err.strerror})") from err
+            if stat.S_ISDIR(st.st_mode):
+                if real in ancestors:
+                    warnings.add("symlink_loop", p)
+                    continue
+                walk(p, ancestors | {real})
+            elif stat.S_ISREG(st.st_mode):
+                add_file(p, explicit=False)
+
+    for arg in paths:
+        if os.path.isdir(arg):
+            walk(arg, frozenset({os.path.realpath(arg)}))
+        elif os.path.exists(arg):
+            add_file(arg, explicit=True)
+        elif os.path.lexists(arg):
+            raise InputError(f"{arg}: broken symbolic link; fix it or remove it")
+        elif _GLOB_CHARS & set(arg):
+            matches = sorted(glob.glob(arg, recursive=True))
+            if not matches:
+                raise InputError(f"{arg}: pattern matched no files")
+            for m in matches:
+                if os.path.isdir(m):
+                    walk(m, frozenset({os.path.realpath(m)}))
+                else:
+                    add_file(m, explicit=False)
+        else:
+            raise InputError(f"{arg}: no such file or directory")
+
+    if not found:
+        raise InputError(f"no corpus files found in {' '.join(paths)} (supported: {SUPPORTED})")
+    ordered = sorted(found.values())
+    root = os.path.commonpath([os.path.dirname(os.path.abspath(p)) for p in ordered])
+    files = []
+    for p in ordered:
+        if not os.access(p, os.R_OK):
+            raise InputError(f"{p}: permission denied; make it readable or leave it out")
+        st = os.stat(p)
+        files.append(InputFile(p, os.path.relpath(os.path.abspath(p), root), file_kind(p), st.st_size, st.st_mtime_ns))
+    return files, warnings
+
+
+# --------------------------------------------------------------------------- work units
+
+
+@dataclass(frozen=True)
+class Unit:
+    """A piece of the corpus that one worker reads and tokenizes; a function of the input alone.
+
+    text: files[] are whole documents.  jsonl: bytes [start, stop) of one file, cut at line
+    ends, first_line its 1-based number.  jsonl.gz/.zst: one whole file (streams cannot seek).
+    parquet: row groups [start, stop), first_line the index of its first row.
+    """
+
+    index: int
+    kind: str
+    files: tuple[str, ...]
+    names: tuple[str, ...]
+    start: int = 0
+    stop: int = 0
+    first_line: int = 1
+    est_bytes: int = 0  # input text bytes, for scheduling and progress
+
+    def to_json(self) -> dict:
+        return {"kind": self.kind, "files": list(self.names), "start": self.start, "stop": self.stop}
+
+
+def plan_units(files: list[InputFile], *, unit_bytes: int, text_field: str) -> tuple[list[Unit], Tally]:
+    units: list[Unit] = []
+    warnings = Tally()
+    batch: list[InputFile] = []
+
+    def flush_text() -> None:
+        if batch:
+            units.append(Unit(len(units), "text", tuple(f.path for f in batch), tuple(f.name for f in batch),
+                              est_bytes=sum(f.size for f in batch)))
+            batch.clear()
+
+    for f in files:
+        if f.kind == "text":
+            batch.append(f)
+            if sum(x.size for x in batch) >= unit_bytes:
+                flush_text()
+            continue
+        flush_text()
+        if f.kind == "jsonl":
+            if f.size == 0:
+                warnings.add("empty_file", f.name)
+                continue
+            _check_jsonl_head(f, text_field)
+            for start, stop, line in _line_aligned_cuts(f.path, unit_bytes):
+                units.append(Unit(len(units), "jsonl", (f.path,), (f.name,), start, stop, line, stop - start))
+        elif f.kind in ("jsonl.gz", "jsonl.zst"):
+            _check_jsonl_head(f, text_field)
+            units.append(Unit(len(units), f.kind, (f.path,), (f.name,), est_bytes=f.size * 4))
+        elif f.kind == "parquet":
+            for start, stop, row, nbytes in _row_group_cuts(f, unit_bytes, text_field):
+                units.append(Unit(len(units), "parquet", (f.path,), (f.name,), start, stop, row, nbytes))
+    flush_text()
+    return units, warnings
+
+
+def _line_aligned_cuts(path: str, unit_bytes: int) -> Iterator[tuple[int, int, int]]:
+    """Yield (start, stop, first_line) byte ranges of about unit_bytes that end after a newline."""
+    start, line, pos, lines_before = 0, 1, 0, 0
+    with open(path, "rb") as fh:
+        while True:
+            block = fh.read(8 << 20)
+            if not block:
+                break
+            i = 0
+            while True:
+                target = start + unit_bytes - pos  # index in block where this unit is full
+                if target >= len(block):
+                    lines_before += block.count(b"\n", i)
+                    break
+                nl = block.find(b"\n", max(target, i))
+                if nl < 0:
+                    lines_before += block.count(b"\n", i)
+                    break
+                lines_before += block.count(b"\n", i, nl + 1)
+                stop = pos + nl + 1
+                yield start, stop, line
+                start, line, i = stop, lines_before + 1, nl + 1
+            pos += len(block)
+    if pos > start:
+        yield start, pos, line
+
+
+def _open_stream(path: str, kind: str, raw: io.BufferedReader):
+    if kind == "jsonl.gz":
+        return io.BufferedReader(gzip.GzipFile(fileobj=raw), 1 << 20)
+    if kind == "jsonl.zst":
+        import zstandard
+
+        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True), 1 << 20)
+    return raw
+
+
+def _check_jsonl_head(f: InputFile, text_field: str) -> None:
+    """Fail fast when the first record lacks the text field: that is a wrong --text-field, not bad data."""
+    try:
+        with open(f.path, "rb") as raw:
+            for lineno, line in enumerate(_open_stream(f.path, f.kind, raw), 1):
+                if not line.strip():
+                    continue
+                try:
+                    obj = json.loads(line)
+                except ValueError:
+                    return  # malformed lines are counted while reading
+                if isinstance(obj, dict) and text_field not in obj:
+                    keys = ", ".join(sorted(obj)[:10]) or "none"
+                    raise InputError(
+                        f"{f.path}:{lineno}: record has no field {text_field!r} (fields: {keys}); "
+                        "pass --text-field with the name of the text field")
+                return
+    except (EOFError, OSError, zlib.error) as e:
+        raise InputError(f"{f.path}: cannot read ({e}); the file is truncated or corrupt: re-create it or leave it out") from e
+    except Exception as e:  # zstandard.ZstdError has no common base we can import lazily
+        if type(e).__name__ == "ZstdError":
+            raise InputError(f"{f.path}: corrupt zstd stream ({e}); re-create it or leave it out") from e
+        raise
+
+
+def _row_group_cuts(f: InputFile, unit_bytes: int, text_field: str) -> Iterator[tuple[int, int, int, int]]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        meta = pq.ParquetFile(f.path).metadata
+    except (pa.ArrowException, OSError) as e:
+        raise InputError(f"{f.path}: not a readable parquet file ({e}); re-create it or leave it out") from e
+    schema = meta.schema.to_arrow_schema()
+    if text_field not in schema.names:
+        raise InputError(f"{f.path}: no column {text_field!r} (columns: {', '.join(schema.names)}); "
+                         "pass --text-field with the name of the text column")
+    typ = schema.field(text_field).type
+    if not (pa.types.is_string(typ) or pa.types.is_large_string(typ) or pa.types.is_string_view(typ)):
+        raise InputError(f"{f.path}: column {text_field!r} has type {typ}, expected string; pass --text-field")
+    start, row, acc, first_row = 0, 0, 0, 0
+    for rg in range(meta.num_row_groups):
+        acc += meta.row_group(rg).total_byte_size
+        row += meta.row_group(rg).num_rows
+        if acc >= unit_bytes:
+            yield start, rg + 1, first_row, acc
+            start, acc, first_row = rg + 1, 0, row
+    if start < meta.num_row_groups:
+        yield start, meta.num_row_groups, first_row, acc
+
+
+# --------------------------------------------------------------------------- reading
+
+
+def _repair(text: str) -> str:
+    """Replace lone surrogates (from JSON escapes like \\ud800) with U+FFFD."""
+    return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+
+
+class UnitReader:
+    """Iterate the documents of a unit; `consumed` tracks input bytes read (for progress).
+
+    Skips and repairs go to `tally`; fatal problems raise InputError naming file and line.
+    """
+
+    def __init__(self, unit: Unit, text_field: str, tally: Tally):
+        self.unit = unit
+        self.text_field = text_field
+        self.tally = tally
+        self.consumed = 0
+        self._loc: tuple = ("", None, "")
+
+    def where(self) -> str:
+        """Location of the document last yielded: file, file:line, or file row N."""
+        name, n, sep = self._loc
+        return name if n is None else f"{name}{sep}{n}"
+
+    def __iter__(self) -> Iterator[str]:
+        kind = self.unit.kind
+        if kind == "text":
+            yield from self._text()
+        elif kind == "parquet":
+            yield from self._parquet()
+        else:
+            yield from self._jsonl()
+
+    def _text(self) -> Iterator[str]:
+        for path, name in zip(self.unit.files, self.unit.names):
+            with open(path, "rb") as fh:
+                data = fh.read()
+            self.consumed += len(data)
+            try:
+                text = data.decode("utf-8")
+            except UnicodeDecodeError as e:
+                text = data.decode("utf-8", "replace")
+                self.tally.add("invalid_utf8_repaired", f"{name} (byte {e.start})")
+            if text.startswith("\ufeff"):  # a BOM is an encoding marker, not text
+                text = text[1:]
+            self._loc = (name, None, "")
+            yield text
+
+    def _jsonl(self) -> Iterator[str]:
+        u = self.unit
+        path, name = u.files[0], u.names[0]
+        field_ = self.text_field
+        lineno = u.first_line - 1
+        with open(path, "rb") as raw:
+            stream = _open_stream(path, u.kind, raw)
+            if u.kind == "jsonl":
+                raw.seek(u.start)
+                remaining = u.stop - u.start
+            else:
+                remaining = -1
+            try:
+                for line in stream:
+                    lineno += 1
+                    if remaining >= 0:
+                        if remaining <= 0:
+                            break
+                        remaining -= len(line)
+                        self.consumed += len(line)
+                    else:
+                        self.consumed = raw.tell()
+                    if lineno == 1 and line.startswith(b"\xef\xbb\xbf"):
+                        line = line[3:]
+                    if not line.strip():
+                        continue
+                    try:
+                        s = line.decode("utf-8")
+                    except UnicodeDecodeError:
+                        s = line.decode("utf-8", "replace")
+                        self.tally.add("invalid_utf8_repaired", f"{name}:{lineno}")
+                    try:
+                        obj = json.loads(s)
+                    except ValueError as e:
+                        self.tally.add("malformed_json", f"{name}:{lineno} ({e.msg})")
+                        continue
+                    if not isinstance(obj, dict):
+                        self.tally.add("not_an_object", f"{name}:{lineno}")
+                        continue
+                    text = obj.get(field_)
+                    if text is None:
+                        self.tally.add("missing_text" if field_ not in obj else "null_text", f"{name}:{lineno}")
+                        continue
+                    if not isinstance(text, str):
+                        self.tally.add("non_string_text", f"{name}:{lineno} ({type(text).__name__})")
+                        continue
+                    if not text.isascii():
+                        try:
+                            text.encode("utf-8")
+                        except UnicodeEncodeError:
+                            text = _repair(text)
+                            self.tally.add("lone_surrogate_repaired", f"{name}:{lineno}")
+                    self._loc = (name, lineno, ":")
+                    yield text
+            except (EOFError, OSError, zlib.error) as e:
+                raise InputError(f"{path}: truncated or corrupt after line {lineno} ({e}); "
+                                 "re-create the file or leave it out") from e
+            except Exception as e:
+                if type(e).__name__ == "ZstdError":
+                    raise InputError(f"{path}: corrupt zstd stream after line {lineno} ({e}); "
+                                     "re-create the file or leave it out") from e
+                raise
+
+    def _parquet(self) -> Iterator[str]:
+        import pyarrow.parquet as pq
+
+        u = self.unit
+        name = u.names[0]
+        pf = pq.ParquetFile(u.files[0])
+        row = u.first_line
+        for rg in range(u.start, u.stop):
+            meta = pf.metadata.row_group(rg)
+            table = pf.read_row_group(rg, columns=[self.text_field])
+            for text in table.column(0).to_pylist():
+                if text is None:
+                    self.tally.add("null_text", f"{name} row {row}")
+                else:
+                    self._loc = (name, row, " row ")
+                    yield text
+                row += 1
+            self.consumed += meta.total_byte_size
