@@ -1,0 +1,263 @@
+"""The helixtok command line: a thin click layer over the library; results on stdout, progress on stderr."""
+
+from __future__ import annotations
+
+import errno
+import functools
+import json
+import re
+import sys
+
+import click
+
+from .errors import HelixtokError
+
+SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.I)
+UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
+         "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
+
+
+def parse_size(ctx, param, value):
+    if value is None or isinstance(value, int):
+        return value
+    m = SIZE_RE.match(value)
+    if not m or (m.group(2) or "").lower() not in UNITS:
+        raise click.BadParameter(f"{value!r} is not a size like 1GiB, 512MiB or 100000000")
+    return int(float(m.group(1)) * UNITS[(m.group(2) or "").lower()])
+
+
+def handle_errors(fn):
+    """Library errors -> one line on stderr and exit 1; Ctrl-C -> exit 130; never a traceback."""
+
+    @functools.wraps(fn)
+    def wrapper(*a, **kw):
+        try:
+            return fn(*a, **kw)
+        except HelixtokError as e:
+            raise click.ClickException(str(e)) from e
+        except KeyboardInterrupt:
+            click.echo("\ninterrupted; rerun the same command to resume", err=True)
+            sys.exit(130)
+        except OSError as e:
+            if e.errno == errno.ENOSPC:
+                raise click.ClickException(f"disk full while writing {e.filename or 'output'}; no dataset was "
+                                           "published. Free space and rerun the same command to resume") from e
+            where = f"{e.filename}: " if e.filename else ""
+            raise click.ClickException(f"{where}{e.strerror or e}") from e
+
+    return wrapper
+
+
+def _console(quiet=False):
+    from rich.console import Console
+
+    return Console(stderr=True, quiet=quiet)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="helixtok")
+def main():
+    """Pre-tokenize text corpora into memory-mappable token shards with exact counts.
+
+    \b
+    Example:
+      helixtok build corpus/ out/ --tokenizer tokenizer.json --seq-len 2048
+      helixtok stats out/ --batch-size 16 --grad-accum 4 --world-size 8
+    """
+
+
+@main.command()
+@click.argument("corpus", nargs=-1, required=True)
+@click.argument("out", nargs=1)
+@click.option("--tokenizer", "-t", required=True,
+              help="tokenizer.json, a folder holding one, or a HF repo id in the local HF cache.")
+@click.option("--seq-len", "-L", type=click.IntRange(min=1), default=2048, show_default=True,
+              help="Tokens per chunk.")
+@click.option("--pack", "packing", type=click.Choice(["packed", "document"]), default="packed", show_default=True,
+              help="packed: concatenate documents and cut; document: chunk each document, pad its tail.")
+@click.option("--min-tail-len", type=click.IntRange(min=1), default=None,
+              help="document packing: shortest kept document / tail chunk [default: seq-len // 4].")
+@click.option("--text-field", default="text", show_default=True, help="JSON field or parquet column with the text.")
+@click.option("--bos/--no-bos", default=False, show_default=True, help="Prepend BOS to every document.")
+@click.option("--eos-token", default=None, help="EOS token [default: detected from the tokenizer].")
+@click.option("--bos-token", default=None, help="BOS token for --bos [default: detected].")
+@click.option("--pad-token", default=None, help="Padding token for document packing [default: the tokenizer's, else EOS].")
+@click.option("--val-fraction", type=click.FloatRange(0, 1, max_open=True), default=0.0, show_default=True,
+              help="Fraction of documents in a 'val' split (by content hash).")
+@click.option("--split-seed", type=int, default=0, show_default=True, help="Seed of the train/val split hash.")
+@click.option("--shard-size", callback=parse_size, default="1GiB", show_default=True, help="Target bytes per shard.")
+@click.option("--workers", "-j", type=click.IntRange(min=0), default=0, help="Worker processes [default: all cores].")
+@click.option("--overwrite", is_flag=True, help="Replace a dataset or unfinished build in OUT.")
+@click.option("--strict", is_flag=True, help="Fail instead of skipping any bad document or file.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bar (for logs).")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as one JSON object.")
+@handle_errors
+def build(corpus, out, tokenizer, seq_len, packing, min_tail_len, text_field, bos, eos_token, bos_token,
+          pad_token, val_fraction, split_seed, shard_size, workers, overwrite, strict, quiet, as_json):
+    """Tokenize CORPUS (files, folders, globs) into fixed-length token shards in OUT.
+
+    \b
+    Example:
+      helixtok build data/*.jsonl.gz out/ -t tokenizer.json -L 1024 --val-fraction 0.01
+    """
+    from .build import build as run_build
+    from .config import BuildConfig
+
+    cfg = BuildConfig(seq_len=seq_len, packing=packing, min_tail_len=min_tail_len, text_field=text_field,
+                      add_bos=bos, eos_token=eos_token, bos_token=bos_token, pad_token=pad_token,
+                      val_fraction=val_fraction, split_seed=split_seed, shard_bytes=shard_size,
+                      workers=workers, strict=strict)
+    con = _console(quiet)
+    if quiet:
+        m = run_build(list(corpus), out, tokenizer, cfg, overwrite=overwrite)
+    else:
+        m = _build_with_progress(run_build, con, list(corpus), out, tokenizer, cfg, overwrite)
+    _print_build_summary(m, out, as_json, con)
+
+
+def _build_with_progress(run_build, con, corpus, out, tokenizer, cfg, overwrite):
+    import time
+
+    from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn,
+                               TimeRemainingColumn, TransferSpeedColumn)
+
+    t0 = time.monotonic()
+    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                  TextColumn("{task.fields[docs]:,} docs  {task.fields[tps]} tok/s"), TimeElapsedColumn(),
+                  TextColumn("ETA"), TimeRemainingColumn(), console=con, transient=False) as bar:
+        task = bar.add_task("tokenize", total=None, docs=0, tps="-")
+
+        def on_progress(p):
+            dt = max(time.monotonic() - t0, 1e-9)
+            bar.update(task, total=p.bytes_total, completed=p.bytes_done, docs=p.documents,
+                       tps=f"{p.tokens / dt / 1e6:.2f}M", description=p.phase)
+
+        return run_build(corpus, out, tokenizer, cfg, overwrite=overwrite, on_progress=on_progress)
+
+
+def _print_build_summary(m, out, as_json, con):
+    t = m["totals"]
+    if as_json:
+        click.echo(json.dumps({"out": out, "dtype": m["dtype"], "seq_len": m["seq_len"], "packing": m["packing"],
+                               "totals": t, "splits": {k: {kk: v[kk] for kk in ("num_chunks", "num_tokens")}
+                                                       for k, v in m["splits"].items()},
+                               "skipped": m["skipped"], "warnings": m["warnings"]}))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    tab = Table(title=f"{out}  ({m['packing']}, seq_len {m['seq_len']}, {m['dtype']})", show_header=True)
+    for col in ("split", "documents", "chunks", "stored tokens", "pad", "dropped"):
+        tab.add_column(col, justify="right" if col != "split" else "left")
+    for name, s in m["splits"].items():
+        tab.add_row(name, f"{s['documents']:,}", f"{s['num_chunks']:,}", f"{s['num_tokens']:,}",
+                    f"{s['pad_tokens']:,}", f"{s['dropped_tokens']:,}")
+    Console().print(tab)
+    click.echo(f"documents {t['documents']:,}  skipped {t['skipped_documents']:,}  repaired {t['repaired_documents']:,}"
+               f"  tokens produced {t['tokens']:,}")
+    for kind in ("skipped", "warnings"):
+        for reason, v in m[kind].items():
+            con.print(f"[yellow]warning[/]: {v['count']:,} x {reason.replace('_', ' ')}, e.g. "
+                      + "; ".join(v["examples"][:3]))
+
+
+@main.command()
+@click.argument("out")
+@click.option("--split", default="train", show_default=True)
+@click.option("--batch-size", "-b", type=click.IntRange(min=1), default=1, show_default=True, help="Per-rank batch size.")
+@click.option("--grad-accum", "-g", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option("--world-size", "-w", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option("--epochs", "-e", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option("--drop-last/--no-drop-last", default=False, show_default=True)
+@click.option("--warmup-ratio", type=click.FloatRange(0, 1), default=0.0, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@handle_errors
+def stats(out, split, batch_size, grad_accum, world_size, epochs, drop_last, warmup_ratio, as_json):
+    """Exact chunk, batch and optimizer-step counts for a training run over OUT.
+
+    \b
+    Example:
+      helixtok stats out/ -b 16 -g 4 -w 8 --epochs 2 --warmup-ratio 0.01 --json
+    """
+    from .stats import stats_for
+
+    st = stats_for(out, split=split, batch_size=batch_size, grad_accum=grad_accum, world_size=world_size,
+                   epochs=epochs, drop_last=drop_last, warmup_ratio=warmup_ratio)
+    if as_json:
+        click.echo(json.dumps(st.to_json()))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    tab = Table(title=f"{out} [{split}]", show_header=False)
+    tab.add_column(style="bold")
+    tab.add_column(justify="right")
+    for k, v in st.to_json().items():
+        tab.add_row(k, f"{v:,}" if isinstance(v, int) and not isinstance(v, bool) else str(v))
+    Console().print(tab)
+
+
+@main.command()
+@click.argument("out")
+@click.option("--sample", type=click.IntRange(min=0), default=0, help="Also decode N random chunks.")
+@click.option("--json", "as_json", is_flag=True)
+@handle_errors
+def verify(out, sample, as_json):
+    """Check every shard of OUT: size, sha256, ids < vocab size, counts. Exit 1 on any problem.
+
+    \b
+    Example:
+      helixtok verify out/ --sample 3
+    """
+    from .verify import verify as run_verify
+
+    rep = run_verify(out, sample=sample)
+    if as_json:
+        click.echo(json.dumps(rep.to_json()))
+    else:
+        for s in rep.shards:
+            click.echo(f"{'ok  ' if s.ok else 'FAIL'} {s.split:5} {s.path}" + ("" if s.ok else "  " + "; ".join(s.problems)))
+        for p in rep.problems:
+            click.echo(f"FAIL {p}")
+        for smp in rep.samples:
+            click.echo(f"chunk {smp['chunk']}: {smp['text']!r}")
+        click.echo("verified: all shards intact" if rep.ok else "verification FAILED")
+    if not rep.ok:
+        sys.exit(1)
+
+
+@main.command("train-tokenizer")
+@click.argument("corpus", nargs=-1, required=True)
+@click.argument("out_json", metavar="OUT.json")
+@click.option("--vocab-size", type=click.IntRange(min=260), required=True)
+@click.option("--text-field", default="text", show_default=True)
+@click.option("--overwrite", is_flag=True)
+@handle_errors
+def train_tokenizer(corpus, out_json, vocab_size, text_field, overwrite):
+    """Train a byte-level BPE tokenizer with <|endoftext|> on CORPUS (for research and offline use).
+
+    \b
+    Example:
+      helixtok train-tokenizer corpus/ tokenizer.json --vocab-size 32000
+    """
+    import os
+
+    from .errors import ConfigError
+    from .sources import Tally, UnitReader, discover, plan_units
+    from .tokenizer import train_tokenizer as train
+
+    if os.path.exists(out_json) and not overwrite:
+        raise ConfigError(f"{out_json}: exists; pass --overwrite to replace it")
+    files, _ = discover(list(corpus), exclude=out_json)
+    units, _ = plan_units(files, unit_bytes=1 << 30, text_field=text_field)
+
+    def texts():
+        for u in units:
+            yield from UnitReader(u, text_field, Tally())
+
+    train(texts(), out_json, vocab_size=vocab_size)
+    click.echo(out_json)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,215 @@
+"""MemmapChunkDataset: a map-style torch Dataset over built shards, memory-mapped lazily per process."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from .errors import DatasetError
+from .manifest import DTYPES, load_manifest, split_entry
+from .shards import DOCS_DTYPE, VALID_DTYPE
+
+IGNORE_INDEX = -100  # what torch's cross_entropy ignores by default
+
+
+class MemmapChunkDataset(Dataset):
+    """Chunks of `seq_len` token ids from a helixtok build.
+
+    `ds[i]` is a dict of LongTensors[seq_len]: input_ids, labels (= input_ids, -100 on padding;
+    the model shifts them) and attention_mask (0 on padding).
+
+    shifted=True (packed data only) gives next-token pairs without wasting a token: input_ids
+    are chunk i, labels the same window moved one token on, borrowing the first token of chunk
+    i+1 (labels are already shifted: do not shift again).  The last chunk's last label is -100.
+
+    position_ids=True (packed data only) adds position ids that restart at every document,
+    from the per-shard document index, so a model can keep attention inside documents.
+
+    tokenizer: a tokenizer.json path (or folder); the dataset refuses shards built with another.
+    """
+
+    def __init__(self, path: str, split: str = "train", *, tokenizer: str | None = None,
+                 shifted: bool = False, position_ids: bool = False):
+        self.path = os.fspath(path)
+        self.split = split
+        m = load_manifest(self.path)
+        s = split_entry(m, split, self.path)
+        self.seq_len = int(m["seq_len"])
+        self.packing = m["packing"]
+        self.dtype = np.dtype(DTYPES[m["dtype"]])
+        self.pad_id = int(m["tokenizer"]["pad_id"])
+        self.tokenizer_sha256 = m["tokenizer"]["sha256"]
+        if (shifted or position_ids) and self.packing != "packed":
+            raise DatasetError(f"{self.path}: shifted/position_ids need packed data; this dataset is "
+                               f"{self.packing}-packed")
+        self.shifted = shifted
+        self.position_ids = position_ids
+        if tokenizer is not None:
+            self._check_tokenizer(tokenizer)
+        self._shards = [(os.path.join(self.path, e["path"]), int(e["num_chunks"]), e) for e in s["shards"]]
+        self._check_files()
+        counts = np.array([n for _, n, _ in self._shards], dtype=np.int64)
+        self._starts = np.concatenate(([0], np.cumsum(counts)))
+        self._len = int(s["num_chunks"])
+        if self._starts[-1] != self._len:
+            raise DatasetError(f"{self.path}: split {split!r} lists {self._starts[-1]} chunks in its shards "
+                               f"but num_chunks is {self._len}; the manifest is corrupt, rebuild")
+        self._maps: list | None = None
+
+    # ---------------------------------------------------------------- checks
+
+    def _check_tokenizer(self, tokenizer: str) -> None:
+        from .tokenizer import resolve_tokenizer_path, sha256_file
+
+        p = resolve_tokenizer_path(os.fspath(tokenizer))
+        got = sha256_file(p)
+        if got != self.tokenizer_sha256:
+            raise DatasetError(f"{self.path} was built with tokenizer sha256 {self.tokenizer_sha256[:12]}…, "
+                               f"but {p} has sha256 {got[:12]}…; use the tokenizer the data was built with "
+                               f"(a copy is in {os.path.join(self.path, 'tokenizer.json')})")
+
+    def _check_files(self) -> None:
+        row = self.seq_len * self.dtype.itemsize
+        for p, n, e in self._shards:
+            if not os.path.isfile(p):
+                raise DatasetError(f"{p}: shard missing; copy it again or rebuild")
+            size = os.path.getsize(p)
+            if size != n * row:
+                raise DatasetError(f"{p}: {size} bytes, the manifest says {n} chunks x {self.seq_len} x "
+                                   f"{self.dtype.itemsize} = {n * row} bytes (truncated copy or wrong dtype?); "
+                                   "copy it again or rebuild")
+            side = "valid" if self.packing == "document" else "docs"
+            if side in e:
+                sp = os.path.join(self.path, e[side]["path"])
+                want = n * VALID_DTYPE.itemsize if side == "valid" else e[side]["count"] * DOCS_DTYPE.itemsize
+                if not os.path.isfile(sp) or os.path.getsize(sp) != want:
+                    raise DatasetError(f"{sp}: missing or not {want} bytes as the manifest says; copy it again")
+
+    # ---------------------------------------------------------------- memmaps (lazy, per process)
+
+    def __getstate__(self):
+        # Pickling a memmap would copy its data into every DataLoader worker: send paths only.
+        d = self.__dict__.copy()
+        d["_maps"] = None
+        return d
+
+    def _open(self) -> list:
+        maps = []
+        for p, n, e in self._shards:
+            mm = np.memmap(p, dtype=self.dtype, mode="r", shape=(n, self.seq_len))
+            side = None
+            if self.packing == "document":
+                side = np.memmap(os.path.join(self.path, e["valid"]["path"]), dtype=VALID_DTYPE, mode="r", shape=(n,))
+            elif self.position_ids and e["docs"]["count"]:
+                side = np.fromfile(os.path.join(self.path, e["docs"]["path"]), dtype=DOCS_DTYPE).astype(np.int64)
+            elif self.position_ids:
+                side = np.empty(0, np.int64)
+            maps.append((mm, side))
+        self._maps = maps
+        return maps
+
+    def __len__(self) -> int:
+        return self._len
+
+    def _locate(self, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        if len(idx) and (idx.min() < 0 or idx.max() >= self._len):
+            bad = int(idx[(idx < 0) | (idx >= self._len)][0])
+            raise IndexError(f"index {bad} out of range for {self._len} chunks")
+        shard = np.searchsorted(self._starts, idx, side="right") - 1
+        return shard, idx - self._starts[shard]
+
+    def _rows(self, idx: np.ndarray) -> np.ndarray:
+        """int64 [len(idx), seq_len (+1 if shifted)]: one fancy index per shard touched."""
+        maps = self._maps or self._open()
+        shard, local = self._locate(idx)
+        width = self.seq_len + (1 if self.shifted else 0)
+        out = np.empty((len(idx), width), dtype=np.int64)
+        for s in np.unique(shard):
+            sel = np.nonzero(shard == s)[0]
+            out[sel, : self.seq_len] = maps[s][0][local[sel]]
+        if self.shifted:
+            nxt = idx + 1
+            last = nxt >= self._len
+            ns, nl = self._locate(np.where(last, 0, nxt))
+            for s in np.unique(ns):
+                sel = np.nonzero(ns == s)[0]
+                out[sel, self.seq_len] = maps[s][0][nl[sel], 0]
+            out[last, self.seq_len] = IGNORE_INDEX
+        return out
+
+    def _valid(self, idx: np.ndarray) -> np.ndarray | None:
+        if self.packing != "document":
+            return None
+        maps = self._maps or self._open()
+        shard, local = self._locate(idx)
+        v = np.empty(len(idx), dtype=np.int64)
+        for s in np.unique(shard):
+            sel = np.nonzero(shard == s)[0]
+            v[sel] = maps[s][1][local[sel]]
+        return v
+
+    def document_starts(self, i: int) -> np.ndarray:
+        """Offsets inside chunk i where a document begins (packed data; needs position_ids=True)."""
+        if not self.position_ids:
+            raise DatasetError("document_starts needs MemmapChunkDataset(..., position_ids=True)")
+        maps = self._maps or self._open()
+        shard, local = self._locate(np.array([i]))
+        starts = maps[int(shard[0])][1]
+        lo = int(local[0]) * self.seq_len
+        a, b = np.searchsorted(starts, [lo, lo + self.seq_len])
+        return starts[a:b] - lo
+
+    def _position_ids(self, idx: np.ndarray) -> np.ndarray:
+        L = self.seq_len
+        pos = np.empty((len(idx), L), dtype=np.int64)
+        ar = np.arange(L)
+        for k, i in enumerate(idx.tolist()):
+            st = self.document_starts(i)
+            # Position = distance from the latest document start at or before it (or the chunk start).
+            marks = np.zeros(L, dtype=np.int64)
+            marks[st] = st
+            pos[k] = ar - np.maximum.accumulate(marks)
+        return pos
+
+    def _batch(self, idx: np.ndarray) -> dict:
+        rows = self._rows(idx)
+        L = self.seq_len
+        if self.shifted:
+            ids = torch.from_numpy(rows[:, :L].copy())
+            labels = torch.from_numpy(rows[:, 1:].copy())
+            mask = torch.ones_like(ids)
+        else:
+            ids = torch.from_numpy(rows)
+            labels = ids.clone()
+            valid = self._valid(idx)
+            if valid is None:
+                mask = torch.ones_like(ids)
+            else:
+                pad = torch.from_numpy(np.arange(L)[None, :] >= valid[:, None])
+                labels[pad] = IGNORE_INDEX
+                mask = (~pad).long()
+        b = {"input_ids": ids, "labels": labels, "attention_mask": mask}
+        if self.position_ids:
+            b["position_ids"] = torch.from_numpy(self._position_ids(idx))
+        return b
+
+    def __getitem__(self, i: int) -> dict:
+        i = int(i)
+        if i < 0:
+            i += self._len
+        b = self._batch(np.array([i], dtype=np.int64))
+        return {k: v[0] for k, v in b.items()}
+
+    def __getitems__(self, indices) -> list[dict]:
+        # DataLoader calls this with a whole batch of indices: one fancy index per shard.
+        idx = np.asarray(indices, dtype=np.int64)
+        idx = np.where(idx < 0, idx + self._len, idx)
+        b = self._batch(idx)
+        return [{k: v[j] for k, v in b.items()} for j in range(len(idx))]
+
+    def __repr__(self) -> str:
+        return (f"MemmapChunkDataset({self.path!r}, split={self.split!r}, chunks={self._len}, "
+                f"seq_len={self.seq_len}, dtype={self.dtype.name}, packing={self.packing})")

@@ -1,0 +1,135 @@
+"""helixtok verify: prove a dataset on disk is what its manifest says, shard by shard."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .manifest import DTYPES, load_manifest
+from .shards import DOCS_DTYPE, VALID_DTYPE
+
+BLOCK = 1 << 24  # elements per read: memory stays flat on large shards
+
+
+@dataclass
+class ShardReport:
+    split: str
+    path: str
+    ok: bool
+    problems: list[str] = field(default_factory=list)
+    max_id: int | None = None
+
+
+@dataclass
+class VerifyReport:
+    shards: list[ShardReport]
+    problems: list[str]  # dataset-level problems (counts that do not add up)
+    samples: list[dict]
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems and all(s.ok for s in self.shards)
+
+    def to_json(self) -> dict:
+        return {"ok": self.ok, "problems": self.problems, "samples": self.samples,
+                "shards": [s.__dict__ for s in self.shards]}
+
+
+def _hash_and_max(path: str, dtype: np.dtype) -> tuple[str, int]:
+    h = hashlib.sha256()
+    mx = -1
+    with open(path, "rb") as fh:
+        while True:
+            buf = fh.read(BLOCK * dtype.itemsize)
+            if not buf:
+                break
+            h.update(buf)
+            arr = np.frombuffer(buf, dtype=dtype)
+            if len(arr):
+                mx = max(mx, int(arr.max()))
+    return h.hexdigest(), mx
+
+
+def _sha(path: str) -> str:
+    return _hash_and_max(path, np.dtype("u1"))[0]
+
+
+def verify(out: str, *, sample: int = 0, seed: int = 0) -> VerifyReport:
+    m = load_manifest(out)
+    dtype = np.dtype(DTYPES[m["dtype"]])
+    L = m["seq_len"]
+    vocab = m["tokenizer"]["vocab_size"]
+    reports, problems = [], []
+    pad_seen = 0
+    for split, s in m["splits"].items():
+        if sum(e["num_chunks"] for e in s["shards"]) != s["num_chunks"]:
+            problems.append(f"{split}: shards hold {sum(e['num_chunks'] for e in s['shards'])} chunks, "
+                            f"num_chunks says {s['num_chunks']}")
+        if s["num_tokens"] != s["num_chunks"] * L:
+            problems.append(f"{split}: num_tokens {s['num_tokens']} != num_chunks x seq_len")
+        if s["tokens"] + s["pad_tokens"] - s["dropped_tokens"] != s["num_tokens"]:
+            problems.append(f"{split}: tokens + pad_tokens - dropped_tokens != num_tokens")
+        for e in s["shards"]:
+            p = os.path.join(out, e["path"])
+            r = ShardReport(split, e["path"], True)
+            reports.append(r)
+            if not os.path.isfile(p):
+                r.problems.append("missing")
+            else:
+                want = e["num_chunks"] * L * dtype.itemsize
+                size = os.path.getsize(p)
+                if size != want:
+                    r.problems.append(f"size {size} bytes, expected {want}")
+                else:
+                    sha, r.max_id = _hash_and_max(p, dtype)
+                    if sha != e["sha256"]:
+                        r.problems.append("sha256 mismatch (corrupt or modified)")
+                    if r.max_id >= vocab:
+                        r.problems.append(f"holds id {r.max_id} >= vocab_size {vocab}")
+            for side in ("valid", "docs"):
+                if side not in e:
+                    continue
+                sp = os.path.join(out, e[side]["path"])
+                if not os.path.isfile(sp):
+                    r.problems.append(f"{e[side]['path']} missing")
+                    continue
+                if _sha(sp) != e[side]["sha256"]:
+                    r.problems.append(f"{e[side]['path']}: sha256 mismatch")
+                    continue
+                if side == "valid":
+                    v = np.fromfile(sp, dtype=VALID_DTYPE)
+                    if len(v) != e["num_chunks"] or (len(v) and (v.min() < 1 or v.max() > L)):
+                        r.problems.append(f"{e[side]['path']}: valid lengths out of range")
+                    pad_seen += int((L - v.astype(np.int64)).sum())
+                else:
+                    d = np.fromfile(sp, dtype=DOCS_DTYPE)
+                    if len(d) != e[side]["count"] or (len(d) and (np.any(np.diff(d.astype(np.int64)) <= 0)
+                                                                   or d.max() >= e["num_chunks"] * L)):
+                        r.problems.append(f"{e[side]['path']}: document offsets not sorted or out of range")
+            r.ok = not r.problems
+    if m["packing"] == "document" and all(x.ok for x in reports):
+        if pad_seen != m["totals"]["pad_tokens"]:
+            problems.append(f"padding in .valid files sums to {pad_seen}, totals.pad_tokens is "
+                            f"{m['totals']['pad_tokens']}")
+    samples = _samples(out, m, dtype, sample, seed) if sample and all(x.ok for x in reports) else []
+    return VerifyReport(reports, problems, samples)
+
+
+def _samples(out: str, m: dict, dtype: np.dtype, n: int, seed: int) -> list[dict]:
+    from .tokenizer import load_tokenizer
+
+    tok = load_tokenizer(os.path.join(out, m["tokenizer"]["file"]))
+    rng = np.random.default_rng(seed)
+    s = m["splits"]["train"]
+    L = m["seq_len"]
+    starts = np.cumsum([0] + [e["num_chunks"] for e in s["shards"]])
+    picked = []
+    for i in sorted(rng.choice(s["num_chunks"], size=min(n, s["num_chunks"]), replace=False).tolist()):
+        k = int(np.searchsorted(starts, i, side="right") - 1)
+        mm = np.memmap(os.path.join(out, s["shards"][k]["path"]), dtype=dtype, mode="r").reshape(-1, L)
+        ids = mm[i - starts[k]].tolist()
+        picked.append({"chunk": i, "text": tok.decode(ids, skip_special_tokens=False)[:200]})
+    return picked
