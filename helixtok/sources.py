@@ -252,39 +252,72 @@ def _line_aligned_cuts(path: str, unit_bytes: int) -> Iterator[tuple[int, int, i
         yield start, pos, line
 
 
+class _ZstdRaw(io.RawIOBase):
+    """Decompress zstd frame after frame; a file that ends inside a frame raises EOFError.
+
+    (zstandard's stream_reader returns a clean EOF on a truncated frame: silent data loss.)
+    """
+
+    def __init__(self, raw):
+        import zstandard
+
+        self._zstd = zstandard
+        self._raw = raw
+        self._d = zstandard.ZstdDecompressor().decompressobj()
+        self._buf = b""
+        self._started = False
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b) -> int:
+        while not self._buf:
+            data = self._raw.read(1 << 20)
+            if not data:
+                if self._started and not self._d.eof:
+                    raise EOFError("zstd stream ends inside a frame")
+                return 0
+            while data:
+                self._started = True
+                try:
+                    self._buf += self._d.decompress(data)
+                except self._zstd.ZstdError as e:
+                    raise OSError(f"corrupt zstd data: {e}") from e
+                if self._d.eof:  # a new frame may follow (concatenated .zst files are valid)
+                    data = self._d.unused_data
+                    self._d = self._zstd.ZstdDecompressor().decompressobj()
+                    self._started = bool(data)
+                else:
+                    data = b""
+        n = min(len(b), len(self._buf))
+        b[:n] = self._buf[:n]
+        self._buf = self._buf[n:]
+        return n
+
+
 def _open_stream(path: str, kind: str, raw: io.BufferedReader):
     if kind == "jsonl.gz":
         return io.BufferedReader(gzip.GzipFile(fileobj=raw), 1 << 20)
     if kind == "jsonl.zst":
-        import zstandard
-
-        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True), 1 << 20)
+        return io.BufferedReader(_ZstdRaw(raw), 1 << 20)
     return raw
 
 
 def _check_jsonl_head(f: InputFile, text_field: str) -> None:
     """Fail fast when the first record lacks the text field: that is a wrong --text-field, not bad data."""
+    first = None
     try:
         with open(f.path, "rb") as raw:
             for lineno, line in enumerate(_open_stream(f.path, f.kind, raw), 1):
-                if not line.strip():
-                    continue
-                try:
-                    obj = json.loads(line)
-                except ValueError:
-                    return  # malformed lines are counted while reading
-                if isinstance(obj, dict) and text_field not in obj:
-                    keys = ", ".join(sorted(obj)[:10]) or "none"
-                    raise InputError(
-                        f"{f.path}:{lineno}: record has no field {text_field!r} (fields: {keys}); "
-                        "pass --text-field with the name of the text field")
-                return
-    except (EOFError, OSError, zlib.error) as e:
-        raise InputError(f"{f.path}: cannot read ({e}); the file is truncated or corrupt: re-create it or leave it out") from e
-    except Exception as e:  # zstandard.ZstdError has no common base we can import lazily
-        if type(e).__name__ == "ZstdError":
-            raise InputError(f"{f.path}: corrupt zstd stream ({e}); re-create it or leave it out") from e
-        raise
+                if line.strip():
+                    first = (lineno, json.loads(line))
+                    break
+    except Exception:  # noqa: BLE001 - bad JSON or a corrupt stream is reported, with its line, by the reader
+        return
+    if first and isinstance(first[1], dict) and text_field not in first[1]:
+        keys = ", ".join(sorted(first[1])[:10]) or "none"
+        raise InputError(f"{f.path}:{first[0]}: record has no field {text_field!r} (fields: {keys}); "
+                         "pass --text-field with the name of the text field")
 
 
 def _row_group_cuts(f: InputFile, unit_bytes: int, text_field: str) -> Iterator[tuple[int, int, int, int]]:

@@ -1,0 +1,192 @@
+"""Builds on the dev corpus and on hand-made corpora: exact counts, round-trips, determinism."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+from tokenizers import Tokenizer
+
+from helixtok.build import build
+from helixtok.config import BuildConfig
+from helixtok.errors import ConfigError, InputError
+
+
+def read_split(out, split="train"):
+    m = json.load(open(os.path.join(out, "manifest.json")))
+    dt = {"uint16": "<u2", "uint32": "<u4"}[m["dtype"]]
+    arrs = [np.fromfile(os.path.join(out, s["path"]), dtype=dt) for s in m["splits"][split]["shards"]]
+    return m, np.concatenate(arrs).reshape(-1, m["seq_len"])
+
+
+def test_packed_counts_equal_independent_recount(dev_packed, dev_ids, dev_docs):
+    """Every document + EOS, concatenated in corpus order and cut into 512s: exactly the shards."""
+    m, chunks = read_split(dev_packed)
+    eos = m["tokenizer"]["eos_id"]
+    stream = np.array([t for ids in dev_ids for t in ids + [eos]], dtype=np.int64)
+    k = len(stream) // 512
+    assert m["splits"]["train"]["num_chunks"] == k == len(chunks)
+    assert m["totals"]["documents"] == len(dev_docs) == 5710
+    assert m["totals"]["tokens"] == len(stream)
+    assert m["totals"]["dropped_tokens"] == len(stream) - k * 512
+    assert np.array_equal(chunks.reshape(-1), stream[: k * 512])
+    assert len(m["splits"]["train"]["shards"]) > 1  # 4 MiB shards: boundaries exercised
+
+
+def test_packed_stream_decodes_to_documents(dev_packed, dev_docs, tokenizer_path):
+    m, chunks = read_split(dev_packed)
+    tok = Tokenizer.from_file(tokenizer_path)
+    eos = m["tokenizer"]["eos_id"]
+    flat = chunks.reshape(-1).tolist()
+    # Split at EOS and decode the first 300 documents: the text comes back byte for byte.
+    docs, cur = [], []
+    for t in flat:
+        if t == eos:
+            docs.append(tok.decode(cur))
+            cur = []
+            if len(docs) == 300:
+                break
+        else:
+            cur.append(t)
+    assert docs == dev_docs[:300]
+
+
+def test_document_counts_equal_independent_recount(dev_document, dev_ids):
+    m, chunks = read_split(dev_document)
+    L, tail, eos, pad = 512, 128, m["tokenizer"]["eos_id"], m["tokenizer"]["pad_id"]
+    rows, pads, dropped, dropped_docs = [], 0, 0, 0
+    for ids in dev_ids:
+        d = ids + [eos]
+        if len(ids) < tail:
+            dropped += len(d)
+            dropped_docs += 1
+            continue
+        full, r = divmod(len(d), L)
+        rows.extend(d[i * L:(i + 1) * L] for i in range(full))
+        if r >= tail:
+            rows.append(d[full * L:] + [pad] * (L - r))
+            pads += L - r
+        else:
+            dropped += r
+    assert chunks.tolist() == rows
+    t = m["totals"]
+    assert (t["pad_tokens"], t["dropped_tokens"], t["dropped_documents"]) == (pads, dropped, dropped_docs)
+    assert t["tokens"] + t["pad_tokens"] - t["dropped_tokens"] == t["chunks"] * L
+    assert m["min_tail_len"] == tail
+
+
+def test_workers_1_and_2_byte_identical(tmp_path, dev_corpus, tokenizer_path, dev_packed):
+    out = str(tmp_path / "w1")
+    build([str(dev_corpus)], out, tokenizer_path, BuildConfig(seq_len=512, workers=1, shard_bytes=4 << 20))
+    names = sorted(os.listdir(dev_packed))
+    assert names == sorted(os.listdir(out))
+    for n in names:
+        with open(os.path.join(out, n), "rb") as a, open(os.path.join(dev_packed, n), "rb") as b:
+            assert a.read() == b.read(), n
+
+
+def write(p, text):
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(text)
+    return p
+
+
+def test_hand_made_jsonl_exact(tmp_path, small_tok):
+    tok = Tokenizer.from_file(small_tok)
+    texts = ["hello world", "the lazy dog", "  leading and trailing  ", "fox"]
+    write(tmp_path / "c" / "a.jsonl", "".join(json.dumps({"text": t}) + "\n" for t in texts))
+    out = str(tmp_path / "out")
+    m = build([str(tmp_path / "c")], out, small_tok, BuildConfig(seq_len=4, workers=1))
+    eos = tok.token_to_id("<|endoftext|>")
+    stream = [t for x in texts for t in tok.encode(x, add_special_tokens=False).ids + [eos]]
+    _, chunks = read_split(out)
+    assert chunks.reshape(-1).tolist() == stream[: len(stream) // 4 * 4]
+    assert m["totals"]["dropped_tokens"] == len(stream) % 4
+    # Text is tokenized as stored: the leading spaces survive.
+    assert tok.decode(stream).startswith("hello world")
+    assert "  leading and trailing  " in tok.decode(stream, skip_special_tokens=True)
+
+
+def test_bos_and_document_padding_with_pad_equal_eos(tmp_path, small_tok):
+    write(tmp_path / "c" / "a.txt", "hello world hello world")
+    write(tmp_path / "c" / "b.txt", "fox")
+    out = str(tmp_path / "out")
+    m = build([str(tmp_path / "c")], out, small_tok,
+              BuildConfig(seq_len=8, workers=1, packing="document", min_tail_len=1, add_bos=True,
+                          bos_token="<pad>", pad_token="<|endoftext|>"))
+    assert m["tokenizer"]["pad_id"] == m["tokenizer"]["eos_id"]
+    valid = np.fromfile(os.path.join(out, "train-00000.valid"), dtype="<u4")
+    _, chunks = read_split(out)
+    assert len(valid) == len(chunks)
+    bos = m["tokenizer"]["bos_id"]
+    starts = [r[0] for r, v in zip(chunks.tolist(), valid) if True]
+    assert starts[0] == bos
+    # Padding is recorded per chunk, so it is maskable even though pad == eos.
+    assert sum(8 - int(v) for v in valid) == m["totals"]["pad_tokens"]
+
+
+def test_uint32_when_vocab_exceeds_uint16(tmp_path):
+    from tokenizers import Tokenizer as T
+    from tokenizers import models, pre_tokenizers
+
+    vocab = {f"w{i}": i for i in range(70000)}
+    vocab["<|endoftext|>"] = 70000
+    tok = T(models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens(["<|endoftext|>"])
+    tp = str(tmp_path / "big.json")
+    tok.save(tp)
+    write(tmp_path / "c" / "a.txt", "w69999 w65536 w1 w65535 w70000")
+    out = str(tmp_path / "out")
+    m = build([str(tmp_path / "c")], out, tp, BuildConfig(seq_len=3, workers=1))
+    assert m["dtype"] == "uint32"
+    _, chunks = read_split(out)
+    assert chunks.reshape(-1).tolist() == [69999, 65536, 1, 65535, 0, 70000]  # w70000 is unknown -> w0
+
+
+def test_val_split_is_document_level_and_deterministic(tmp_path, small_tok):
+    texts = [f"hello world {i} " * (i % 7 + 1) for i in range(200)]
+    write(tmp_path / "c" / "a.jsonl", "".join(json.dumps({"text": t}) + "\n" for t in texts + texts[:20]))
+    cfg = BuildConfig(seq_len=4, workers=1, val_fraction=0.2)
+    m = build([str(tmp_path / "c")], str(tmp_path / "o1"), small_tok, cfg)
+    m2 = build([str(tmp_path / "c")], str(tmp_path / "o2"), small_tok, BuildConfig(seq_len=4, workers=2, val_fraction=0.2))
+    assert m["splits"] == m2["splits"]
+    tr, va = m["splits"]["train"]["documents"], m["splits"]["val"]["documents"]
+    assert tr + va == 220 and 20 < va < 80
+    # Duplicates go to the same split (content hash), so no document is in both.
+    from helixtok.build import _split_of
+
+    assert all(_split_of(t, 0.2, 0) == _split_of(t, 0.2, 0) for t in texts[:20])
+
+
+def test_refuses_non_empty_out_and_finished_dataset(tmp_path, small_tok):
+    write(tmp_path / "c" / "a.txt", "hello world " * 50)
+    out = tmp_path / "out"
+    write(out / "other.txt", "x")
+    with pytest.raises(ConfigError, match="not empty"):
+        build([str(tmp_path / "c")], str(out), small_tok, BuildConfig(seq_len=4, workers=1))
+    (out / "other.txt").unlink()
+    build([str(tmp_path / "c")], str(out), small_tok, BuildConfig(seq_len=4, workers=1))
+    with pytest.raises(ConfigError, match="--overwrite"):
+        build([str(tmp_path / "c")], str(out), small_tok, BuildConfig(seq_len=4, workers=1))
+    build([str(tmp_path / "c")], str(out), small_tok, BuildConfig(seq_len=8, workers=1), overwrite=True)
+    assert json.load(open(out / "manifest.json"))["seq_len"] == 8
+
+
+def test_too_small_corpus_fails_clearly(tmp_path, small_tok):
+    write(tmp_path / "c" / "a.txt", "fox")
+    with pytest.raises(InputError, match="lower --seq-len"):
+        build([str(tmp_path / "c")], str(tmp_path / "o"), small_tok, BuildConfig(seq_len=4096, workers=1))
+    assert not os.path.exists(tmp_path / "o" / "manifest.json")
+
+
+def test_long_document_split_encoding_is_exact(tmp_path, tokenizer_path, dev_docs):
+    """A document far above max_piece_chars is encoded in pieces; the ids equal a whole encode."""
+    big = "\n".join(dev_docs[:200])
+    write(tmp_path / "c" / "big.txt", big)
+    out = str(tmp_path / "o")
+    m = build([str(tmp_path / "c")], out, tokenizer_path, BuildConfig(seq_len=1, workers=1, max_piece_chars=3000))
+    tok = Tokenizer.from_file(tokenizer_path)
+    want = tok.encode(big, add_special_tokens=False).ids + [m["tokenizer"]["eos_id"]]
+    _, chunks = read_split(out)
+    assert chunks.reshape(-1).tolist() == want

@@ -1,0 +1,148 @@
+"""The CLI end to end: results on stdout, one-line errors with exit codes, help with examples."""
+
+import gzip
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from click.testing import CliRunner
+
+from helixtok.cli import main
+
+
+def run(*args):
+    r = CliRunner().invoke(main, [str(a) for a in args])
+    return r
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    c = tmp_path / "corpus"
+    c.mkdir()
+    (c / "a.txt").write_text("the quick brown fox jumps over the lazy dog " * 30)
+    with gzip.open(c / "b.jsonl.gz", "wt") as fh:
+        for i in range(20):
+            fh.write(json.dumps({"text": f"hello world number {i} " * 5}) + "\n")
+    return c
+
+
+def test_build_stats_verify_end_to_end(tmp_path, corpus, small_tok):
+    out = tmp_path / "out"
+    r = run("build", corpus, out, "-t", small_tok, "-L", "16", "-j", "2", "--quiet", "--json")
+    assert r.exit_code == 0, r.output
+    summary = json.loads(r.stdout)
+    m = json.load(open(out / "manifest.json"))
+    assert summary["totals"] == m["totals"]
+    assert m["totals"]["documents"] == 21
+    r = run("stats", out, "-b", "4", "-g", "2", "--epochs", "2", "--warmup-ratio", "0.1", "--json")
+    st = json.loads(r.stdout)
+    n = m["splits"]["train"]["num_chunks"]
+    assert st["chunks"] == n and st["batches_per_epoch"] == -(-n // 4)
+    assert st["total_optimizer_steps"] == 2 * -(-st["batches_per_epoch"] // 2)
+    r = run("verify", out)
+    assert r.exit_code == 0 and "all shards intact" in r.stdout
+    r = run("stats", out, "-b", "4")  # rich table
+    assert r.exit_code == 0 and "batches_per_epoch" in r.stdout
+
+
+def test_verify_detects_corruption(tmp_path, corpus, small_tok):
+    out = tmp_path / "out"
+    assert run("build", corpus, out, "-t", small_tok, "-L", "16", "-q").exit_code == 0
+    p = out / "train-00000.bin"
+    data = bytearray(p.read_bytes())
+    data[10] ^= 0xFF
+    p.write_bytes(bytes(data))
+    r = run("verify", out)
+    assert r.exit_code == 1
+    assert "FAIL train train-00000.bin  sha256 mismatch" in r.stdout
+    assert "verification FAILED" in r.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["missing_dir"], "missing_dir: no such file or directory"),
+    (["nomatch/*.jsonl"], "pattern matched no files"),
+])
+def test_missing_inputs(tmp_path, small_tok, args, message):
+    r = run("build", *[tmp_path / a for a in args], tmp_path / "out", "-t", small_tok)
+    assert r.exit_code == 1
+    assert message in r.output
+    assert "Traceback" not in r.output
+
+
+def test_unsupported_file_type_and_json(tmp_path, small_tok):
+    (tmp_path / "data.csv").write_text("a,b\n")
+    r = run("build", tmp_path / "data.csv", tmp_path / "out", "-t", small_tok)
+    assert r.exit_code == 1 and "data.csv: unsupported file type; supported: .txt" in r.output
+    (tmp_path / "data.json").write_text('[{"text": "x"}]')
+    r = run("build", tmp_path / "data.json", tmp_path / "out", "-t", small_tok)
+    assert r.exit_code == 1 and "rename it to .jsonl" in r.output and "jq -c" in r.output
+
+
+def test_unknown_tokenizer(tmp_path, corpus):
+    r = run("build", corpus, tmp_path / "out", "-t", "no-such-org/no-such-model")
+    assert r.exit_code == 1
+    assert "not a file, a folder, or a repo in the local HF cache" in r.output
+    assert "huggingface-cli download" in r.output
+    bad = tmp_path / "tok.json"
+    bad.write_text('{"not": "a tokenizer"}')
+    r = run("build", corpus, tmp_path / "out", "-t", bad)
+    assert r.exit_code == 1 and "not a tokenizers tokenizer.json" in r.output
+
+
+def test_hf_cache_repo_id(tmp_path, corpus, small_tok, monkeypatch):
+    snap = tmp_path / "hub" / "models--acme--tiny" / "snapshots" / "abc123"
+    snap.mkdir(parents=True)
+    (snap / "tokenizer.json").write_text(open(small_tok).read())
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    r = run("build", corpus, tmp_path / "out", "-t", "acme/tiny", "-L", "16", "-q")
+    assert r.exit_code == 0, r.output
+
+
+def test_non_empty_out(tmp_path, corpus, small_tok):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("x")
+    r = run("build", corpus, out, "-t", small_tok)
+    assert r.exit_code == 1 and "is not empty" in r.output
+
+
+def test_bad_option_is_usage_error(tmp_path, corpus, small_tok):
+    r = run("build", corpus, tmp_path / "out", "-t", small_tok, "--shard-size", "lots")
+    assert r.exit_code == 2 and "not a size like 1GiB" in r.output
+    r = run("build", corpus, tmp_path / "out", "-t", small_tok, "--min-tail-len", "4")
+    assert r.exit_code == 1 and "--min-tail-len applies only to --pack document" in r.output
+
+
+@pytest.mark.parametrize("cmd", ["build", "stats", "verify", "train-tokenizer"])
+def test_help_has_example(cmd):
+    r = run(cmd, "--help")
+    assert r.exit_code == 0 and "Example:" in r.output and f"helixtok {cmd}" in r.output
+
+
+def test_train_tokenizer(tmp_path, corpus):
+    out = tmp_path / "t.json"
+    r = run("train-tokenizer", corpus, out, "--vocab-size", "400")
+    assert r.exit_code == 0, r.output
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(out))
+    assert tok.token_to_id("<|endoftext|>") == 0
+    assert tok.decode(tok.encode("hello world").ids) == "hello world"
+
+
+def test_cli_does_not_import_torch():
+    code = "import sys, helixtok.cli, helixtok.build, helixtok.stats; print('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"
+
+
+def test_console_script_runs(tmp_path, corpus, small_tok):
+    """The installed entry point, in a real subprocess with real worker processes."""
+    out = tmp_path / "out"
+    p = subprocess.run(["helixtok", "build", str(corpus), str(out), "-t", small_tok, "-L", "16", "-j", "2"],
+                       capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    assert "train" in p.stdout and "Traceback" not in p.stderr
+    assert "docs" in p.stderr  # the progress bar goes to stderr, never stdout
+    assert "docs" not in p.stdout.replace("documents", "")

@@ -1,0 +1,150 @@
+"""MemmapChunkDataset: values equal the shard bytes, masks, DataLoader workers, pickling, refusals."""
+
+import json
+import os
+import pickle
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from helixtok import MemmapChunkDataset
+from helixtok.errors import DatasetError
+
+
+def all_chunks(out, split="train"):
+    m = json.load(open(os.path.join(out, "manifest.json")))
+    arrs = [np.fromfile(os.path.join(out, s["path"]), dtype="<u2") for s in m["splits"][split]["shards"]]
+    return np.concatenate(arrs).reshape(-1, m["seq_len"])
+
+
+def test_items_equal_shard_bytes(dev_packed):
+    ds = MemmapChunkDataset(dev_packed)
+    raw = all_chunks(dev_packed)
+    assert len(ds) == len(raw)
+    for i in [0, 1, len(ds) // 2, len(ds) - 1, -1]:
+        x = ds[i]
+        assert x["input_ids"].dtype == torch.long and x["input_ids"].shape == (512,)
+        assert x["input_ids"].tolist() == raw[i].tolist()
+        assert torch.equal(x["labels"], x["input_ids"])
+        assert int(x["attention_mask"].sum()) == 512
+    with pytest.raises(IndexError):
+        ds[len(ds)]
+
+
+def test_getitems_batches_across_shards(dev_packed):
+    ds = MemmapChunkDataset(dev_packed)
+    raw = all_chunks(dev_packed)
+    idx = [len(ds) - 1, 0, 4095, 4096, 7, 7]
+    got = ds.__getitems__(idx)
+    assert [g["input_ids"].tolist() for g in got] == raw[idx].tolist()
+
+
+def test_document_mode_masks_padding(dev_document):
+    ds = MemmapChunkDataset(dev_document)
+    m = json.load(open(os.path.join(dev_document, "manifest.json")))
+    valid = np.concatenate([np.fromfile(os.path.join(dev_document, s["valid"]["path"]), dtype="<u4")
+                            for s in m["splits"]["train"]["shards"]])
+    raw = all_chunks(dev_document)
+    padded = np.nonzero(valid < 512)[0]
+    assert len(padded) > 0
+    pad_total = 0
+    for i in list(padded[:50]) + [0]:
+        x = ds[int(i)]
+        v = int(valid[i])
+        assert x["input_ids"].tolist() == raw[i].tolist()
+        assert x["attention_mask"].tolist() == [1] * v + [0] * (512 - v)
+        assert x["labels"][:v].tolist() == raw[i][:v].tolist()
+        assert (x["labels"][v:] == -100).all()
+    for i in range(len(ds)):
+        pad_total += 512 - int(valid[i])
+    assert pad_total == m["totals"]["pad_tokens"]
+
+
+def test_shifted_pairs_borrow_next_chunk(dev_packed):
+    ds = MemmapChunkDataset(dev_packed, shifted=True)
+    raw = all_chunks(dev_packed)
+    for i in [0, 4095, len(ds) - 2]:  # 4095 is the last chunk of the first 4 MiB shard
+        x = ds[i]
+        assert x["input_ids"].tolist() == raw[i].tolist()
+        assert x["labels"].tolist() == raw[i][1:].tolist() + [int(raw[i + 1][0])]
+    assert ds[len(ds) - 1]["labels"][-1] == -100
+
+
+def test_position_ids_restart_at_documents(dev_packed, dev_ids):
+    ds = MemmapChunkDataset(dev_packed, position_ids=True)
+    first = len(dev_ids[0]) + 1  # document 0 with its EOS
+    x = ds[0]
+    if first < 512:
+        assert ds.document_starts(0)[:2].tolist() == [0, first]
+        assert x["position_ids"][first].item() == 0 and x["position_ids"][first - 1].item() == first - 1
+    total_starts = sum(len(ds.document_starts(i)) for i in range(len(ds)))
+    m = json.load(open(os.path.join(dev_packed, "manifest.json")))
+    assert total_starts == sum(s["docs"]["count"] for s in m["splits"]["train"]["shards"]) == 5710
+
+
+@pytest.mark.parametrize("ctx", ["fork", "spawn"])
+def test_dataloader_with_workers_covers_epoch_once(dev_packed, ctx):
+    ds = MemmapChunkDataset(dev_packed)
+    raw = all_chunks(dev_packed)
+    dl = DataLoader(ds, batch_size=64, shuffle=True, num_workers=2, multiprocessing_context=ctx,
+                    generator=torch.Generator().manual_seed(0))
+    seen = []
+    for b in dl:
+        seen.append(b["input_ids"].numpy())
+    got = np.concatenate(seen)
+    assert len(got) == len(ds) == len(raw)
+    # The same multiset of rows: sort both lexicographically and compare.
+    key = lambda a: a[np.lexsort(a.T[::-1])]
+    assert np.array_equal(key(got.astype(np.int64)), key(raw.astype(np.int64)))
+
+
+def test_pickles_cheaply(dev_packed):
+    ds = MemmapChunkDataset(dev_packed)
+    ds[0]  # open the memmaps
+    blob = pickle.dumps(ds)
+    assert len(blob) < 20_000
+    assert pickle.loads(blob)[3]["input_ids"].tolist() == ds[3]["input_ids"].tolist()
+
+
+def copy_dataset(src, dst):
+    import shutil
+
+    shutil.copytree(src, dst)
+    return str(dst)
+
+
+def test_refuses_truncated_shard(dev_packed, tmp_path):
+    out = copy_dataset(dev_packed, tmp_path / "d")
+    p = os.path.join(out, "train-00001.bin")
+    with open(p, "r+b") as fh:
+        fh.truncate(os.path.getsize(p) - 2)
+    with pytest.raises(DatasetError, match=r"train-00001.bin: \d+ bytes, the manifest says"):
+        MemmapChunkDataset(out)
+
+
+def test_refuses_unfinished_or_missing(tmp_path):
+    with pytest.raises(DatasetError, match="no such dataset folder"):
+        MemmapChunkDataset(str(tmp_path / "nope"))
+    os.makedirs(tmp_path / "d" / ".helixtok-partial")
+    with pytest.raises(DatasetError, match="unfinished"):
+        MemmapChunkDataset(str(tmp_path / "d"))
+
+
+def test_refuses_other_tokenizer_and_unknown_version(dev_packed, tmp_path, small_tok, tokenizer_path):
+    MemmapChunkDataset(dev_packed, tokenizer=tokenizer_path)  # the right one passes
+    with pytest.raises(DatasetError, match="built with tokenizer sha256"):
+        MemmapChunkDataset(dev_packed, tokenizer=small_tok)
+    out = copy_dataset(dev_packed, tmp_path / "d")
+    mp = os.path.join(out, "manifest.json")
+    m = json.load(open(mp))
+    m["format_version"] = 99
+    json.dump(m, open(mp, "w"))
+    with pytest.raises(DatasetError, match="format_version 99"):
+        MemmapChunkDataset(out)
+
+
+def test_no_val_split_message(dev_packed):
+    with pytest.raises(DatasetError, match="--val-fraction"):
+        MemmapChunkDataset(dev_packed, split="val")

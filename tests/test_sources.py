@@ -1,0 +1,194 @@
+"""Bad input: each case is either skipped and counted (with its location) or fails fast, clearly."""
+
+import gzip
+import json
+import os
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tokenizers import Tokenizer
+
+from helixtok.build import build
+from helixtok.config import BuildConfig
+from helixtok.errors import InputError
+from helixtok.sources import Tally, UnitReader, discover, plan_units
+
+
+def do_build(tmp_path, tok, *paths, **kw):
+    out = str(tmp_path / "out")
+    kw.setdefault("seq_len", 2)
+    kw.setdefault("workers", 1)
+    return build([str(p) for p in paths], out, tok, BuildConfig(**kw), overwrite=True), out
+
+
+def stream(out):
+    m = json.load(open(os.path.join(out, "manifest.json")))
+    return np.concatenate([np.fromfile(os.path.join(out, s["path"]), dtype="<u2")
+                           for s in m["splits"]["train"]["shards"]]).tolist()
+
+
+def jsonl(path, lines):
+    path.write_text("".join(lines))
+    return path
+
+
+def test_jsonl_bad_records_are_skipped_and_counted(tmp_path, small_tok):
+    p = jsonl(tmp_path / "a.jsonl", [
+        '{"text": "hello world"}\n',
+        '{"text": "broken\n',
+        '{"id": 3}\n',
+        '{"text": null}\n',
+        '{"text": 42}\n',
+        '["not", "an", "object"]\n',
+        '{"text": "   \\n\\t "}\n',
+        '{"text": "lone \\ud800 surrogate"}\n',
+        '{"text": "the lazy dog"}\n',
+    ])
+    m, out = do_build(tmp_path, small_tok, p)
+    sk = m["skipped"]
+    assert {k: v["count"] for k, v in sk.items()} == {
+        "malformed_json": 1, "missing_text": 1, "null_text": 1, "non_string_text": 1, "not_an_object": 1,
+        "empty": 1, "lone_surrogate_repaired": 1}
+    assert sk["malformed_json"]["examples"][0].startswith("a.jsonl:2 ")
+    assert sk["missing_text"]["examples"] == ["a.jsonl:3"]
+    assert sk["empty"]["examples"] == ["a.jsonl:7"]
+    assert m["totals"]["documents"] == 3
+    assert m["totals"]["skipped_documents"] == 6
+    assert m["totals"]["repaired_documents"] == 1
+    tok = Tokenizer.from_file(small_tok)
+    assert "lone \ufffd surrogate" in tok.decode(stream(out))
+
+
+def test_strict_turns_a_skip_into_failure(tmp_path, small_tok):
+    p = jsonl(tmp_path / "a.jsonl", ['{"text": "hello world"}\n', "{oops\n", '{"text": "fox"}\n'])
+    with pytest.raises(InputError, match=r"a.jsonl:2 .*malformed json \(--strict\)"):
+        do_build(tmp_path, small_tok, p, strict=True)
+    assert not os.path.exists(tmp_path / "out" / "manifest.json")
+
+
+def test_wrong_text_field_fails_fast(tmp_path, small_tok):
+    p = jsonl(tmp_path / "a.jsonl", ['{"content": "hello", "id": 1}\n'])
+    with pytest.raises(InputError, match=r"a.jsonl:1: record has no field 'text' \(fields: content, id\); pass --text-field"):
+        do_build(tmp_path, small_tok, p)
+    m, _ = do_build(tmp_path, small_tok, p, text_field="content")
+    assert m["totals"]["documents"] == 1
+
+
+def test_txt_invalid_utf8_bom_crlf_nul(tmp_path, small_tok):
+    d = tmp_path / "c"
+    d.mkdir()
+    (d / "a.txt").write_bytes(b"bad \xff byte")
+    (d / "b.txt").write_bytes(b"\xef\xbb\xbfline one\r\nline two\x00end")
+    (d / "c.txt").write_bytes(b"")
+    (d / "d.txt").write_bytes(b"  \n\n ")
+    m, out = do_build(tmp_path, small_tok, d, seq_len=1)
+    assert m["skipped"]["invalid_utf8_repaired"] == {"count": 1, "examples": ["a.txt (byte 4)"]}
+    assert m["skipped"]["empty"]["examples"] == ["c.txt", "d.txt"]
+    tok = Tokenizer.from_file(small_tok)
+    text = tok.decode(stream(out), skip_special_tokens=False)
+    # U+FFFD for the bad byte; BOM removed; CRLF and NUL kept as stored.
+    assert text == "bad \ufffd byte<|endoftext|>line one\r\nline two\x00end<|endoftext|>"
+
+
+def test_truncated_gzip_fails_with_file_and_line(tmp_path, small_tok):
+    p = tmp_path / "a.jsonl.gz"
+    with gzip.open(p, "wt") as fh:
+        for i in range(5000):
+            fh.write(json.dumps({"text": f"line {i} hello world"}) + "\n")
+    data = p.read_bytes()
+    p.write_bytes(data[: len(data) // 2])
+    with pytest.raises(InputError, match=r"a.jsonl.gz: truncated or corrupt after line \d+"):
+        do_build(tmp_path, small_tok, p)
+    assert not os.path.exists(tmp_path / "out" / "manifest.json")
+
+
+def test_zstd_read_and_truncated(tmp_path, small_tok):
+    import zstandard
+
+    p = tmp_path / "a.jsonl.zst"
+    raw = "".join(json.dumps({"text": f"hello {i} world"}) + "\n" for i in range(3000)).encode()
+    p.write_bytes(zstandard.ZstdCompressor().compress(raw))
+    m, _ = do_build(tmp_path, small_tok, p)
+    assert m["totals"]["documents"] == 3000
+    p.write_bytes(p.read_bytes()[:-20])
+    with pytest.raises(InputError, match="a.jsonl.zst"):
+        do_build(tmp_path, small_tok, p)
+
+
+def test_parquet_nulls_counted_missing_column_fails(tmp_path, small_tok):
+    p = tmp_path / "a.parquet"
+    pq.write_table(pa.table({"text": ["hello world", None, "fox"]}), p, row_group_size=2)
+    m, _ = do_build(tmp_path, small_tok, p)
+    assert m["skipped"]["null_text"] == {"count": 1, "examples": ["a.parquet row 1"]}
+    assert m["totals"]["documents"] == 2
+    q = tmp_path / "b.parquet"
+    pq.write_table(pa.table({"body": ["x"]}), q)
+    with pytest.raises(InputError, match=r"b.parquet: no column 'text' \(columns: body\)"):
+        do_build(tmp_path, small_tok, q)
+    r = tmp_path / "c.parquet"
+    r.write_bytes(b"PAR1 not really")
+    with pytest.raises(InputError, match="not a readable parquet file"):
+        do_build(tmp_path, small_tok, r)
+
+
+def test_directory_walk_symlink_loop_unsupported_and_duplicates(tmp_path, small_tok):
+    d = tmp_path / "c"
+    (d / "sub").mkdir(parents=True)
+    (d / "sub" / "a.txt").write_text("hello world")
+    (d / "notes.csv").write_text("x")
+    os.symlink(d, d / "sub" / "loop")
+    os.symlink(d / "sub" / "a.txt", d / "alias.txt")
+    files, warn = discover([str(d)])
+    assert [f.name for f in files] == ["alias.txt"]  # sorted by path; the same file is read once
+    assert warn.counts == {"unsupported_file": 1, "symlink_loop": 1, "duplicate_file": 1}
+    m, _ = do_build(tmp_path, small_tok, d)
+    assert m["warnings"]["symlink_loop"]["count"] == 1
+    with pytest.raises(InputError, match=r"duplicate file \(--strict\)"):
+        do_build(tmp_path, small_tok, d, strict=True)
+
+
+def test_unreadable_file(tmp_path, small_tok):
+    p = tmp_path / "a.txt"
+    p.write_text("x")
+    p.chmod(0)
+    if os.access(p, os.R_OK):
+        pytest.skip("running as root: permissions are not enforced")
+    with pytest.raises(InputError, match="a.txt: permission denied"):
+        discover([str(p)])
+
+
+def test_fifty_megabyte_single_line_document(tmp_path, tokenizer_path, dev_docs):
+    """Encoded in exact pieces, so it neither blows up memory nor changes ids."""
+    text = " ".join(d.replace("\n", " ") for d in dev_docs[:2000])[:50_000_000]
+    text = (text * (50_000_000 // len(text) + 1))[:50_000_000]
+    p = tmp_path / "big.jsonl"
+    p.write_text(json.dumps({"text": text}) + "\n")
+    m, out = do_build(tmp_path, tokenizer_path, p, seq_len=1024, workers=1)
+    assert m["totals"]["documents"] == 1
+    tok = Tokenizer.from_file(tokenizer_path)
+    head = text[:300_000]
+    cut = head.rfind(" ", 0, 200_000)  # compare a prefix: whole-encode of 50 MB would take GBs
+    want = tok.encode(text[:cut], add_special_tokens=False).ids
+    assert stream(out)[: len(want) - 1] == want[:-1]
+
+
+@settings(max_examples=60, deadline=None)
+@given(lines=st.lists(st.text(alphabet="ab \u00e9", min_size=0, max_size=30), min_size=1, max_size=60),
+       unit=st.integers(1, 200))
+def test_jsonl_units_cover_every_line_once(tmp_path_factory, lines, unit):
+    p = tmp_path_factory.mktemp("u") / "x.jsonl"
+    p.write_text("".join(json.dumps({"text": t}) + "\n" for t in lines))
+    files, _ = discover([str(p)])
+    units, _ = plan_units(files, unit_bytes=unit, text_field="text")
+    got, where = [], []
+    for u in units:
+        r = UnitReader(u, "text", Tally())
+        for t in r:
+            got.append(t)
+            where.append(r.where())
+    assert got == lines
+    assert where == [f"x.jsonl:{i}" for i in range(1, len(lines) + 1)]
