@@ -60,7 +60,7 @@ def _init_worker(info: TokenizerInfo, config: BuildConfig, state_dir: str, count
     # (and --workers 1 means one core).
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     _W.update(encoder=Encoder(info, max_piece_chars=config.max_piece_chars), config=config,
-              state=state_dir, counters=counters)
+              state=state_dir, counters=counters, parent=os.getppid() if not inline else None)
 
 
 def _bump(counters, b: int, d: int, t: int) -> None:
@@ -100,6 +100,8 @@ def run_unit(unit: Unit) -> dict:
 
     def flush() -> None:
         nonlocal chars, last_consumed
+        if _W["parent"] is not None and os.getppid() != _W["parent"]:
+            os._exit(1)  # the build was killed: an orphan must not race the resumed build's files
         ntok = ndoc = 0
         for s in splits:
             if not batch[s]:

@@ -1,0 +1,155 @@
+"""Crashes and faults: kill -9 and resume, Ctrl-C, a dead worker, a full disk. Nothing half-written."""
+
+import errno
+import filecmp
+import glob
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from click.testing import CliRunner
+
+import helixtok.build as hb
+from helixtok.build import STATE, build
+from helixtok.cli import main
+from helixtok.config import BuildConfig
+from helixtok.errors import ConfigError
+
+
+def same_folder(a, b):
+    names = sorted(os.listdir(a))
+    assert names == sorted(os.listdir(b))
+    for n in names:
+        assert filecmp.cmp(os.path.join(a, n), os.path.join(b, n), shallow=False), n
+
+
+def start_cli(corpus, out, tok, *extra):
+    return subprocess.Popen([sys.executable, "-m", "helixtok.cli", "build", str(corpus), str(out), "-t", tok,
+                             "-L", "512", "-j", "2", "-q", "--shard-size", "4MiB", *extra],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for(pattern, proc, timeout=120):
+    t = time.time()
+    while not glob.glob(pattern):
+        assert proc.poll() is None, proc.communicate()
+        assert time.time() - t < timeout
+        time.sleep(0.05)
+
+
+def test_kill_9_then_resume_is_byte_identical(tmp_path, dev_corpus, tokenizer_path, dev_packed):
+    out = tmp_path / "out"
+    p = start_cli(dev_corpus, out, tokenizer_path)
+    wait_for(str(out / STATE / "u*.done.json"), p)
+    p.kill()
+    p.wait()
+    done = sorted(glob.glob(str(out / STATE / "u*.done.json")))
+    assert done and not (out / "manifest.json").exists()
+    mtimes = {d: os.stat(d).st_mtime_ns for d in done}
+    from helixtok import MemmapChunkDataset
+    from helixtok.errors import DatasetError
+
+    with pytest.raises(DatasetError, match="unfinished"):
+        MemmapChunkDataset(str(out))
+    time.sleep(0.3)  # orphaned workers notice their parent is gone and exit
+    p = start_cli(dev_corpus, out, tokenizer_path)
+    assert p.wait() == 0, p.communicate()
+    # Finished units were not redone: their journal entries were not rewritten... and are gone now.
+    assert all(not os.path.exists(d) for d in mtimes)
+    same_folder(out, dev_packed)
+
+
+def test_interrupted_assembly_resumes_identically(tmp_path, dev_corpus, tokenizer_path, dev_packed, monkeypatch):
+    from helixtok import shards
+
+    calls = {"n": 0}
+    real = shards.ShardWriter._close
+
+    def dying_close(self):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise KeyboardInterrupt
+        real(self)
+
+    monkeypatch.setattr(shards.ShardWriter, "_close", dying_close)
+    out = str(tmp_path / "out")
+    cfg = BuildConfig(seq_len=512, workers=2, shard_bytes=4 << 20)
+    with pytest.raises(KeyboardInterrupt):
+        build([str(dev_corpus)], out, tokenizer_path, cfg)
+    assert os.path.exists(os.path.join(out, "train-00000.bin")) and not os.path.exists(os.path.join(out, "manifest.json"))
+    monkeypatch.setattr(shards.ShardWriter, "_close", real)
+    seen = []
+    build([str(dev_corpus)], out, tokenizer_path, cfg, on_progress=lambda p: seen.append(p.units_done))
+    assert min(seen) == max(seen)  # every unit was already journaled: none re-tokenized
+    same_folder(out, dev_packed)
+
+
+def test_changed_option_or_input_refuses_resume(tmp_path, small_tok, monkeypatch):
+    c = tmp_path / "c"
+    c.mkdir()
+    (c / "a.txt").write_text("hello world " * 100)
+    out = str(tmp_path / "out")
+    cfg = BuildConfig(seq_len=4, workers=1)
+    # Leave an unfinished build: interrupt right after the plan is journaled.
+    monkeypatch.setattr(hb, "_run_units", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt()))
+    with pytest.raises(KeyboardInterrupt):
+        build([str(c)], out, small_tok, cfg)
+    monkeypatch.undo()
+    with pytest.raises(ConfigError, match=r"unfinished build .*seq_len: 4 -> 8"):
+        build([str(c)], out, small_tok, BuildConfig(seq_len=8, workers=1))
+    (c / "a.txt").write_text("hello world " * 101)
+    with pytest.raises(ConfigError, match=r"input modified: a.txt"):
+        build([str(c)], out, small_tok, cfg)
+    (c / "b.txt").write_text("new")
+    with pytest.raises(ConfigError, match=r"new input b.txt"):
+        build([str(c)], out, small_tok, cfg)
+    build([str(c)], out, small_tok, cfg, overwrite=True)
+
+
+def test_ctrl_c_exits_130_and_resumes(tmp_path, dev_corpus, tokenizer_path, dev_packed):
+    out = tmp_path / "out"
+    p = start_cli(dev_corpus, out, tokenizer_path)
+    wait_for(str(out / STATE / "u*.train.tok.part"), p)
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 130, err
+    assert "interrupted; rerun the same command to resume" in err and "Traceback" not in err
+    assert not (out / "manifest.json").exists()
+    p = start_cli(dev_corpus, out, tokenizer_path)
+    assert p.wait() == 0
+    same_folder(out, dev_packed)
+
+
+def test_dead_worker_fails_promptly_with_location(tmp_path, dev_corpus, tokenizer_path):
+    out = tmp_path / "out"
+    p = start_cli(dev_corpus, out, tokenizer_path)
+    wait_for(str(out / STATE / "u*.part"), p)
+    kids = subprocess.run(["pgrep", "-P", str(p.pid)], capture_output=True, text=True).stdout.split()
+    workers = [k for k in kids if "spawn_main" in open(f"/proc/{k}/cmdline").read()]
+    assert workers
+    os.kill(int(workers[0]), signal.SIGKILL)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 1
+    assert "a worker process died while tokenizing" in err and str(dev_corpus) in err
+    assert "Traceback" not in err
+    assert not (out / "manifest.json").exists()
+
+
+def test_disk_full_is_a_clear_error_and_publishes_nothing(tmp_path, small_tok, monkeypatch):
+    from helixtok import shards
+
+    def full(self, arr):
+        raise OSError(errno.ENOSPC, "No space left on device", self.tmp)
+
+    monkeypatch.setattr(shards._HashedFile, "write", full)
+    c = tmp_path / "c"
+    c.mkdir()
+    (c / "a.txt").write_text("hello world " * 100)
+    r = CliRunner().invoke(main, ["build", str(c), str(tmp_path / "out"), "-t", small_tok, "-L", "4", "-j", "1", "-q"])
+    assert r.exit_code == 1
+    assert "disk full while writing" in r.output and "rerun the same command to resume" in r.output
+    assert not (tmp_path / "out" / "manifest.json").exists()
+    assert not glob.glob(str(tmp_path / "out" / "*.bin"))
