@@ -2,7 +2,7 @@
 
 __version__ = "0.1.0"
 
-__all__ = ["MemmapChunkDataset", "__version__"]
+__all__ = ["ChunkSampler", "MemmapChunkDataset", "MixtureDataset", "__version__"]
 
 
 def __getattr__(name):
@@ -11,4 +11,12 @@ def __getattr__(name):
         from .dataset import MemmapChunkDataset
 
         return MemmapChunkDataset
+    if name == "MixtureDataset":
+        from .mixture import MixtureDataset
+
+        return MixtureDataset
+    if name == "ChunkSampler":
+        from .sampler import ChunkSampler
+
+        return ChunkSampler
     raise AttributeError(name)

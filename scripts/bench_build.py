@@ -1,0 +1,253 @@
+"""Build throughput side by side: raw tokenizer limit, helixtok at N workers, nanoGPT- and llm.c-style pipelines.
+
+Usage: python scripts/bench_build.py [--corpus ../shared/corpus/dev] [--tokenizer tok.json] [--workers 1 2]
+                                     [--memory]  (also: 10x corpus RSS growth and a 50 MB document)
+All rows use the same documents and tokenizer; ratios are against N x the single-process raw
+encode_batch_fast throughput measured in the same run.  Peak RSS sums every process of the tree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def tree_rss(pid: int) -> int:
+    """Sum of RSS (bytes) of pid and all its descendants, from /proc."""
+    total, stack = 0, [pid]
+    while stack:
+        p = stack.pop()
+        try:
+            with open(f"/proc/{p}/status") as fh:
+                for line in fh:
+                    if line.startswith("VmRSS:"):
+                        total += int(line.split()[1]) * 1024
+            with open(f"/proc/{p}/task/{p}/children") as fh:
+                stack.extend(int(c) for c in fh.read().split())
+        except (FileNotFoundError, ProcessLookupError):
+            pass
+    return total
+
+
+def run_measured(cmd: list[str]) -> tuple[float, int, str]:
+    """Run a command; return (seconds, peak tree RSS, stdout)."""
+    t0 = time.perf_counter()
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    peak = [0]
+
+    def poll():
+        while p.poll() is None:
+            peak[0] = max(peak[0], tree_rss(p.pid))
+            time.sleep(0.02)
+
+    th = threading.Thread(target=poll)
+    th.start()
+    out, err = p.communicate()
+    th.join()
+    dt = time.perf_counter() - t0
+    if p.returncode:
+        raise SystemExit(f"{' '.join(cmd)} failed:\n{err[-2000:]}")
+    return dt, peak[0], out
+
+
+def load_docs(corpus: str) -> list[str]:
+    from helixtok.sources import Tally, UnitReader, discover, plan_units
+
+    files, _ = discover([corpus])
+    units, _ = plan_units(files, unit_bytes=4 << 20, text_field="text")
+    return [t for u in units for t in UnitReader(u, "text", Tally()) if t and not t.isspace()]
+
+
+def raw_rows(docs, tok_path):
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(tok_path)
+    nbytes = sum(len(d.encode()) for d in docs)
+    rows = {}
+    for name, fn in (("encode_batch_fast", tok.encode_batch_fast), ("encode_batch", tok.encode_batch)):
+        t = time.perf_counter()
+        n = 0
+        i = 0
+        while i < len(docs):  # batches of ~1 MB of text, like a worker
+            j, size = i, 0
+            while j < len(docs) and size < (1 << 20):
+                size += len(docs[j])
+                j += 1
+            n += sum(len(e.ids) for e in fn(docs[i:j], add_special_tokens=False))
+            i = j
+        rows[name] = (time.perf_counter() - t, n)
+    t = time.perf_counter()
+    n = sum(len(tok.encode(d, add_special_tokens=False).ids) for d in docs)
+    rows["encode (per document)"] = (time.perf_counter() - t, n)
+    return nbytes, rows
+
+
+NANOGPT = r'''
+import sys, numpy as np, os
+os.environ["TOKENIZERS_PARALLELISM"] = "false"
+from datasets import load_dataset
+from tokenizers import Tokenizer
+src, tok_path, out, nproc = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+tok = Tokenizer.from_file(tok_path)
+eot = tok.token_to_id("<|endoftext|>")
+def process(example):
+    ids = tok.encode(example["text"], add_special_tokens=False).ids
+    ids.append(eot)
+    return {"ids": ids, "len": len(ids)}
+ds = load_dataset("json", data_files=src, split="train", cache_dir=out + "/cache")
+tokd = ds.map(process, remove_columns=["text"], num_proc=nproc)
+total = int(np.sum(tokd["len"], dtype=np.uint64))
+arr = np.memmap(out + "/train.bin", dtype=np.uint16, mode="w+", shape=(total,))
+idx = 0
+for b in range(64):
+    batch = tokd.shard(num_shards=64, index=b, contiguous=True).with_format("numpy")
+    a = np.concatenate(batch["ids"]) if len(batch) else np.empty(0, np.uint16)
+    arr[idx: idx + len(a)] = a
+    idx += len(a)
+arr.flush()
+print(total)
+'''
+
+LLMC = r'''
+import sys, json, numpy as np, multiprocessing as mp, os
+os.environ["TOKENIZERS_PARALLELISM"] = "false"
+from tokenizers import Tokenizer
+src, tok_path, out, nproc = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+tok = None
+def init():
+    global tok
+    tok = Tokenizer.from_file(tok_path)
+def tokenize(doc):
+    eot = tok.token_to_id("<|endoftext|>")
+    ids = [eot]
+    ids.extend(tok.encode(doc["text"], add_special_tokens=False).ids)
+    return np.array(ids, dtype=np.uint16)
+def docs():
+    with open(src) as fh:
+        for line in fh:
+            yield json.loads(line)
+if __name__ == "__main__":
+    shard_size = 10**8
+    buf = np.empty(shard_size, dtype=np.uint16)
+    count, shard, total = 0, 0, 0
+    with mp.Pool(nproc, initializer=init) as pool:
+        for t in pool.imap(tokenize, docs(), chunksize=16):
+            if count + len(t) < shard_size:
+                buf[count: count + len(t)] = t
+                count += len(t)
+            else:
+                rem = shard_size - count
+                buf[count:] = t[:rem]
+                buf.tofile(f"{out}/shard_{shard:06d}.bin")
+                shard += 1
+                buf[: len(t) - rem] = t[rem:]
+                count = len(t) - rem
+            total += len(t)
+    buf[:count].tofile(f"{out}/shard_{shard:06d}.bin")
+    print(total)
+'''
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--corpus", default=os.path.join(os.path.dirname(__file__), "..", "..", "shared", "corpus", "dev"))
+    ap.add_argument("--tokenizer", default=None, help="tokenizer.json [default: train a 16k BPE on the corpus txt]")
+    ap.add_argument("--workers", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--seq-len", type=int, default=1024)
+    ap.add_argument("--memory", action="store_true", help="also the 10x-corpus and 50 MB-document memory rows")
+    ap.add_argument("--skip-baselines", action="store_true")
+    args = ap.parse_args()
+    tmp = tempfile.mkdtemp(prefix="helixtok-bench-")
+    try:
+        tok = args.tokenizer
+        if tok is None:
+            from helixtok.tokenizer import train_tokenizer
+
+            tok = os.path.join(tmp, "tok.json")
+            train_tokenizer((open(os.path.join(args.corpus, "txt", f)).read()
+                             for f in sorted(os.listdir(os.path.join(args.corpus, "txt")))), tok, vocab_size=16384)
+        docs = load_docs(args.corpus)
+        jsonl = os.path.join(tmp, "corpus.jsonl")  # the same documents, one file, for the baselines
+        with open(jsonl, "w") as fh:
+            for d in docs:
+                fh.write(json.dumps({"text": d}) + "\n")
+        nbytes, raw = raw_rows(docs, tok)
+        dt_raw, ntok = raw["encode_batch_fast"]
+        limit1 = nbytes / dt_raw
+        rows = []
+
+        def row(name, dt, n, rss=None, limit=None):
+            rows.append((name, nbytes / dt / 1e6, n / dt / 1e6, rss, (nbytes / dt) / limit if limit else None))
+
+        for name, (dt, n) in raw.items():
+            row(f"raw {name}, 1 process", dt, n, limit=limit1)
+        helix = {}
+        for src_name, src in (("dev corpus (txt+jsonl.gz+parquet)", args.corpus), ("same docs as one .jsonl", jsonl)):
+            for w in args.workers:
+                out = os.path.join(tmp, f"out-{w}")
+                dt, rss, _ = run_measured([sys.executable, "-m", "helixtok.cli", "build", src, out, "-t", tok,
+                                           "-L", str(args.seq_len), "-j", str(w), "-q", "--overwrite"])
+                m = json.load(open(os.path.join(out, "manifest.json")))
+                row(f"helixtok build -j {w}, {src_name}", dt, m["totals"]["tokens"], rss, w * limit1)
+                helix[(src_name, w)] = dt
+                shutil.rmtree(out)
+        if not args.skip_baselines:
+            for name, code in (("nanoGPT-style datasets.map", NANOGPT), ("llm.c-style Pool.imap", LLMC)):
+                script = os.path.join(tmp, "baseline.py")
+                open(script, "w").write(code)
+                for w in args.workers:
+                    out = os.path.join(tmp, f"base-{w}")
+                    os.makedirs(out)
+                    try:
+                        dt, rss, stdout = run_measured([sys.executable, script, jsonl, tok, out, str(w)])
+                        row(f"{name}, {w} proc (one .jsonl)", dt, int(stdout.split()[-1]), rss, w * limit1)
+                        h = helix[("same docs as one .jsonl", w)]
+                        rows.append((f"  helixtok -j {w} speed-up over it", None, None, None, dt / h))
+                    except SystemExit as e:
+                        rows.append((f"{name}, {w} proc: not run ({str(e).splitlines()[-1][:60]})", None, None, None, None))
+                    shutil.rmtree(out)
+        if args.memory:
+            big = os.path.join(tmp, "x10")
+            for k in range(10):
+                shutil.copytree(args.corpus, os.path.join(big, f"copy{k}"))
+            w = max(args.workers)
+            for name, src in (("1x corpus", args.corpus), ("10x corpus", big)):
+                out = os.path.join(tmp, "mem-out")
+                dt, rss, _ = run_measured([sys.executable, "-m", "helixtok.cli", "build", src, out, "-t", tok,
+                                           "-L", str(args.seq_len), "-j", str(w), "-q", "--overwrite"])
+                rows.append((f"memory: helixtok -j {w}, {name}", None, None, rss, None))
+                shutil.rmtree(out)
+            shutil.rmtree(big)
+            one = os.path.join(tmp, "one")
+            os.makedirs(one)
+            text = " ".join(d.replace("\n", " ") for d in docs)[:50_000_000]
+            with open(os.path.join(one, "big.jsonl"), "w") as fh:
+                fh.write(json.dumps({"text": (text * (50_000_000 // len(text) + 1))[:50_000_000]}) + "\n")
+            out = os.path.join(tmp, "one-out")
+            dt, rss, _ = run_measured([sys.executable, "-m", "helixtok.cli", "build", one, out, "-t", tok,
+                                       "-L", str(args.seq_len), "-j", "1", "-q"])
+            rows.append((f"memory: one 50 MB document ({dt:.1f} s)", 50.0 / dt, None, rss, None))
+        print(f"corpus: {args.corpus} ({len(docs)} docs, {nbytes / 1e6:.1f} MB text, {ntok / 1e6:.2f} M tokens), "
+              f"cores: {len(os.sched_getaffinity(0))}, tokenizer: {os.path.basename(tok)}")
+        print(f"{'row':62} {'MB/s':>7} {'Mtok/s':>7} {'peak RSS':>9} {'ratio':>6}")
+        for name, mbs, mts, rss, ratio in rows:
+            f = lambda v, fmt: (fmt.format(v) if v is not None else "")
+            print(f"{name:62} {f(mbs, '{:7.2f}'):>7} {f(mts, '{:7.3f}'):>7} "
+                  f"{f(rss and rss / 2**20, '{:6.0f} MiB'):>9} {f(ratio, '{:6.2f}'):>6}")
+        print("ratio: throughput / (N x raw encode_batch_fast, 1 process); speed-up rows: baseline time / helixtok time")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

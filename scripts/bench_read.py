@@ -1,0 +1,182 @@
+"""Read throughput side by side: the memmap limit, MemmapChunkDataset through DataLoader, an on-the-fly
+tokenizing dataset; and start-up on a synthetic 1.5 B-token dataset.
+
+Usage: python scripts/bench_read.py [--dataset OUT] [--seq-len 512] [--batch-size 16] [--startup-tokens 1.5e9]
+Without --dataset it builds one from ../shared/corpus/dev.  The ratio column is against the raw
+limit (numpy fancy-indexing of the same rows from the memmap into an int64 tensor).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, IterableDataset
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from helixtok import MemmapChunkDataset  # noqa: E402
+
+DEV = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "corpus", "dev")
+
+
+def raw_limit(ds: MemmapChunkDataset, B: int, seconds: float) -> float:
+    mms = [np.memmap(p, dtype=ds.dtype, mode="r").reshape(-1, ds.seq_len) for p, _, _ in ds._shards]
+    starts = ds._starts
+    rng = np.random.default_rng(0)
+    n = t = 0
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        for idx in np.array_split(rng.permutation(len(ds)), max(1, len(ds) // B)):
+            sh = np.searchsorted(starts, idx, side="right") - 1
+            out = np.empty((len(idx), ds.seq_len), dtype=np.int64)
+            for s in np.unique(sh):
+                sel = sh == s
+                out[sel] = mms[s][idx[sel] - starts[s]]
+            torch.from_numpy(out)
+            n += out.size
+            if time.perf_counter() - t0 > seconds:
+                break
+    return n / (time.perf_counter() - t0)
+
+
+def loader_rate(ds, B: int, workers: int, seconds: float) -> float:
+    dl = DataLoader(ds, batch_size=B, shuffle=True, num_workers=workers, persistent_workers=workers > 0)
+    n = 0
+    it = iter(dl)
+    next(it)  # worker start-up is not throughput
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        try:
+            b = next(it)
+        except StopIteration:
+            it = iter(dl)
+            continue
+        n += b["input_ids"].numel()
+    return n / (time.perf_counter() - t0)
+
+
+class OnTheFly(IterableDataset):
+    """The pattern that starved the GPU: tokenize documents while training, pack into seq_len."""
+
+    def __init__(self, docs, tok_path, L):
+        self.docs, self.tok_path, self.L = docs, tok_path, L
+
+    def __iter__(self):
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_file(self.tok_path)
+        eos = tok.token_to_id("<|endoftext|>")
+        buf = []
+        for d in self.docs:
+            buf.extend(tok.encode(d).ids + [eos])
+            while len(buf) >= self.L:
+                x = torch.tensor(buf[: self.L])
+                buf = buf[self.L:]
+                yield {"input_ids": x, "labels": x.clone(), "attention_mask": torch.ones_like(x)}
+
+
+def synthetic(path: str, tokens: float, L: int) -> None:
+    n = int(tokens) // L
+    per = (1 << 30) // (L * 2)
+    shards, i = [], 0
+    os.makedirs(path)
+    while i < n:
+        k = min(per, n - i)
+        p = os.path.join(path, f"train-{len(shards):05d}.bin")
+        mm = np.memmap(p, dtype="<u2", mode="w+", shape=(k * L,))
+        mm[:] = np.arange(k * L, dtype=np.uint64) % 50000
+        mm.flush()
+        del mm
+        shards.append({"path": os.path.basename(p), "bytes": k * L * 2, "sha256": "synthetic", "num_chunks": k,
+                       "docs": {"path": f"train-{len(shards):05d}.docs", "sha256": "synthetic", "count": 0}})
+        open(os.path.join(path, shards[-1]["docs"]["path"]), "wb").close()
+        i += k
+    m = {"format_version": 1, "dtype": "uint16", "seq_len": L, "packing": "packed",
+         "tokenizer": {"sha256": "synthetic", "vocab_size": 50000, "eos_id": 0, "pad_id": 0},
+         "splits": {"train": {"num_chunks": n, "num_tokens": n * L, "pad_tokens": 0, "dropped_tokens": 0,
+                              "tokens": n * L, "documents": 0, "dropped_documents": 0, "shards": shards}},
+         "totals": {}}
+    json.dump(m, open(os.path.join(path, "manifest.json"), "w"))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dataset")
+    ap.add_argument("--seq-len", type=int, default=512)
+    ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--seconds", type=float, default=3.0)
+    ap.add_argument("--startup-tokens", type=float, default=1.5e9)
+    args = ap.parse_args()
+    tmp = tempfile.mkdtemp(prefix="helixtok-read-")
+    try:
+        L, B = args.seq_len, args.batch_size
+        out = args.dataset
+        tok = None
+        if out is None:
+            from helixtok.tokenizer import train_tokenizer
+
+            tok = os.path.join(tmp, "tok.json")
+            txt = os.path.join(DEV, "txt")
+            train_tokenizer((open(os.path.join(txt, f)).read() for f in sorted(os.listdir(txt))), tok, vocab_size=16384)
+            out = os.path.join(tmp, "out")
+            subprocess.run([sys.executable, "-m", "helixtok.cli", "build", DEV, out, "-t", tok, "-L", str(L), "-q"],
+                           check=True)
+        ds = MemmapChunkDataset(out)
+        rows = []
+        limit = raw_limit(ds, B, args.seconds)
+        rows.append(("raw limit: numpy fancy index from memmap -> int64 tensor", limit))
+        for w in (0, 2):
+            rows.append((f"MemmapChunkDataset, DataLoader(batch {B}, shuffle, workers {w})",
+                         loader_rate(ds, B, w, args.seconds)))
+        if tok:
+            from helixtok.sources import Tally, UnitReader, discover, plan_units
+
+            files, _ = discover([DEV])
+            units, _ = plan_units(files, unit_bytes=4 << 20, text_field="text")
+            docs = [t for u in units for t in UnitReader(u, "text", Tally())]
+            dl = DataLoader(OnTheFly(docs, tok, L), batch_size=B)
+            n, t0 = 0, time.perf_counter()
+            for b in dl:
+                n += b["input_ids"].numel()
+                if time.perf_counter() - t0 > args.seconds:
+                    break
+            rows.append(("baseline: on-the-fly tokenizing IterableDataset, workers 0", n / (time.perf_counter() - t0)))
+        print(f"dataset: {out} ({len(ds)} chunks x {L}), cores: {len(os.sched_getaffinity(0))}")
+        print(f"{'row':66} {'Mtok/s':>9} {'ratio':>6}")
+        for name, r in rows:
+            print(f"{name:66} {r / 1e6:9.2f} {r / limit:6.2f}")
+        print("(a training run of the HelixLM kind consumes ~0.029 Mtok/s)")
+
+        syn = os.path.join(tmp, "syn")
+        t = time.perf_counter()
+        synthetic(syn, args.startup_tokens, L)
+        made = time.perf_counter() - t
+        subprocess.run(["sync"])
+        t0 = time.perf_counter()
+        ds = MemmapChunkDataset(syn)
+        n = len(ds)
+        batch = next(iter(DataLoader(ds, batch_size=B, shuffle=True)))
+        startup = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        subprocess.run([sys.executable, "-m", "helixtok.cli", "stats", syn, "-b", str(B), "--json"], check=True,
+                       capture_output=True)
+        st = time.perf_counter() - t0
+        gb = sum(os.path.getsize(os.path.join(syn, f)) for f in os.listdir(syn)) / 1e9
+        print(f"start-up, synthetic {n * L / 1e9:.2f} B tokens ({gb:.1f} GB, made in {made:.0f} s): "
+              f"construct + len + first batch {startup * 1e3:.0f} ms; `helixtok stats` process {st * 1e3:.0f} ms"
+              f" (batch {tuple(batch['input_ids'].shape)})")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

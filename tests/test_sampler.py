@@ -1,0 +1,121 @@
+"""ChunkSampler and MixtureDataset: bijection, exact lengths, disjoint ranks, exact mid-epoch resume."""
+
+import multiprocessing as mp
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.utils.data import DataLoader
+
+from helixtok import ChunkSampler, MemmapChunkDataset, MixtureDataset
+from helixtok.errors import ConfigError
+from helixtok.sampler import Permutation
+from helixtok.stats import batches_per_epoch, samples_per_rank
+
+
+@settings(max_examples=200, deadline=None)
+@given(n=st.integers(1, 5000), seed=st.integers(0, 2**40), epoch=st.integers(0, 1000))
+def test_permutation_is_a_bijection(n, seed, epoch):
+    p = Permutation(n, seed=seed, epoch=epoch)(np.arange(n))
+    assert np.array_equal(np.sort(p), np.arange(n))
+
+
+def test_permutation_depends_on_seed_and_epoch_only():
+    a = Permutation(1000, seed=1, epoch=0)(np.arange(1000))
+    assert np.array_equal(a, Permutation(1000, seed=1, epoch=0)(np.arange(1000)))
+    assert not np.array_equal(a, Permutation(1000, seed=1, epoch=1)(np.arange(1000)))
+    assert not np.array_equal(a, Permutation(1000, seed=2, epoch=0)(np.arange(1000)))
+    assert not np.array_equal(a, np.arange(1000))
+
+
+@pytest.mark.parametrize("n", [1, 5, 97, 1000])
+@pytest.mark.parametrize("W", [1, 2, 3, 8])
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_ranks_disjoint_cover_and_len_equals_stats(n, W, drop_last):
+    ranks = [list(ChunkSampler(range(n), seed=5, rank=r, world_size=W, drop_last=drop_last)) for r in range(W)]
+    per = samples_per_rank(n, W, drop_last)
+    assert all(len(r) == per for r in ranks)
+    flat = [i for r in ranks for i in r]
+    if drop_last:
+        assert len(set(flat)) == len(flat) == per * W  # disjoint, nothing repeated
+    else:
+        assert set(flat) == set(range(n))  # every chunk once, plus the wrap-around padding
+        assert len(flat) - n == per * W - n
+    for B in (1, 4, 16):
+        s = ChunkSampler(range(n), rank=0, world_size=W, drop_last=drop_last)
+        assert len(DataLoader(range(n), batch_size=B, sampler=s, drop_last=drop_last)) == \
+            batches_per_epoch(n, B, W, drop_last)
+
+
+def _rank_indices(args):
+    n, r, W, epoch = args
+    s = ChunkSampler(range(n), seed=11, rank=r, world_size=W, drop_last=True)
+    s.set_epoch(epoch)
+    return list(s)
+
+
+def test_multi_process_ranks_agree_without_communication():
+    """Ranks in separate processes compute their slices from (seed, epoch) alone: disjoint, covering."""
+    n, W = 10_007, 4
+    with mp.get_context("spawn").Pool(W) as pool:
+        for epoch in (0, 1):
+            parts = pool.map(_rank_indices, [(n, r, W, epoch) for r in range(W)])
+            flat = [i for p in parts for i in p]
+            assert len(flat) == len(set(flat)) == (n // W) * W
+    assert parts != pool_free_epoch0(n, W)
+
+
+def pool_free_epoch0(n, W):
+    return [_rank_indices((n, r, W, 0)) for r in range(W)]
+
+
+@pytest.mark.parametrize("workers_before, workers_after", [(0, 2), (2, 0)])
+def test_resume_mid_epoch_at_the_exact_next_sample(dev_packed, workers_before, workers_after):
+    ds = MemmapChunkDataset(dev_packed)
+    B = 32
+
+    def loader(sampler, nw):
+        return DataLoader(ds, batch_size=B, sampler=sampler, num_workers=nw)
+
+    full = ChunkSampler(ds, seed=3, rank=1, world_size=2)
+    full.set_epoch(2)
+    want = [b["input_ids"][:, 0].tolist() for b in loader(full, 0)]
+
+    s = ChunkSampler(ds, seed=3, rank=1, world_size=2)
+    s.set_epoch(2)
+    got = []
+    for i, b in enumerate(loader(s, workers_before)):
+        got.append(b["input_ids"][:, 0].tolist())
+        if i == 9:
+            state = s.state_dict(samples_consumed=(i + 1) * B)
+            break
+    s2 = ChunkSampler(ds, seed=3, rank=1, world_size=2)
+    s2.load_state_dict(state)
+    assert len(loader(s2, workers_after)) == len(want) - 10
+    got += [b["input_ids"][:, 0].tolist() for b in loader(s2, workers_after)]
+    assert got == want
+    assert len(s2) == s2.num_samples  # the offset applied to the resumed epoch only
+
+
+def test_resume_refuses_other_world_size():
+    s = ChunkSampler(range(100), world_size=2)
+    with pytest.raises(ConfigError, match="world_size=2"):
+        ChunkSampler(range(100), world_size=4).load_state_dict(s.state_dict(10))
+
+
+def test_mixture_exact_counts_and_items(dev_packed, dev_document):
+    a, b = MemmapChunkDataset(dev_packed), MemmapChunkDataset(dev_document)
+    mix = MixtureDataset([a, b], weights=[3, 1])
+    assert len(mix) == int(len(a) / 0.75)  # a is the binding source: used exactly once
+    assert mix.counts.tolist() == [len(a), len(mix) - len(a)]
+    assert torch.equal(mix[0]["input_ids"], a[0]["input_ids"])
+    assert torch.equal(mix[len(a)]["input_ids"], b[0]["input_ids"])
+    big = MixtureDataset([a, b], weights=[1, 1], num_samples=3 * len(b))
+    assert len(big) == 3 * len(b) and big.counts.sum() == 3 * len(b)
+    s, j = big.locate(len(big) - 1)
+    assert s == 1 and j == (big.counts[1] - 1) % len(b)  # oversampled source repeats in passes
+    assert len(DataLoader(mix, batch_size=7)) == -(-len(mix) // 7)
+    with pytest.raises(ConfigError):
+        MixtureDataset([a, b], weights=[1])
