@@ -336,9 +336,48 @@ def _assemble(out: str, units: list[Unit], info: TokenizerInfo, config: BuildCon
     return out_splits
 
 
+SAMPLE_UNITS, SAMPLE_CHARS = 8, 1 << 20
+
+
+def _choose_backend(info: TokenizerInfo, units: list[Unit], config: BuildConfig) -> tuple[TokenizerInfo, dict]:
+    """Pick the backend: tiktoken only where it gives HF's ids on a sample of this corpus."""
+    import dataclasses
+
+    from .backends import parity, tiktoken_encoding
+    from .errors import TokenizerError
+    from .tokenizer import load_tokenizer
+
+    if config.backend == "hf":
+        return info, {"chosen": "hf", "reason": "--backend hf"}
+    enc, why = tiktoken_encoding(info.path)
+    sample_docs = 0
+    if enc is not None:
+        # Documents from up to SAMPLE_UNITS evenly spaced units (their first SAMPLE_CHARS / k chars).
+        step = max(1, len(units) // SAMPLE_UNITS)
+        sample: list[str] = []
+        for u in units[::step][:SAMPLE_UNITS]:
+            got = 0
+            for text in UnitReader(u, config.text_field, Tally()):
+                sample.append(text[: SAMPLE_CHARS // SAMPLE_UNITS])
+                got += len(sample[-1])
+                if got >= SAMPLE_CHARS // SAMPLE_UNITS:
+                    break
+        sample_docs = len(sample)
+        ok, why = parity(load_tokenizer(info.path), enc, sample)
+        if ok:
+            return dataclasses.replace(info, backend="tiktoken"), {
+                "chosen": "tiktoken", "reason": "same ids as tokenizers on the sample", "sample_documents": sample_docs}
+    if config.backend == "tiktoken":
+        raise TokenizerError(f"{info.path}: --backend tiktoken is not exact for this tokenizer ({why}); use --backend hf")
+    return info, {"chosen": "hf", "reason": why, "sample_documents": sample_docs}
+
+
 def build(inputs: list[str], out: str, tokenizer: str, config: BuildConfig, *, overwrite: bool = False,
-          on_progress: Callable[[Progress], None] | None = None) -> dict:
-    """Build a dataset in `out` from corpus paths; returns the manifest (also written to out/manifest.json)."""
+          on_progress: Callable[[Progress], None] | None = None, task: tuple[int, int] | None = None) -> dict:
+    """Build a dataset in `out` from corpus paths; returns the manifest (also written to out/manifest.json).
+
+    task=(k, n) builds only the k-th of n contiguous partitions of the work units (see merge.py).
+    """
     info = inspect_tokenizer(tokenizer, eos_token=config.eos_token, bos_token=config.bos_token,
                              pad_token=config.pad_token, add_bos=config.add_bos)
     files, warnings = discover(inputs, exclude=out)
@@ -349,9 +388,21 @@ def build(inputs: list[str], out: str, tokenizer: str, config: BuildConfig, *, o
         raise InputError(f"{warnings.examples[reason][0]}: {reason.replace('_', ' ')} (--strict)")
     if not units:
         raise InputError(f"no documents to read in {' '.join(inputs)}")
+    info, backend_check = _choose_backend(info, units, config)
+    partition_info = None
+    if task is not None:
+        from .merge import partition
+
+        k, n = task
+        a, b = partition(units, n)[k]
+        partition_info = {"task_index": k, "num_tasks": n, "units": [a, b], "units_total": len(units)}
+        names = {nm for u in units[a:b] for nm in u.names}
+        units = units[a:b]
+        files = [f for f in files if f.name in names]
     plan = {
+        "partition": partition_info,
         "helixtok": __version__, "format_version": FORMAT_VERSION, "config": config.identity(),
-        "tokenizer_sha256": info.sha256, "files": [[f.name, f.size, f.mtime_ns] for f in files],
+        "tokenizer_sha256": info.sha256, "backend": info.backend, "files": [[f.name, f.size, f.mtime_ns] for f in files],
         "units": [u.to_json() for u in units],
     }
     resume = _prepare_out(out, plan, overwrite)
@@ -364,6 +415,8 @@ def build(inputs: list[str], out: str, tokenizer: str, config: BuildConfig, *, o
         return os.path.join(state, f"u{u.index:06d}.done.json")
 
     pending = [u for u in units if not os.path.isfile(done_path(u))]
+    if not units:  # a task with nothing to do (more tasks than work units) still leaves a valid, empty part
+        pending = []
     done_bytes = sum(u.est_bytes for u in units if u not in pending)
     _run_units(units, pending, info, config, state, on_progress, done_bytes)
 
@@ -384,7 +437,7 @@ def build(inputs: list[str], out: str, tokenizer: str, config: BuildConfig, *, o
                              sum(sum(r["tokens"].values()) for r in results), len(units), len(units), "write"))
 
     splits = _assemble(out, units, info, config, state, results)
-    if splits["train"]["num_chunks"] == 0:
+    if splits["train"]["num_chunks"] == 0 and task is None:
         raise InputError(f"the corpus gave {splits['train']['tokens']} tokens, not one chunk of "
                          f"--seq-len {config.seq_len}; lower --seq-len or add text")
     shutil.copyfile(info.path, os.path.join(out, ".tokenizer.json.tmp"))
@@ -403,12 +456,13 @@ def build(inputs: list[str], out: str, tokenizer: str, config: BuildConfig, *, o
         "seq_len": config.seq_len,
         "packing": config.packing,
         "min_tail_len": config.tail_len if config.packing == "document" else None,
-        "tokenizer": {**info.to_json(), "file": "tokenizer.json"},
+        "tokenizer": {**info.to_json(), "file": "tokenizer.json", "backend_check": backend_check},
         "options": {"text_field": config.text_field, "val_fraction": config.val_fraction,
                     "split_seed": config.split_seed, "shard_bytes": config.shard_bytes,
                     "unit_bytes": config.unit_bytes, "max_piece_chars": config.max_piece_chars},
         "inputs": {"files": len(files), "bytes": sum(f.size for f in files), "units": len(units),
                    "list": [{"name": f.name, "bytes": f.size} for f in files]},
+        **({"partition": partition_info} if partition_info else {}),
         "splits": splits,
         "totals": totals,
         "skipped": tally.to_json(),

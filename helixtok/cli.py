@@ -91,31 +91,44 @@ def main():
 @click.option("--strict", is_flag=True, help="Fail instead of skipping any bad document or file.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar (for logs).")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as one JSON object.")
+@click.option("--backend", type=click.Choice(["auto", "hf", "tiktoken"]), default="auto", show_default=True,
+              help="auto: tiktoken where it gives tokenizers' ids on a corpus sample (faster), else hf.")
+@click.option("--num-tasks", type=click.IntRange(min=1), default=None,
+              help="Build one of N partitions into OUT/part-KKKKK (then `helixtok merge`).")
+@click.option("--task-index", type=click.IntRange(min=0), default=None,
+              help="Which partition [default: $SLURM_ARRAY_TASK_ID or $JOB_COMPLETION_INDEX].")
 @handle_errors
 def build(corpus, out, tokenizer, seq_len, packing, min_tail_len, text_field, bos, eos_token, bos_token,
-          pad_token, val_fraction, split_seed, shard_size, workers, overwrite, strict, quiet, as_json):
+          pad_token, val_fraction, split_seed, shard_size, workers, overwrite, strict, quiet, as_json,
+          backend, num_tasks, task_index):
     """Tokenize CORPUS (files, folders, globs) into fixed-length token shards in OUT.
 
     \b
     Example:
       helixtok build data/*.jsonl.gz out/ -t tokenizer.json -L 1024 --val-fraction 0.01
     """
+    import os
+
     from .build import build as run_build
     from .config import BuildConfig
+    from .merge import task_from_env
 
     cfg = BuildConfig(seq_len=seq_len, packing=packing, min_tail_len=min_tail_len, text_field=text_field,
                       add_bos=bos, eos_token=eos_token, bos_token=bos_token, pad_token=pad_token,
                       val_fraction=val_fraction, split_seed=split_seed, shard_bytes=shard_size,
-                      workers=workers, strict=strict)
+                      workers=workers, strict=strict, backend=backend)
+    task = task_from_env(num_tasks, task_index)
+    if task:
+        out = os.path.join(out, f"part-{task[0]:05d}")
     con = _console(quiet)
     if quiet:
-        m = run_build(list(corpus), out, tokenizer, cfg, overwrite=overwrite)
+        m = run_build(list(corpus), out, tokenizer, cfg, overwrite=overwrite, task=task)
     else:
-        m = _build_with_progress(run_build, con, list(corpus), out, tokenizer, cfg, overwrite)
+        m = _build_with_progress(run_build, con, list(corpus), out, tokenizer, cfg, overwrite, task)
     _print_build_summary(m, out, as_json, con)
 
 
-def _build_with_progress(run_build, con, corpus, out, tokenizer, cfg, overwrite):
+def _build_with_progress(run_build, con, corpus, out, tokenizer, cfg, overwrite, part):
     import time
 
     from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn,
@@ -132,7 +145,7 @@ def _build_with_progress(run_build, con, corpus, out, tokenizer, cfg, overwrite)
             bar.update(task, total=p.bytes_total, completed=p.bytes_done, docs=p.documents,
                        tps=f"{p.tokens / dt / 1e6:.2f}M", description=p.phase)
 
-        return run_build(corpus, out, tokenizer, cfg, overwrite=overwrite, on_progress=on_progress)
+        return run_build(corpus, out, tokenizer, cfg, overwrite=overwrite, on_progress=on_progress, task=part)
 
 
 def _print_build_summary(m, out, as_json, con):
@@ -224,6 +237,26 @@ def verify(out, sample, as_json):
         click.echo("verified: all shards intact" if rep.ok else "verification FAILED")
     if not rep.ok:
         sys.exit(1)
+
+
+@main.command()
+@click.argument("parts", nargs=-1, required=True)
+@click.argument("out", nargs=1)
+@click.option("--overwrite", is_flag=True, help="Replace OUT's manifest.")
+@click.option("--json", "as_json", is_flag=True)
+@handle_errors
+def merge(parts, out, overwrite, as_json):
+    """Join task outputs (PARTS) into one dataset OUT whose manifest references their shards (no copy).
+
+    \b
+    Example:
+      helixtok build corpus/ out/ -t tok.json --num-tasks 8 --task-index 3   # x8, e.g. a Slurm array
+      helixtok merge out/part-* out/
+    """
+    from .merge import merge as run_merge
+
+    m = run_merge(list(parts), out, overwrite=overwrite)
+    _print_build_summary(m, out, as_json, _console())
 
 
 @main.command("train-tokenizer")

@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass
 from .errors import ConfigError
 
 PACKINGS = ("packed", "document")
+BACKENDS = ("auto", "hf", "tiktoken")
 DEFAULT_SHARD_BYTES = 1 << 30
 # ~4 MiB of input per work unit: big enough that per-unit overhead is noise,
 # small enough that N workers stay balanced on corpora of a few dozen MB.
@@ -32,6 +33,7 @@ class BuildConfig:
     strict: bool = False
     batch_chars: int = 1 << 20  # characters per encode_batch call in a worker
     max_piece_chars: int = 200_000  # longer documents are encoded in pieces
+    backend: str = "auto"  # auto: tiktoken when it reproduces HF's ids on a corpus sample, else hf
 
     def __post_init__(self) -> None:
         if self.seq_len < 1:
@@ -51,6 +53,8 @@ class BuildConfig:
             raise ConfigError(f"--shard-size must be positive, got {self.shard_bytes}")
         if self.workers < 0:
             raise ConfigError(f"--workers must be >= 0 (0 = all cores), got {self.workers}")
+        if self.backend not in BACKENDS:
+            raise ConfigError(f"--backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
         if not self.text_field:
             raise ConfigError("--text-field must not be empty")
 

@@ -75,14 +75,44 @@ def test_document_counts_equal_independent_recount(dev_document, dev_ids):
     assert m["min_tail_len"] == tail
 
 
-def test_workers_1_and_2_byte_identical(tmp_path, dev_corpus, tokenizer_path, dev_packed):
+def test_workers_and_backends_byte_identical(tmp_path, dev_corpus, tokenizer_path, dev_packed):
+    """workers=1 with tokenizers vs workers=2 with the auto backend (tiktoken, when installed): same bytes."""
     out = str(tmp_path / "w1")
-    build([str(dev_corpus)], out, tokenizer_path, BuildConfig(seq_len=512, workers=1, shard_bytes=4 << 20))
+    m = build([str(dev_corpus)], out, tokenizer_path,
+              BuildConfig(seq_len=512, workers=1, shard_bytes=4 << 20, backend="hf"))
+    assert m["tokenizer"]["backend"] == "hf"
     names = sorted(os.listdir(dev_packed))
     assert names == sorted(os.listdir(out))
     for n in names:
+        if n == "manifest.json":
+            continue  # it records which backend ran
         with open(os.path.join(out, n), "rb") as a, open(os.path.join(dev_packed, n), "rb") as b:
             assert a.read() == b.read(), n
+    other = json.load(open(os.path.join(dev_packed, "manifest.json")))
+    for k in ("splits", "totals", "skipped", "inputs"):
+        assert m[k] == other[k]
+
+
+def test_tiktoken_backend_is_chosen_only_when_exact(tmp_path, tokenizer_path, small_tok):
+    pytest.importorskip("tiktoken")
+    from tokenizers import normalizers
+
+    write(tmp_path / "c" / "a.txt", "hello world, It's 2026! 日本語 😀 " * 20)
+    m = build([str(tmp_path / "c")], str(tmp_path / "o1"), tokenizer_path, BuildConfig(seq_len=4, workers=1))
+    assert m["tokenizer"]["backend"] == "tiktoken"
+    assert m["tokenizer"]["backend_check"]["sample_documents"] == 1
+    # A normalizer (here: lowercasing) is something tiktoken cannot mirror: auto falls back to hf.
+    tok = Tokenizer.from_file(small_tok)
+    tok.normalizer = normalizers.Lowercase()
+    lower = str(tmp_path / "lower.json")
+    tok.save(lower)
+    m = build([str(tmp_path / "c")], str(tmp_path / "o2"), lower, BuildConfig(seq_len=4, workers=1))
+    assert m["tokenizer"]["backend"] == "hf"
+    assert m["tokenizer"]["backend_check"]["reason"] == "tokenizer has a normalizer"
+    from helixtok.errors import TokenizerError
+
+    with pytest.raises(TokenizerError, match="--backend tiktoken is not exact for this tokenizer"):
+        build([str(tmp_path / "c")], str(tmp_path / "o3"), lower, BuildConfig(seq_len=4, workers=1, backend="tiktoken"))
 
 
 def write(p, text):

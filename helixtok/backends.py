@@ -1,0 +1,104 @@
+"""Tokenizer backends: HF tokenizers, and tiktoken for byte-level BPE where it gives the same ids, faster."""
+
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+
+# The pre-tokenizer regex of HF's ByteLevel(use_regex=True): GPT-2's pattern.
+GPT2_PAT = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+
+# Text the parity check always includes: the corners where two BPE implementations drift apart.
+HOSTILE = [
+    "", " ", "  \n\n\t ", "a", "\u00e9\u0301", "日本語のテキスト", "😀👍🏽👨‍👩‍👧", "\x00\x01\x7f", "\ufffd\ufeff",
+    "It's they'LL we'Re I'M", "   leading", "trailing   ", "line\r\nline\rline\n", "1234567890 3.14159 1e-9",
+    "<|endoftext|> inside text", "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa", "x" * 2000 + " " * 300 + "y",
+    "def f(x):\n    return {'a': [1, 2]}\n", "ÜBER straße Ωμέγα Привет مرحبا", "\u2028\u2029\u200b\u00a0",
+]
+
+
+@lru_cache(maxsize=1)
+def _byte_decoder() -> dict[str, int]:
+    # GPT-2's reversible byte <-> printable-unicode table, as HF's ByteLevel uses it.
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs)}
+
+
+def tiktoken_encoding(tokenizer_json: str):
+    """A tiktoken Encoding equivalent in structure to a byte-level BPE tokenizer.json.
+
+    Returns (encoding, None), or (None, reason) when the tokenizer is not of that shape or
+    tiktoken is not installed. Structure is necessary, not sufficient: callers check parity.
+    """
+    try:
+        import tiktoken
+    except ImportError:
+        return None, "tiktoken is not installed (pip install tiktoken)"
+    with open(tokenizer_json, encoding="utf-8") as fh:
+        spec = json.load(fh)
+    model, pre = spec.get("model") or {}, spec.get("pre_tokenizer") or {}
+    if model.get("type") != "BPE" or model.get("byte_fallback") or model.get("dropout"):
+        return None, "model is not a plain BPE"
+    if spec.get("normalizer"):
+        return None, "tokenizer has a normalizer"
+    if pre.get("type") != "ByteLevel" or not pre.get("use_regex", True) or pre.get("add_prefix_space"):
+        return None, "pre-tokenizer is not GPT-2 style ByteLevel"
+    dec = _byte_decoder()
+    ranks = {}
+    try:
+        for tok, i in model["vocab"].items():
+            ranks[bytes(dec[c] for c in tok)] = i
+    except KeyError:
+        return None, "vocabulary has tokens outside the byte-level alphabet"
+    if len(ranks) != len(model["vocab"]) or any(bytes([b]) not in ranks for b in range(256)):
+        return None, "vocabulary lacks some single bytes"
+    # tiktoken merges by the rank of the merged token: that is HF's merge order only when ids
+    # grow with the merges list.
+    merges = model.get("merges") or []
+    ids = []
+    for m in merges:
+        a, b = m.split(" ", 1) if isinstance(m, str) else m
+        merged = model["vocab"].get(a + b)
+        if merged is None:
+            return None, "a merge produces a token missing from the vocabulary"
+        ids.append(merged)
+    if any(x >= y for x, y in zip(ids, ids[1:])):
+        return None, "token ids do not follow the merge order"
+    specials = {}
+    for t in spec.get("added_tokens") or []:
+        if not t.get("special") or t.get("lstrip") or t.get("rstrip") or t.get("single_word"):
+            return None, f"added token {t['content']!r} has options tiktoken cannot mirror"
+        specials[t["content"]] = t["id"]
+    try:
+        enc = tiktoken.Encoding(name="helixtok", pat_str=GPT2_PAT, mergeable_ranks=ranks, special_tokens=specials)
+    except Exception as e:  # noqa: BLE001 - any refusal by tiktoken means: not this backend
+        return None, f"tiktoken refused the vocabulary ({e})"
+    return enc, None
+
+
+def hf_ids(tok, texts: list[str]) -> list[list[int]]:
+    fn = getattr(tok, "encode_batch_fast", tok.encode_batch)
+    return [e.ids for e in fn(texts, add_special_tokens=False)]
+
+
+def tiktoken_ids(enc, texts: list[str]) -> list[list[int]]:
+    # HF extracts added special tokens found in the text even with add_special_tokens=False;
+    # allowed_special="all" makes tiktoken do the same.
+    return [enc.encode(t, allowed_special="all") for t in texts]
+
+
+def parity(tok, enc, sample: list[str]) -> tuple[bool, str]:
+    """(True, "") when tiktoken gives HF's ids for every text of the sample and HOSTILE."""
+    texts = HOSTILE + sample
+    a, b = hf_ids(tok, texts), tiktoken_ids(enc, texts)
+    for t, x, y in zip(texts, a, b):
+        if x != y:
+            return False, f"ids differ on {t[:40]!r}"
+    return True, ""

@@ -1,0 +1,130 @@
+"""Partitioned builds: split the work units into N tasks, and merge task outputs without copying shards."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+from .errors import ConfigError, DatasetError
+from .manifest import MANIFEST, load_manifest, write_json_atomic
+from .sources import Tally, Unit
+
+ENV_INDEX = ("SLURM_ARRAY_TASK_ID", "JOB_COMPLETION_INDEX")  # Slurm arrays, Kubernetes Indexed Jobs
+
+
+def task_from_env(num_tasks: int | None, task_index: int | None, env=os.environ) -> tuple[int, int] | None:
+    """(index, count) for a partitioned build, or None; the index falls back to scheduler variables."""
+    if num_tasks is None:
+        if task_index is not None:
+            raise ConfigError("--task-index needs --num-tasks")
+        return None
+    if task_index is None:
+        for var in ENV_INDEX:
+            if env.get(var, "").strip():
+                try:
+                    task_index = int(env[var])
+                except ValueError as e:
+                    raise ConfigError(f"${var}={env[var]!r} is not a task index") from e
+                break
+        else:
+            raise ConfigError("--num-tasks given without --task-index, and neither $SLURM_ARRAY_TASK_ID nor "
+                              "$JOB_COMPLETION_INDEX is set")
+    if not 0 <= task_index < num_tasks:
+        raise ConfigError(f"task index {task_index} outside [0, {num_tasks}) (Slurm arrays must start at 0: "
+                          f"--array=0-{num_tasks - 1})")
+    return task_index, num_tasks
+
+
+def partition(units: list[Unit], num_tasks: int) -> list[tuple[int, int]]:
+    """Contiguous unit ranges [a, b) per task, balanced by input size; a function of the input alone.
+
+    Contiguous, so the tasks' outputs in task order are the corpus in order.
+    """
+    total = sum(u.est_bytes for u in units) or 1
+    bounds, acc, k = [0], 0, 1
+    for i, u in enumerate(units):
+        acc += u.est_bytes
+        while k < num_tasks and acc >= k * total / num_tasks:
+            bounds.append(i + 1)
+            k += 1
+    bounds += [len(units)] * (num_tasks + 1 - len(bounds))
+    return list(zip(bounds, bounds[1:]))
+
+
+# Manifest keys that must agree between parts (everything that changes what a chunk means).
+_SAME = ("format_version", "dtype", "seq_len", "packing", "min_tail_len")
+
+
+def _merged_inputs(ms: list[dict]) -> dict:
+    # A file cut into several work units can be shared by neighbouring tasks: count it once.
+    seen: dict[str, int] = {}
+    for m in ms:
+        for f in m["inputs"]["list"]:
+            seen.setdefault(f["name"], f["bytes"])
+    return {"files": len(seen), "bytes": sum(seen.values()), "units": sum(m["inputs"]["units"] for m in ms),
+            "list": [{"name": k, "bytes": v} for k, v in seen.items()]}
+
+
+def merge(parts: list[str], out: str, *, overwrite: bool = False) -> dict:
+    if not parts:
+        raise ConfigError("give at least one part to merge")
+    ms = [load_manifest(p) for p in parts]
+    first = ms[0]
+    for p, m in zip(parts, ms):
+        for k in _SAME:
+            if m.get(k) != first.get(k):
+                raise DatasetError(f"{p}: {k} is {m.get(k)!r}, {parts[0]} has {first.get(k)!r}; "
+                                   "parts must be built with the same options")
+        if m["tokenizer"]["sha256"] != first["tokenizer"]["sha256"]:
+            raise DatasetError(f"{p}: built with tokenizer {m['tokenizer']['sha256'][:12]}…, {parts[0]} with "
+                               f"{first['tokenizer']['sha256'][:12]}…; parts must share the tokenizer")
+        opts = {k: v for k, v in m["options"].items()}
+        if opts != first["options"]:
+            diff = [k for k in opts if opts[k] != first["options"].get(k)]
+            raise DatasetError(f"{p}: option {diff[0]} differs from {parts[0]}; parts must be built with the same options")
+    tasks = [m.get("partition") for m in ms]
+    if any(tasks):
+        if not all(tasks) or len({t["num_tasks"] for t in tasks}) != 1:
+            raise DatasetError("mix of partitioned and unpartitioned parts, or different --num-tasks")
+        n = tasks[0]["num_tasks"]
+        idx = sorted(t["task_index"] for t in tasks)
+        missing = sorted(set(range(n)) - set(idx))
+        if missing or len(idx) != n:
+            raise DatasetError(f"parts of a {n}-task build: missing task(s) {missing[:10]}"
+                               if missing else f"a task is given twice: {idx}")
+        order = sorted(range(len(parts)), key=lambda i: tasks[i]["task_index"])
+        parts, ms = [parts[i] for i in order], [ms[i] for i in order]
+    if os.path.isfile(os.path.join(out, MANIFEST)) and not overwrite:
+        raise ConfigError(f"{out}: already holds a dataset; pass --overwrite to replace its manifest")
+    os.makedirs(out, exist_ok=True)
+
+    splits: dict = {}
+    for p, m in zip(parts, ms):
+        rel = os.path.relpath(os.path.abspath(p), os.path.abspath(out))
+        for name, s in m["splits"].items():
+            d = splits.setdefault(name, {"num_chunks": 0, "num_tokens": 0, "documents": 0, "tokens": 0,
+                                         "pad_tokens": 0, "dropped_tokens": 0, "dropped_documents": 0, "shards": []})
+            for k in d:
+                if k != "shards":
+                    d[k] += s[k]
+            for e in s["shards"]:
+                e = {**e, "path": os.path.normpath(os.path.join(rel, e["path"]))}
+                for side in ("docs", "valid"):
+                    if side in e:
+                        e[side] = {**e[side], "path": os.path.normpath(os.path.join(rel, e[side]["path"]))}
+                d["shards"].append(e)
+    totals = {k: sum(m["totals"][k] for m in ms) for k in first["totals"]}
+    skipped, warnings = Tally(), Tally()
+    for m in ms:
+        skipped.merge(Tally.from_json(m["skipped"]))
+        warnings.merge(Tally.from_json(m["warnings"]))
+    merged = {**{k: first[k] for k in ("format_version", "helixtok_version", "dtype", "seq_len", "packing",
+                                       "min_tail_len", "tokenizer", "options")},
+              "inputs": _merged_inputs(ms),
+              "merged_from": [os.path.relpath(os.path.abspath(p), os.path.abspath(out)) for p in parts],
+              "splits": splits, "totals": totals, "skipped": skipped.to_json(), "warnings": warnings.to_json()}
+    tok_src = os.path.join(parts[0], first["tokenizer"]["file"])
+    shutil.copyfile(tok_src, os.path.join(out, ".tokenizer.json.tmp"))
+    os.replace(os.path.join(out, ".tokenizer.json.tmp"), os.path.join(out, "tokenizer.json"))
+    write_json_atomic(os.path.join(out, MANIFEST), merged)
+    return merged
