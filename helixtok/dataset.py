@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -13,6 +14,36 @@ from .manifest import DTYPES, load_manifest, split_entry
 from .shards import DOCS_DTYPE, VALID_DTYPE
 
 IGNORE_INDEX = -100  # what torch's cross_entropy ignores by default
+
+
+class ChunkBatch(Sequence):
+    """What __getitems__ returns: a sequence of per-sample dicts (made on access, so
+    default_collate works) over the whole batch, which `collate` hands over as is."""
+
+    def __init__(self, batch: dict, n: int):
+        self.batch = batch
+        self._n = n
+        self._samples: list[dict] | None = None
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, j):
+        if isinstance(j, slice):
+            return [self[k] for k in range(*j.indices(self._n))]
+        if self._samples is None:  # default_collate asks for every sample: make all views at once
+            keys = list(self.batch)
+            self._samples = [dict(zip(keys, row)) for row in zip(*(self.batch[k].unbind(0) for k in keys))]
+        return self._samples[j]
+
+
+def collate(samples):
+    """collate_fn for DataLoader: a ChunkBatch's batch as is; anything else via default_collate."""
+    if isinstance(samples, ChunkBatch):
+        return samples.batch
+    from torch.utils.data import default_collate
+
+    return default_collate(samples)
 
 
 class MemmapChunkDataset(Dataset):
@@ -203,12 +234,13 @@ class MemmapChunkDataset(Dataset):
         b = self._batch(np.array([i], dtype=np.int64))
         return {k: v[0] for k, v in b.items()}
 
-    def __getitems__(self, indices) -> list[dict]:
+    collate = staticmethod(collate)
+
+    def __getitems__(self, indices) -> ChunkBatch:
         # DataLoader calls this with a whole batch of indices: one fancy index per shard.
         idx = np.asarray(indices, dtype=np.int64)
         idx = np.where(idx < 0, idx + self._len, idx)
-        b = self._batch(idx)
-        return [{k: v[j] for k, v in b.items()} for j in range(len(idx))]
+        return ChunkBatch(self._batch(idx), len(idx))
 
     def __repr__(self) -> str:
         return (f"MemmapChunkDataset({self.path!r}, split={self.split!r}, chunks={self._len}, "

@@ -168,7 +168,7 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=1024)
     ap.add_argument("--memory", action="store_true", help="also the 10x-corpus and 50 MB-document memory rows")
     ap.add_argument("--skip-baselines", action="store_true")
-    ap.add_argument("--repeat", type=int, default=2, help="runs of each core row; the best is kept")
+    ap.add_argument("--repeat", type=int, default=2, help="runs of each row; the best is kept")
     args = ap.parse_args()
     tmp = tempfile.mkdtemp(prefix="helixtok-bench-")
     try:
@@ -184,24 +184,50 @@ def main() -> None:
         with open(jsonl, "w") as fh:
             for d in docs:
                 fh.write(json.dumps({"text": d}) + "\n")
-        # This kind of machine is noisy (+-20% run to run): the core rows are measured
-        # alternately, --repeat times, and each keeps its best run.
-        raw, helix_runs = {}, {}
-        sources = (("dev corpus (txt+jsonl.gz+parquet)", args.corpus), ("same docs as one .jsonl", jsonl))
+        # This kind of machine is noisy (+-20% run to run, more between runs): every row is
+        # measured --repeat times, rows alternating, and each keeps its best run.
+        scripts = {}
+        for name, code in (("nanogpt", NANOGPT), ("llmc", LLMC)):
+            scripts[name] = os.path.join(tmp, f"{name}.py")
+            open(scripts[name], "w").write(code)
+        jobs = []  # (row name, command, tokens from manifest?, workers, kind)
+        for w in args.workers:
+            for backend in ("hf", "auto"):
+                for src_name, src in (("dev corpus as is", args.corpus), ("one .jsonl", jsonl)):
+                    jobs.append((f"helixtok build -j {w} --backend {backend}, {src_name}", backend, src, w))
+            if not args.skip_baselines:
+                jobs.append((f"nanoGPT-style datasets.map, {w} proc, one .jsonl", "nanogpt", jsonl, w))
+                jobs.append((f"llm.c-style Pool.imap(chunksize=16), {w} proc, one .jsonl", "llmc", jsonl, w))
+        raw, best = {}, {}
         for _ in range(args.repeat):
             nbytes, r = raw_rows(docs, tok, variants=not raw)
             for k, v in r.items():
                 raw[k] = min(raw.get(k, v), v)
-            for src_name, src in sources:
-                for w in args.workers:
-                    out = os.path.join(tmp, f"out-{w}")
-                    dt, rss, _ = run_measured([sys.executable, "-m", "helixtok.cli", "build", src, out, "-t", tok,
-                                               "-L", str(args.seq_len), "-j", str(w), "-q", "--overwrite"])
+            for name, kind, src, w in jobs:
+                out = os.path.join(tmp, "job-out")
+                if kind in scripts:
+                    os.makedirs(out)
+                    cmd = [sys.executable, scripts[kind], src, tok, out, str(w)]
+                else:
+                    cmd = [sys.executable, "-m", "helixtok.cli", "build", src, out, "-t", tok, "-L", str(args.seq_len),
+                           "-j", str(w), "-q", "--backend", kind]
+                try:
+                    dt, rss, stdout = run_measured(cmd)
+                except SystemExit as e:
+                    best[name] = (None, None, None, str(e).splitlines()[-1][:60])
+                    shutil.rmtree(out, ignore_errors=True)
+                    continue
+                if kind in scripts:
+                    n = int(stdout.split()[-1])
+                else:
                     m = json.load(open(os.path.join(out, "manifest.json")))
-                    prev = helix_runs.get((src_name, w))
-                    if prev is None or dt < prev[0]:
-                        helix_runs[(src_name, w)] = (dt, rss, m["totals"]["tokens"])
-                    shutil.rmtree(out)
+                    n = m["totals"]["tokens"]
+                    name_b = m["tokenizer"]["backend"]
+                    if kind == "auto":
+                        best.setdefault("_chosen", name_b)
+                if name not in best or (best[name][0] or 1e18) > dt:
+                    best[name] = (dt, rss, n, None)
+                shutil.rmtree(out)
         dt_raw, ntok = raw["encode_batch_fast"]
         limit1 = nbytes / dt_raw
         rows = []
@@ -211,25 +237,16 @@ def main() -> None:
 
         for name, (dt, n) in raw.items():
             row(f"raw {name}, 1 process", dt, n, limit=limit1)
-        helix = {}
-        for (src_name, w), (dt, rss, n) in helix_runs.items():
-            row(f"helixtok build -j {w}, {src_name}", dt, n, rss, w * limit1)
-            helix[(src_name, w)] = dt
-        if not args.skip_baselines:
-            for name, code in (("nanoGPT-style datasets.map", NANOGPT), ("llm.c-style Pool.imap", LLMC)):
-                script = os.path.join(tmp, "baseline.py")
-                open(script, "w").write(code)
-                for w in args.workers:
-                    out = os.path.join(tmp, f"base-{w}")
-                    os.makedirs(out)
-                    try:
-                        dt, rss, stdout = run_measured([sys.executable, script, jsonl, tok, out, str(w)])
-                        row(f"{name}, {w} proc (one .jsonl)", dt, int(stdout.split()[-1]), rss, w * limit1)
-                        h = helix[("same docs as one .jsonl", w)]
-                        rows.append((f"  helixtok -j {w} speed-up over it", None, None, None, dt / h))
-                    except SystemExit as e:
-                        rows.append((f"{name}, {w} proc: not run ({str(e).splitlines()[-1][:60]})", None, None, None, None))
-                    shutil.rmtree(out)
+        for name, kind, src, w in jobs:
+            dt, rss, n, err = best[name]
+            if err:
+                rows.append((f"{name}: not run ({err})", None, None, None, None))
+                continue
+            row(name + (f" [{best.get('_chosen')}]" if kind == "auto" else ""), dt, n, rss, w * limit1)
+            if kind in scripts:
+                h = best[f"helixtok build -j {w} --backend hf, one .jsonl"][0]
+                a = best[f"helixtok build -j {w} --backend auto, one .jsonl"][0]
+                rows.append((f"  helixtok -j {w} speed-up over it: --backend hf | auto", None, None, None, (dt / h, dt / a)))
         if args.memory:
             big = os.path.join(tmp, "x10")
             for k in range(10):
@@ -253,11 +270,12 @@ def main() -> None:
             rows.append((f"memory: one 50 MB document ({dt:.1f} s)", 50.0 / dt, None, rss, None))
         print(f"corpus: {args.corpus} ({len(docs)} docs, {nbytes / 1e6:.1f} MB text, {ntok / 1e6:.2f} M tokens), "
               f"cores: {len(os.sched_getaffinity(0))}, tokenizer: {os.path.basename(tok)}")
-        print(f"{'row':62} {'MB/s':>7} {'Mtok/s':>7} {'peak RSS':>9} {'ratio':>6}")
+        print(f"{'row':66} {'MB/s':>7} {'Mtok/s':>7} {'peak RSS':>9} {'ratio':>6}")
         for name, mbs, mts, rss, ratio in rows:
             f = lambda v, fmt: (fmt.format(v) if v is not None else "")
-            print(f"{name:62} {f(mbs, '{:7.2f}'):>7} {f(mts, '{:7.3f}'):>7} "
-                  f"{f(rss and rss / 2**20, '{:6.0f} MiB'):>9} {f(ratio, '{:6.2f}'):>6}")
+            rt = " | ".join(f"{x:.2f}" for x in ratio) if isinstance(ratio, tuple) else f(ratio, "{:6.2f}")
+            print(f"{name:66} {f(mbs, '{:7.2f}'):>7} {f(mts, '{:7.3f}'):>7} "
+                  f"{f(rss and rss / 2**20, '{:6.0f} MiB'):>9} {rt:>6}")
         print("ratio: throughput / (N x raw encode_batch_fast, 1 process); speed-up rows: baseline time / helixtok time")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -48,8 +48,9 @@ def raw_limit(ds: MemmapChunkDataset, B: int, seconds: float) -> float:
     return n / (time.perf_counter() - t0)
 
 
-def loader_rate(ds, B: int, workers: int, seconds: float) -> float:
-    dl = DataLoader(ds, batch_size=B, shuffle=True, num_workers=workers, persistent_workers=workers > 0)
+def loader_rate(ds, B: int, workers: int, seconds: float, collate_fn=None) -> float:
+    dl = DataLoader(ds, batch_size=B, shuffle=True, num_workers=workers, persistent_workers=workers > 0,
+                    collate_fn=collate_fn)
     n = 0
     it = iter(dl)
     next(it)  # worker start-up is not throughput
@@ -137,6 +138,8 @@ def main() -> None:
         for w in (0, 2):
             rows.append((f"MemmapChunkDataset, DataLoader(batch {B}, shuffle, workers {w})",
                          loader_rate(ds, B, w, args.seconds)))
+            rows.append((f"  same, collate_fn=ds.collate (no re-stacking), workers {w}",
+                         loader_rate(ds, B, w, args.seconds, ds.collate)))
         if tok:
             from helixtok.sources import Tally, UnitReader, discover, plan_units
 
@@ -161,18 +164,26 @@ def main() -> None:
         synthetic(syn, args.startup_tokens, L)
         made = time.perf_counter() - t
         subprocess.run(["sync"])
+        from helixtok import ChunkSampler
+
         t0 = time.perf_counter()
         ds = MemmapChunkDataset(syn)
         n = len(ds)
-        batch = next(iter(DataLoader(ds, batch_size=B, shuffle=True)))
+        batch = next(iter(DataLoader(ds, batch_size=B, sampler=ChunkSampler(ds, seed=0), collate_fn=ds.collate)))
         startup = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        ds2 = MemmapChunkDataset(syn)
+        next(iter(DataLoader(ds2, batch_size=B, shuffle=True)))
+        startup_rs = time.perf_counter() - t0
         t0 = time.perf_counter()
         subprocess.run([sys.executable, "-m", "helixtok.cli", "stats", syn, "-b", str(B), "--json"], check=True,
                        capture_output=True)
         st = time.perf_counter() - t0
         gb = sum(os.path.getsize(os.path.join(syn, f)) for f in os.listdir(syn)) / 1e9
         print(f"start-up, synthetic {n * L / 1e9:.2f} B tokens ({gb:.1f} GB, made in {made:.0f} s): "
-              f"construct + len + first batch {startup * 1e3:.0f} ms; `helixtok stats` process {st * 1e3:.0f} ms"
+              f"construct + len + first batch {startup * 1e3:.0f} ms with ChunkSampler "
+              f"({startup_rs * 1e3:.0f} ms with DataLoader(shuffle=True): torch's randperm of every index); "
+              f"`helixtok stats` process {st * 1e3:.0f} ms"
               f" (batch {tuple(batch['input_ids'].shape)})")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -41,6 +41,14 @@ def test_getitems_batches_across_shards(dev_packed):
     assert [g["input_ids"].tolist() for g in got] == raw[idx].tolist()
 
 
+def test_collate_fast_path_equals_default_collate(dev_document):
+    ds = MemmapChunkDataset(dev_document)
+    a = DataLoader(ds, batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(1))
+    b = DataLoader(ds, batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(1), collate_fn=ds.collate)
+    for x, y in zip(a, b):
+        assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+
+
 def test_document_mode_masks_padding(dev_document):
     ds = MemmapChunkDataset(dev_document)
     m = json.load(open(os.path.join(dev_document, "manifest.json")))
