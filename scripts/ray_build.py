@@ -24,9 +24,8 @@ def main() -> None:
     ap.add_argument("--num-tasks", type=int, required=True)
     ap.add_argument("--workers", type=int, default=1, help="cores per task")
     ap.add_argument("--address", default=None, help="Ray cluster address [default: start a local one]")
-    ap.add_argument("build_args", nargs=argparse.REMAINDER, help="after --: more `helixtok build` options")
-    args = ap.parse_args()
-    extra = [a for a in args.build_args if a != "--"]
+    args, extra = ap.parse_known_args()  # the rest: more `helixtok build` options, passed through
+    extra = [a for a in extra if a != "--"]
 
     import ray
 
