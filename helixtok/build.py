@@ -7,6 +7,7 @@ interrupted build resumable: finished units are never redone.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -218,13 +219,7 @@ def _run_units(units: list[Unit], pending: list[Unit], info: TokenizerInfo, conf
                                  units_done, len(units), "tokenize"))
 
     if n_workers == 1:  # inline: no pool, easy to debug and profile
-        counters = [0, 0, 0]
-
-        class _Inline(list):
-            def get_lock(self):
-                return _NullLock()
-
-        counters = _Inline(counters)
+        counters = _LocalCounters([0, 0, 0])
         _init_worker(info, config, state, counters, inline=True)
         for u in order:
             run_unit(u)
@@ -242,6 +237,7 @@ def _run_units(units: list[Unit], pending: list[Unit], info: TokenizerInfo, conf
     try:
         futures = {pool.submit(run_unit, u): u for u in order}
         remaining = set(futures)
+        last, last_change = None, time.monotonic()
         while remaining:
             finished, remaining = wait(remaining, timeout=0.2, return_when=FIRST_COMPLETED)
             for f in finished:
@@ -250,32 +246,44 @@ def _run_units(units: list[Unit], pending: list[Unit], info: TokenizerInfo, conf
                 except BrokenProcessPool as e:
                     u = futures[f]
                     raise HelixtokError(
-                        f"a worker process died while tokenizing {u.files[0]}"
-                        f"{f' (+{len(u.files) - 1} files)' if len(u.files) > 1 else ''}; "
+                        f"a worker process died while tokenizing {_where(u)}; "
                         "it was killed (out of memory?); rerun the same command to resume") from e
                 units_done += 1
             report(counters, units_done, force=bool(finished))
+            # A hung worker (deadlock, stuck network file system) must not hang the build.
+            now_state = (tuple(counters[:]), units_done)
+            if now_state != last:
+                last, last_change = now_state, time.monotonic()
+            elif time.monotonic() - last_change > config.stall_seconds:
+                running = [futures[f] for f in remaining if f.running()]
+                where = _where(running[0]) if running else "its input"
+                raise HelixtokError(f"no progress for {config.stall_seconds:g} s: a worker seems hung while "
+                                    f"tokenizing {where}; rerun the same command to resume "
+                                    "(or raise --stall-timeout for huge documents)")
     except BaseException:
         for f in futures:
             f.cancel()
-        # Stop workers now rather than after their current unit (Ctrl-C, a failed unit).
+        # Stop workers now rather than after their current unit (Ctrl-C, a failed or hung unit);
+        # SIGKILL also ends a stopped process, which SIGTERM would not.
         for p in list(getattr(pool, "_processes", {}).values()):
-            p.terminate()
+            p.kill()
         pool.shutdown(wait=True, cancel_futures=True)
         raise
     pool.shutdown(wait=True)
 
 
-class _NullLock:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *a):
-        return False
+def _where(u: Unit) -> str:
+    return u.files[0] + (f" (+{len(u.files) - 1} files)" if len(u.files) > 1 else "")
 
 
-def _assemble(out: str, units: list[Unit], info: TokenizerInfo, config: BuildConfig, state: str,
-              results: list[dict]) -> dict:
+class _LocalCounters(list):
+    """The inline run's progress counters: the shared Array's interface, without a lock."""
+
+    def get_lock(self):
+        return contextlib.nullcontext()
+
+
+def _assemble(out: str, units: list[Unit], info: TokenizerInfo, config: BuildConfig, state: str) -> dict:
     L = config.seq_len
     dtype = info.dtype
     chunks_per_shard = max(1, config.shard_bytes // (L * dtype.itemsize))
@@ -436,7 +444,7 @@ def build(inputs: list[str], out: str, tokenizer: str, config: BuildConfig, *, o
                              sum(sum(r["documents"].values()) for r in results),
                              sum(sum(r["tokens"].values()) for r in results), len(units), len(units), "write"))
 
-    splits = _assemble(out, units, info, config, state, results)
+    splits = _assemble(out, units, info, config, state)
     if splits["train"]["num_chunks"] == 0 and task is None:
         raise InputError(f"the corpus gave {splits['train']['tokens']} tokens, not one chunk of "
                          f"--seq-len {config.seq_len}; lower --seq-len or add text")

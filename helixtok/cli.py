@@ -91,6 +91,8 @@ def main():
 @click.option("--strict", is_flag=True, help="Fail instead of skipping any bad document or file.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar (for logs).")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as one JSON object.")
+@click.option("--stall-timeout", type=click.FloatRange(min=0, min_open=True), default=600, show_default=True,
+              help="Fail when no worker makes progress for this many seconds.")
 @click.option("--backend", type=click.Choice(["auto", "hf", "tiktoken"]), default="auto", show_default=True,
               help="auto: tiktoken where it gives tokenizers' ids on a corpus sample (faster), else hf.")
 @click.option("--num-tasks", type=click.IntRange(min=1), default=None,
@@ -100,7 +102,7 @@ def main():
 @handle_errors
 def build(corpus, out, tokenizer, seq_len, packing, min_tail_len, text_field, bos, eos_token, bos_token,
           pad_token, val_fraction, split_seed, shard_size, workers, overwrite, strict, quiet, as_json,
-          backend, num_tasks, task_index):
+          stall_timeout, backend, num_tasks, task_index):
     """Tokenize CORPUS (files, folders, globs) into fixed-length token shards in OUT.
 
     \b
@@ -116,7 +118,8 @@ def build(corpus, out, tokenizer, seq_len, packing, min_tail_len, text_field, bo
     cfg = BuildConfig(seq_len=seq_len, packing=packing, min_tail_len=min_tail_len, text_field=text_field,
                       add_bos=bos, eos_token=eos_token, bos_token=bos_token, pad_token=pad_token,
                       val_fraction=val_fraction, split_seed=split_seed, shard_bytes=shard_size,
-                      workers=workers, strict=strict, backend=backend)
+                      workers=workers, strict=strict, backend=backend,
+                      stall_seconds=stall_timeout)
     task = task_from_env(num_tasks, task_index)
     if task:
         out = os.path.join(out, f"part-{task[0]:05d}")

@@ -33,6 +33,7 @@ class BuildConfig:
     strict: bool = False
     batch_chars: int = 1 << 20  # characters per encode_batch call in a worker
     max_piece_chars: int = 200_000  # longer documents are encoded in pieces
+    stall_seconds: float = 600.0  # no progress from any worker for this long: the build fails
     backend: str = "auto"  # auto: tiktoken when it reproduces HF's ids on a corpus sample, else hf
 
     def __post_init__(self) -> None:
@@ -55,6 +56,8 @@ class BuildConfig:
             raise ConfigError(f"--workers must be >= 0 (0 = all cores), got {self.workers}")
         if self.backend not in BACKENDS:
             raise ConfigError(f"--backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
+        if self.stall_seconds <= 0:
+            raise ConfigError(f"--stall-timeout must be positive, got {self.stall_seconds}")
         if not self.text_field:
             raise ConfigError("--text-field must not be empty")
 
@@ -72,7 +75,7 @@ class BuildConfig:
     def identity(self) -> dict:
         """The options that change the output bytes (workers and batch sizes do not)."""
         d = asdict(self)
-        for k in ("workers", "strict", "batch_chars"):
+        for k in ("workers", "strict", "batch_chars", "stall_seconds"):
             d.pop(k)
         if self.packing == "document":
             d["min_tail_len"] = self.tail_len

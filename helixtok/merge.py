@@ -78,7 +78,7 @@ def merge(parts: list[str], out: str, *, overwrite: bool = False) -> dict:
         if m["tokenizer"]["sha256"] != first["tokenizer"]["sha256"]:
             raise DatasetError(f"{p}: built with tokenizer {m['tokenizer']['sha256'][:12]}…, {parts[0]} with "
                                f"{first['tokenizer']['sha256'][:12]}…; parts must share the tokenizer")
-        opts = {k: v for k, v in m["options"].items()}
+        opts = m["options"]
         if opts != first["options"]:
             diff = [k for k in opts if opts[k] != first["options"].get(k)]
             raise DatasetError(f"{p}: option {diff[0]} differs from {parts[0]}; parts must be built with the same options")

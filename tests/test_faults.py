@@ -138,6 +138,21 @@ def test_dead_worker_fails_promptly_with_location(tmp_path, dev_corpus, tokenize
     assert not (out / "manifest.json").exists()
 
 
+def test_hung_worker_fails_promptly_with_location(tmp_path, dev_corpus, tokenizer_path):
+    out = tmp_path / "out"
+    p = start_cli(dev_corpus, out, tokenizer_path, "--stall-timeout", "3")
+    wait_for(str(out / STATE / "u*.part"), p)
+    kids = subprocess.run(["pgrep", "-P", str(p.pid)], capture_output=True, text=True).stdout.split()
+    workers = [int(k) for k in kids if "spawn_main" in open(f"/proc/{k}/cmdline").read()]
+    for w in workers:
+        os.kill(w, signal.SIGSTOP)  # a worker that neither works nor dies
+    t = time.time()
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 1 and time.time() - t < 30
+    assert "no progress for 3 s: a worker seems hung while tokenizing" in err and str(dev_corpus) in err
+    assert not (out / "manifest.json").exists()
+
+
 def test_disk_full_is_a_clear_error_and_publishes_nothing(tmp_path, small_tok, monkeypatch):
     from helixtok import shards
 
