@@ -10,7 +10,17 @@ from pathlib import Path
 
 import pytest
 
-DEV = Path(os.environ.get("HELIXTOK_DEV_CORPUS", Path(__file__).resolve().parents[2] / "shared" / "corpus" / "dev"))
+def _find_dev() -> Path:
+    """$HELIXTOK_DEV_CORPUS, else ../shared/corpus/dev beside the checkout, else /work/shared's."""
+    if os.environ.get("HELIXTOK_DEV_CORPUS"):
+        return Path(os.environ["HELIXTOK_DEV_CORPUS"])
+    for c in (Path(__file__).resolve().parents[2] / "shared" / "corpus" / "dev", Path("/work/shared/corpus/dev")):
+        if c.is_dir():
+            return c
+    return Path(__file__).resolve().parents[2] / "shared" / "corpus" / "dev"
+
+
+DEV = _find_dev()
 
 
 def train_bpe(texts, path, vocab_size=1024):
