@@ -91,6 +91,13 @@ def raw_rows(docs, tok_path, variants=True):
         t = time.perf_counter()
         n = sum(len(tok.encode(d, add_special_tokens=False).ids) for d in docs)
         rows["encode (per document)"] = (time.perf_counter() - t, n)
+    from helixtok.backends import tiktoken_encoding, tiktoken_ids
+
+    enc, _ = tiktoken_encoding(tok_path)
+    if enc is not None:  # the limit of --backend auto when it picks tiktoken
+        t = time.perf_counter()
+        n = sum(map(len, tiktoken_ids(enc, docs)))
+        rows["tiktoken encode (same ids)"] = (time.perf_counter() - t, n)
     return nbytes, rows
 
 
@@ -242,7 +249,11 @@ def main() -> None:
             if err:
                 rows.append((f"{name}: not run ({err})", None, None, None, None))
                 continue
-            row(name + (f" [{best.get('_chosen')}]" if kind == "auto" else ""), dt, n, rss, w * limit1)
+            lim = limit1
+            if kind == "auto" and best.get("_chosen") == "tiktoken" and "tiktoken encode (same ids)" in raw:
+                lim = nbytes / raw["tiktoken encode (same ids)"][0]  # its own limit: N x raw tiktoken
+            row(name + (f" [{best.get('_chosen')}; ratio to N x raw tiktoken]" if kind == "auto" else ""),
+                dt, n, rss, w * lim)
             if kind in scripts:
                 h = best[f"helixtok build -j {w} --backend hf, one .jsonl"][0]
                 a = best[f"helixtok build -j {w} --backend auto, one .jsonl"][0]

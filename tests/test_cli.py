@@ -115,7 +115,7 @@ def test_bad_option_is_usage_error(tmp_path, corpus, small_tok):
     assert r.exit_code == 1 and "--min-tail-len applies only to --pack document" in r.output
 
 
-@pytest.mark.parametrize("cmd", ["build", "stats", "verify", "train-tokenizer"])
+@pytest.mark.parametrize("cmd", ["build", "stats", "verify", "merge", "train-tokenizer"])
 def test_help_has_example(cmd):
     r = run(cmd, "--help")
     assert r.exit_code == 0 and "Example:" in r.output and f"helixtok {cmd}" in r.output
