@@ -64,12 +64,14 @@ class ShardWriter:
     _bin: _HashedFile | None = None
     _side: _HashedFile | None = None
     _in_shard: int = 0
+    _docs_in_shard: int = 0
 
     def _open(self) -> None:
         stem = os.path.join(self.out_dir, f"{self.split}-{len(self.shards):05d}")
         self._bin = _HashedFile(stem + ".bin")
         self._side = _HashedFile(f"{stem}.{self.sidecar}")
         self._in_shard = 0
+        self._docs_in_shard = 0
 
     def _close(self) -> None:
         entry = self._bin.commit()
@@ -82,8 +84,6 @@ class ShardWriter:
         self.shards.append(entry)
         self._bin = self._side = None
 
-    _docs_in_shard: int = 0
-
     def write(self, chunks: np.ndarray, valid: np.ndarray | None = None, doc_starts: np.ndarray | None = None
               ) -> None:
         """chunks [k, seq_len]; valid [k] (document packing) or doc_starts: sorted offsets of
@@ -93,7 +93,6 @@ class ShardWriter:
         while done < k:
             if self._bin is None:
                 self._open()
-                self._docs_in_shard = 0
             take = min(self.chunks_per_shard - self._in_shard, k - done)
             self._bin.write(chunks[done: done + take].astype(self.dtype, copy=False))
             if valid is not None:
