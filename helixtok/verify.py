@@ -10,6 +10,7 @@ import numpy as np
 
 from .manifest import DTYPES, load_manifest
 from .shards import DOCS_DTYPE, VALID_DTYPE
+from .tokenizer import sha256_file
 
 BLOCK = 1 << 24  # elements per read: memory stays flat on large shards
 
@@ -53,10 +54,6 @@ def _hash_and_max(path: str, dtype: np.dtype) -> tuple[str, int]:
     return h.hexdigest(), mx
 
 
-def _sha(path: str) -> str:
-    return _hash_and_max(path, np.dtype("u1"))[0]
-
-
 def verify(out: str, *, sample: int = 0, seed: int = 0) -> VerifyReport:
     m = load_manifest(out)
     dtype = np.dtype(DTYPES[m["dtype"]])
@@ -96,7 +93,7 @@ def verify(out: str, *, sample: int = 0, seed: int = 0) -> VerifyReport:
                 if not os.path.isfile(sp):
                     r.problems.append(f"{e[side]['path']} missing")
                     continue
-                if _sha(sp) != e[side]["sha256"]:
+                if sha256_file(sp) != e[side]["sha256"]:
                     r.problems.append(f"{e[side]['path']}: sha256 mismatch")
                     continue
                 if side == "valid":

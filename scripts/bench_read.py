@@ -141,11 +141,9 @@ def main() -> None:
             rows.append((f"  same, collate_fn=ds.collate (no re-stacking), workers {w}",
                          loader_rate(ds, B, w, args.seconds, ds.collate)))
         if tok:
-            from helixtok.sources import Tally, UnitReader, discover, plan_units
+            from bench_build import load_docs
 
-            files, _ = discover([DEV])
-            units, _ = plan_units(files, unit_bytes=4 << 20, text_field="text")
-            docs = [t for u in units for t in UnitReader(u, "text", Tally())]
+            docs = load_docs(DEV)
             dl = DataLoader(OnTheFly(docs, tok, L), batch_size=B)
             n, t0 = 0, time.perf_counter()
             for b in dl:
