@@ -8,9 +8,11 @@ interrupted build resumable: finished units are never redone.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
+import secrets
 import shutil
 import signal
 import time
@@ -26,12 +28,11 @@ from .config import BuildConfig
 from .errors import ConfigError, HelixtokError, InputError
 from .manifest import DOC_SKIPS, FORMAT_VERSION, MANIFEST, REPAIRS, write_json_atomic
 from .pack import PackCounts, document_chunks, packed_chunks
+from .outdir import PUBLISH, STATE, OutLock, refuse_foreign, remove_owned
 from .shards import ShardWriter, fsync_dir
 from .sources import Tally, Unit, UnitReader, discover, plan_units
 from .tokenizer import Encoder, TokenizerInfo, inspect_tokenizer
 
-STATE = ".helixtok-partial"
-OWN_FILES = (".bin", ".docs", ".valid", ".tmp")
 ASSEMBLY_TOKENS = 1 << 24  # tokens per slice when assembling: keeps memory flat
 
 
@@ -53,15 +54,49 @@ class Progress:
 _W: dict = {}
 
 
-def _init_worker(info: TokenizerInfo, config: BuildConfig, state_dir: str, counters, inline: bool) -> None:
-    if not inline:
+def _die_with_parent(parent: int) -> None:
+    """Exit as soon as the build process is gone, even while blocked waiting for work.
+
+    An orphan that went on writing could race a resumed build; on Linux the kernel kills us
+    (PR_SET_PDEATHSIG), elsewhere a thread polls.  The parent may have died before this ran.
+    """
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        ok = libc.prctl(1, signal.SIGKILL, 0, 0, 0) == 0  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        ok = False
+    if os.getppid() != parent:
+        os._exit(1)
+    if not ok:
+        import threading
+
+        def watch() -> None:
+            while os.getppid() == parent:
+                time.sleep(0.5)
+            os._exit(1)
+
+        threading.Thread(target=watch, daemon=True).start()
+
+
+def _init_worker(info: TokenizerInfo, config: BuildConfig, state_dir: str, run_id: str, counters,
+                 slots, parent: int | None) -> None:
+    if parent is not None:
         # The parent handles Ctrl-C and stops us; a KeyboardInterrupt traceback per worker helps nobody.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        _die_with_parent(parent)
     # One process per core: rayon threads inside each would oversubscribe the cores
     # (and --workers 1 means one core).
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    slot = None
+    if slots is not None:  # claim a slot where the parent can see which unit this process works on
+        with slots.get_lock():
+            slot = next(i for i in range(0, len(slots), 2) if slots[i] == 0)
+            slots[slot] = os.getpid()
+            slots[slot + 1] = -1
     _W.update(encoder=Encoder(info, max_piece_chars=config.max_piece_chars), config=config,
-              state=state_dir, counters=counters, parent=os.getppid() if not inline else None)
+              state=state_dir, run=run_id, counters=counters, slots=slots, slot=slot)
 
 
 def _bump(counters, b: int, d: int, t: int) -> None:
@@ -79,21 +114,43 @@ def _split_of(text: str, fraction: float, seed: int) -> int:
     return int(int.from_bytes(h.digest(), "little") < fraction * 2.0**64)
 
 
-def unit_paths(state: str, index: int, split: str) -> tuple[str, str]:
-    stem = os.path.join(state, f"u{index:06d}.{split}")
-    return stem + ".tok", stem + ".len"
+def done_path(state: str, index: int) -> str:
+    return os.path.join(state, f"u{index:06d}.done.json")
 
 
 def run_unit(unit: Unit) -> dict:
-    """Tokenize one unit into spill files; the journal entry (u*.done.json) is written last."""
+    """Tokenize one unit into spill files named for this run; returns (and journals) where they are.
+
+    Every failure leaves as a HelixtokError naming the unit: a Rust panic or MemoryError could
+    not even be pickled back to the parent.
+    """
+    if _W.get("slots") is not None:
+        _W["slots"][_W["slot"] + 1] = unit.index
+    try:
+        return _run_unit(unit)
+    except (HelixtokError, KeyboardInterrupt, SystemExit):
+        raise
+    except MemoryError:
+        raise HelixtokError(f"out of memory while tokenizing {_where(unit)}; use fewer --workers or "
+                            "more memory, then rerun the same command to resume") from None
+    except OSError:
+        raise
+    except BaseException as e:  # noqa: BLE001 - includes pyo3's PanicException
+        msg = (str(e).splitlines() or [""])[0][:200]
+        raise HelixtokError(f"tokenizing {_where(unit)} failed: {type(e).__name__}: {msg}") from None
+
+
+def _run_unit(unit: Unit) -> dict:
     enc: Encoder = _W["encoder"]
     cfg: BuildConfig = _W["config"]
-    state, counters = _W["state"], _W["counters"]
+    state, counters, run = _W["state"], _W["counters"], _W["run"]
     splits = ("train", "val") if cfg.val_fraction > 0 else ("train",)
-    files = {s: [open(p + ".part", "wb") for p in unit_paths(state, unit.index, s)] for s in splits}
+    # Spill files carry this run's id: an orphan of an earlier run can never write into them.
+    names = {s: (f"u{unit.index:06d}.{run}.{s}.tok", f"u{unit.index:06d}.{run}.{s}.len") for s in splits}
+    files = {s: [open(os.path.join(state, n + ".part"), "wb") for n in names[s]] for s in splits}
     docs = {s: 0 for s in splits}
     tokens = {s: 0 for s in splits}
-    tally = Tally()
+    tally = Tally(strict=cfg.strict)
     reader = UnitReader(unit, cfg.text_field, tally)
     batch = {s: [] for s in splits}
     chars = 0
@@ -101,8 +158,6 @@ def run_unit(unit: Unit) -> dict:
 
     def flush() -> None:
         nonlocal chars, last_consumed
-        if _W["parent"] is not None and os.getppid() != _W["parent"]:
-            os._exit(1)  # the build was killed: an orphan must not race the resumed build's files
         ntok = ndoc = 0
         for s in splits:
             if not batch[s]:
@@ -130,62 +185,60 @@ def run_unit(unit: Unit) -> dict:
             flush()
     flush()
     _bump(counters, unit.est_bytes - last_consumed, 0, 0)  # close the gap of estimated sizes
+    spill = {}
     for s in splits:
         for fh in files[s]:
             fh.flush()
             os.fsync(fh.fileno())
             fh.close()
-        for p in unit_paths(state, unit.index, s):
-            os.replace(p + ".part", p)
-    result = {"index": unit.index, "documents": docs, "tokens": tokens, "skipped": tally.to_json()}
-    write_json_atomic(os.path.join(state, f"u{unit.index:06d}.done.json"), result)
+        for n in names[s]:
+            os.replace(os.path.join(state, n + ".part"), os.path.join(state, n))
+        spill[s] = [[n, os.path.getsize(os.path.join(state, n))] for n in names[s]]
+    result = {"index": unit.index, "run": run, "spill": spill, "documents": docs, "tokens": tokens,
+              "skipped": tally.to_json()}
+    write_json_atomic(done_path(state, unit.index), result)
     return result
 
 
 # --------------------------------------------------------------------------- main side
 
 
-def _prepare_out(out: str, plan: dict, overwrite: bool) -> bool:
-    """Make OUT ready; returns True when an unfinished build with the same plan can resume."""
+def _prepare_out(out: str, plan: dict, overwrite: bool, protect: list[str]) -> bool:
+    """Make the locked OUT ready; returns True when an unfinished build with the same plan can resume."""
     state = os.path.join(out, STATE)
-    if not os.path.exists(out):
-        os.makedirs(out)
-        return False
-    if not os.path.isdir(out):
-        raise ConfigError(f"{out}: exists and is not a folder")
-    entries = os.listdir(out)
-    if not entries:
-        return False
+    if os.path.isfile(os.path.join(out, MANIFEST)) and os.path.isdir(state) and not overwrite:
+        shutil.rmtree(state)  # the last step of a finished build (cleanup) was interrupted
+    refuse_foreign(out)
     if overwrite:
-        for e in entries:
-            p = os.path.join(out, e)
-            if e == STATE:
-                shutil.rmtree(p)
-            elif e in (MANIFEST, "tokenizer.json") or e.endswith(OWN_FILES):
-                os.remove(p)
+        remove_owned(out, protect=protect)
         return False
     if os.path.isfile(os.path.join(out, MANIFEST)):
         raise ConfigError(f"{out}: already holds a finished dataset; pass --overwrite to replace it")
     plan_path = os.path.join(state, "plan.json")
     if os.path.isfile(plan_path):
-        with open(plan_path) as fh:
-            old = json.load(fh)
+        try:
+            with open(plan_path) as fh:
+                old = json.load(fh)
+        except ValueError:
+            old = None
         if old == plan:
             return True
-        raise ConfigError(f"{out}: holds an unfinished build with other inputs or options "
-                          f"({_describe_change(old, plan)}); pass --overwrite to discard it")
-    raise ConfigError(f"{out}: folder is not empty ({len(entries)} entries); choose an empty or new folder, "
-                      "or pass --overwrite")
+        if old is not None:
+            raise ConfigError(f"{out}: holds an unfinished build with other inputs or options "
+                              f"({_describe_change(old, plan)}); pass --overwrite to discard it")
+    # Leftovers that no plan describes (a kill before plan.json was written) are ours and useless.
+    remove_owned(out)
+    return False
 
 
 def _describe_change(old: dict, new: dict) -> str:
-    for k in ("config", "tokenizer_sha256", "helixtok"):
+    for k in ("config", "tokenizer", "helixtok", "format_version", "partition"):
         if old.get(k) != new.get(k):
-            if isinstance(old.get(k), dict):
+            if isinstance(old.get(k), dict) and isinstance(new.get(k), dict):
                 diffs = [f"{kk}: {old[k].get(kk)!r} -> {new[k].get(kk)!r}"
                          for kk in sorted(set(old[k]) | set(new[k])) if old[k].get(kk) != new[k].get(kk)]
                 return ", ".join(diffs)
-            return f"{k} changed"
+            return f"{k}: {old.get(k)!r} -> {new.get(k)!r}"
     of = {f[0]: f[1:] for f in old.get("files", [])}
     nf = {f[0]: f[1:] for f in new.get("files", [])}
     added = sorted(set(nf) - set(of))
@@ -201,14 +254,62 @@ def _describe_change(old: dict, new: dict) -> str:
     return "; ".join(parts) or "work units changed"
 
 
+def _trusted_results(state: str, units: list[Unit]) -> dict[int, dict]:
+    """Journal entries of finished units whose spill files are all there with the sizes recorded.
+
+    Read once, at start: the lock guarantees no other build writes here, and an orphan that
+    journals late only ever names its own run's files, which this run then does not use.
+    """
+    trusted: dict[int, dict] = {}
+    for u in units:
+        try:
+            with open(done_path(state, u.index)) as fh:
+                r = json.load(fh)
+            ok = r["index"] == u.index and all(
+                os.path.getsize(os.path.join(state, n)) == size for files in r["spill"].values() for n, size in files)
+        except (OSError, ValueError, KeyError, TypeError):
+            ok = False
+        if ok:
+            trusted[u.index] = r
+    keep = {n for r in trusted.values() for files in r["spill"].values() for n, _ in files}
+    for e in os.listdir(state):  # spill files of runs that did not finish their unit
+        if e.startswith("u") and e not in keep and not e.endswith(".done.json"):
+            with contextlib.suppress(OSError):
+                os.remove(os.path.join(state, e))
+    return trusted
+
+
+class _Interrupt:
+    """Ctrl-C while workers run: note it and stop at the next poll (a KeyboardInterrupt raised at
+    an arbitrary point inside concurrent.futures can be swallowed)."""
+
+    def __init__(self):
+        self.hit = False
+        self._old = None
+
+    def __enter__(self):
+        import threading
+
+        if threading.current_thread() is threading.main_thread():
+            self._old = signal.signal(signal.SIGINT, lambda *_: setattr(self, "hit", True))
+        return self
+
+    def __exit__(self, *exc):
+        if self._old is not None:
+            signal.signal(signal.SIGINT, self._old)
+
+
 def _run_units(units: list[Unit], pending: list[Unit], info: TokenizerInfo, config: BuildConfig, state: str,
-               on_progress: Callable[[Progress], None] | None, done_bytes: int) -> None:
+               run_id: str, on_progress: Callable[[Progress], None] | None, done_bytes: int) -> list[dict]:
     total_bytes = sum(u.est_bytes for u in units)
-    # Largest first, so the last unit to finish is a small one (output order does not depend on this).
-    order = sorted(pending, key=lambda u: (-u.est_bytes * (4 if u.kind in ("jsonl.gz", "jsonl.zst") else 1), u.index))
+    # Largest first, so the last unit to finish is a small one (output order does not depend on this);
+    # --strict goes in corpus order, to stop at the first bad input soon.
+    order = sorted(pending, key=lambda u: (0 if config.strict else
+                                           -u.est_bytes * (4 if u.kind in ("jsonl.gz", "jsonl.zst") else 1), u.index))
     n_workers = min(config.num_workers, max(1, len(order)))
     units_done = len(units) - len(pending)
     t_last = 0.0
+    results = []
 
     def report(counters, units_done, force=False):
         nonlocal t_last
@@ -220,56 +321,91 @@ def _run_units(units: list[Unit], pending: list[Unit], info: TokenizerInfo, conf
 
     if n_workers == 1:  # inline: no pool, easy to debug and profile
         counters = _LocalCounters([0, 0, 0])
-        _init_worker(info, config, state, counters, inline=True)
+        _init_worker(info, config, state, run_id, counters, None, None)
         for u in order:
-            run_unit(u)
+            results.append(run_unit(u))
             units_done += 1
             report(counters, units_done, force=True)
-        return
+        return results
 
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")  # never fork a process that may hold tokenizer threads
     counters = ctx.Array("q", 3)
-    pool = ProcessPoolExecutor(n_workers, mp_context=ctx, initializer=_init_worker,
-                               initargs=(info, config, state, counters, False))
+    slots = ctx.Array("q", 2 * n_workers)  # (pid, unit index) per worker process
     futures = {}
+    pool = None
     try:
-        futures = {pool.submit(run_unit, u): u for u in order}
-        remaining = set(futures)
-        last, last_change = None, time.monotonic()
-        while remaining:
-            finished, remaining = wait(remaining, timeout=0.2, return_when=FIRST_COMPLETED)
-            for f in finished:
-                try:
-                    f.result()
-                except BrokenProcessPool as e:
-                    u = futures[f]
-                    raise HelixtokError(
-                        f"a worker process died while tokenizing {_where(u)}; "
-                        "it was killed (out of memory?); rerun the same command to resume") from e
-                units_done += 1
-            report(counters, units_done, force=bool(finished))
-            # A hung worker (deadlock, stuck network file system) must not hang the build.
-            now_state = (tuple(counters[:]), units_done)
-            if now_state != last:
-                last, last_change = now_state, time.monotonic()
-            elif time.monotonic() - last_change > config.stall_seconds:
-                running = [futures[f] for f in remaining if f.running()]
-                where = _where(running[0]) if running else "its input"
-                raise HelixtokError(f"no progress for {config.stall_seconds:g} s: a worker seems hung while "
-                                    f"tokenizing {where}; rerun the same command to resume "
-                                    "(or raise --stall-timeout for huge documents)")
+        with _Interrupt() as interrupt:
+            pool = ProcessPoolExecutor(n_workers, mp_context=ctx, initializer=_init_worker,
+                                       initargs=(info, config, state, run_id, counters, slots, os.getpid()))
+            futures = {pool.submit(run_unit, u): u for u in order}
+            remaining = set(futures)
+            last, last_change = None, time.monotonic()
+            bad: tuple[int, InputError] | None = None  # the first bad input in corpus order
+            while remaining:
+                finished, remaining = wait(remaining, timeout=0.2, return_when=FIRST_COMPLETED)
+                if interrupt.hit:
+                    raise KeyboardInterrupt
+                for f in sorted(finished, key=lambda f: futures[f].index):
+                    try:
+                        results.append(_result(f, futures[f], pool, slots, units))
+                    except InputError as e:
+                        if bad is None or futures[f].index < bad[0]:
+                            bad = (futures[f].index, e)
+                    units_done += 1
+                if bad is not None:
+                    # Only units before the bad one can hold an earlier error: wait for those alone.
+                    remaining = {f for f in remaining if futures[f].index < bad[0]}
+                    if not remaining:
+                        raise bad[1]
+                report(counters, units_done, force=bool(finished))
+                # A hung worker (deadlock, stuck network file system) must not hang the build.
+                now_state = (tuple(counters[:]), units_done)
+                if now_state != last:
+                    last, last_change = now_state, time.monotonic()
+                elif time.monotonic() - last_change > config.stall_seconds:
+                    running = [futures[f] for f in remaining if f.running()]
+                    where = _where(running[0]) if running else "its input"
+                    raise HelixtokError(f"no progress for {config.stall_seconds:g} s: a worker seems hung while "
+                                        f"tokenizing {where}; rerun the same command to resume "
+                                        "(or raise --stall-timeout for huge documents)")
+    except BrokenProcessPool as e:  # the pool broke while starting (submit raised)
+        raise HelixtokError(f"a worker process died while starting ({e}); rerun the same command to resume") from None
     except BaseException:
         for f in futures:
             f.cancel()
         # Stop workers now rather than after their current unit (Ctrl-C, a failed or hung unit);
         # SIGKILL also ends a stopped process, which SIGTERM would not.
-        for p in list(getattr(pool, "_processes", {}).values()):
-            p.kill()
-        pool.shutdown(wait=True, cancel_futures=True)
+        if pool is not None:
+            for p in list(getattr(pool, "_processes", {}).values()):
+                p.kill()
+            pool.shutdown(wait=True, cancel_futures=True)
         raise
     pool.shutdown(wait=True)
+    return results
+
+
+def _result(f, u: Unit, pool, slots, units: list[Unit]) -> dict:
+    """A finished future's journal entry, or one clear error naming the unit that failed."""
+    try:
+        return f.result()
+    except BrokenProcessPool:
+        # Every pending future fails at once: name the unit the dead process was working on.
+        dead = {p.pid for p in getattr(pool, "_processes", {}).values() if p.exitcode is not None}
+        by_index = {x.index: x for x in units}
+        for i in range(0, len(slots), 2):
+            if slots[i] in dead and slots[i + 1] in by_index:
+                u = by_index[slots[i + 1]]
+                break
+        raise HelixtokError(f"a worker process died while tokenizing {_where(u)}; it was killed "
+                            "(out of memory?); rerun the same command to resume") from None
+    except HelixtokError:
+        raise
+    except OSError:
+        raise
+    except Exception as e:  # noqa: BLE001
+        raise HelixtokError(f"tokenizing {_where(u)} failed: {type(e).__name__}: {e}") from None
 
 
 def _where(u: Unit) -> str:
@@ -283,14 +419,15 @@ class _LocalCounters(list):
         return contextlib.nullcontext()
 
 
-def _assemble(out: str, units: list[Unit], info: TokenizerInfo, config: BuildConfig, state: str) -> dict:
+def _assemble(dest: str, results: list[dict], info: TokenizerInfo, config: BuildConfig, state: str) -> dict:
+    """Pack the units' spill files, in unit order, into shards in `dest` (inside STATE until published)."""
     L = config.seq_len
     dtype = info.dtype
     chunks_per_shard = max(1, config.shard_bytes // (L * dtype.itemsize))
     splits = ("train", "val") if config.val_fraction > 0 else ("train",)
     out_splits = {}
     for split in splits:
-        writer = ShardWriter(out, split, dtype, L, chunks_per_shard,
+        writer = ShardWriter(dest, split, dtype, L, chunks_per_shard,
                              "valid" if config.packing == "document" else "docs")
         counts = PackCounts()
         produced = documents = 0
@@ -298,8 +435,8 @@ def _assemble(out: str, units: list[Unit], info: TokenizerInfo, config: BuildCon
         pending_starts = np.empty(0, np.int64)
         pos = 0  # tokens of this split's stream seen so far (packed)
         try:
-            for u in units:
-                tok_path, len_path = unit_paths(state, u.index, split)
+            for r in results:
+                tok_path, len_path = (os.path.join(state, n) for n, _ in r["spill"][split])
                 if os.path.getsize(len_path) == 0:
                     continue
                 ids_all = np.memmap(tok_path, dtype=dtype, mode="r")
@@ -355,8 +492,11 @@ def _choose_backend(info: TokenizerInfo, units: list[Unit], config: BuildConfig)
     from .errors import TokenizerError
     from .tokenizer import load_tokenizer
 
+    from importlib.metadata import version
+
+    hf = dataclasses.replace(info, backend="hf", backend_version=f"tokenizers {version('tokenizers')}")
     if config.backend == "hf":
-        return info, {"chosen": "hf", "reason": "--backend hf"}
+        return hf, {"chosen": "hf", "reason": "--backend hf"}
     enc, why = tiktoken_encoding(info.path)
     sample_docs = 0
     if enc is not None:
@@ -373,11 +513,11 @@ def _choose_backend(info: TokenizerInfo, units: list[Unit], config: BuildConfig)
         sample_docs = len(sample)
         ok, why = parity(load_tokenizer(info.path), enc, sample)
         if ok:
-            return dataclasses.replace(info, backend="tiktoken"), {
+            return dataclasses.replace(info, backend="tiktoken", backend_version=f"tiktoken {version('tiktoken')}"), {
                 "chosen": "tiktoken", "reason": "same ids as tokenizers on the sample", "sample_documents": sample_docs}
     if config.backend == "tiktoken":
         raise TokenizerError(f"{info.path}: --backend tiktoken is not exact for this tokenizer ({why}); use --backend hf")
-    return info, {"chosen": "hf", "reason": why, "sample_documents": sample_docs}
+    return hf, {"chosen": "hf", "reason": why, "sample_documents": sample_docs}
 
 
 def build(inputs: list[str], out: str, tokenizer: str, config: BuildConfig, *, overwrite: bool = False,
@@ -385,15 +525,46 @@ def build(inputs: list[str], out: str, tokenizer: str, config: BuildConfig, *, o
     """Build a dataset in `out` from corpus paths; returns the manifest (also written to out/manifest.json).
 
     task=(k, n) builds only the k-th of n contiguous partitions of the work units (see merge.py).
+    Holds an exclusive lock on `out` throughout: a second build into it fails at once.
     """
     info = inspect_tokenizer(tokenizer, eos_token=config.eos_token, bos_token=config.bos_token,
                              pad_token=config.pad_token, add_bos=config.add_bos)
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ConfigError(f"{out}: exists and is not a folder")
+    created = not os.path.exists(out)
+    os.makedirs(out, exist_ok=True)
+    lock = OutLock(out)
+    state = os.path.join(out, STATE)
+    try:
+        return _build_locked(inputs, out, info, config, overwrite, on_progress, task)
+    except InputError:
+        # Bad input: the corrected command has other inputs or options, so nothing here can be
+        # resumed; leave OUT as it was before (or absent) so that command just works.
+        if os.path.isdir(state) and not os.path.isfile(os.path.join(out, MANIFEST)):
+            shutil.rmtree(state, ignore_errors=True)
+        raise
+    except OSError as e:
+        if e.errno == errno.ENOSPC:
+            raise HelixtokError(f"{out}: disk full while building; no dataset was published. Free space "
+                                "and rerun the same command to resume") from None
+        if e.errno == errno.EMFILE:
+            raise HelixtokError(f"too many open files ({e.filename or e}); raise the limit (ulimit -n 4096) "
+                                "or use fewer --workers, then rerun the same command to resume") from None
+        raise
+    finally:
+        lock.release()
+        if created:
+            with contextlib.suppress(OSError):
+                os.rmdir(out)  # only if the build left nothing: a failed first build leaves no trace
+
+
+def _build_locked(inputs: list[str], out: str, info: TokenizerInfo, config: BuildConfig, overwrite: bool,
+                  on_progress: Callable[[Progress], None] | None, task: tuple[int, int] | None) -> dict:
     files, warnings = discover(inputs, exclude=out)
     units, plan_warn = plan_units(files, unit_bytes=config.unit_bytes, text_field=config.text_field)
     warnings.merge(plan_warn)
-    if config.strict and warnings.counts:
-        reason = sorted(warnings.counts)[0]
-        raise InputError(f"{warnings.examples[reason][0]}: {reason.replace('_', ' ')} (--strict)")
+    if config.strict and warnings.first:
+        raise InputError(f"{warnings.first} (--strict)")
     if not units:
         raise InputError(f"no documents to read in {' '.join(inputs)}")
     info, backend_check = _choose_backend(info, units, config)
@@ -410,46 +581,42 @@ def build(inputs: list[str], out: str, tokenizer: str, config: BuildConfig, *, o
     plan = {
         "partition": partition_info,
         "helixtok": __version__, "format_version": FORMAT_VERSION, "config": config.identity(),
-        "tokenizer_sha256": info.sha256, "backend": info.backend, "files": [[f.name, f.size, f.mtime_ns] for f in files],
+        # Every resolved choice that changes bytes: special ids, vocabulary, backend and its version.
+        "tokenizer": info.to_json(),
+        "files": [[f.name, f.size, f.mtime_ns] for f in files],
         "units": [u.to_json() for u in units],
     }
-    resume = _prepare_out(out, plan, overwrite)
+    resume = _prepare_out(out, plan, overwrite, protect=[f.path for f in files] + [info.path])
     state = os.path.join(out, STATE)
     os.makedirs(state, exist_ok=True)
     if not resume:
         write_json_atomic(os.path.join(state, "plan.json"), plan)
 
-    def done_path(u: Unit) -> str:
-        return os.path.join(state, f"u{u.index:06d}.done.json")
+    trusted = _trusted_results(state, units) if resume else {}
+    pending = [u for u in units if u.index not in trusted]
+    done_bytes = sum(u.est_bytes for u in units if u.index in trusted)
+    run_id = f"r{os.getpid()}x{secrets.token_hex(3)}"
+    fresh = _run_units(units, pending, info, config, state, run_id, on_progress, done_bytes)
+    by_index = {**trusted, **{r["index"]: r for r in fresh}}
+    results = [by_index[u.index] for u in units]
 
-    pending = [u for u in units if not os.path.isfile(done_path(u))]
-    if not units:  # a task with nothing to do (more tasks than work units) still leaves a valid, empty part
-        pending = []
-    done_bytes = sum(u.est_bytes for u in units if u not in pending)
-    _run_units(units, pending, info, config, state, on_progress, done_bytes)
-
-    results = []
     tally = Tally()
-    for u in units:
-        with open(done_path(u)) as fh:
-            r = json.load(fh)
-        results.append(r)
-        unit_tally = Tally.from_json(r["skipped"])
-        if config.strict and unit_tally.counts:
-            reason = sorted(unit_tally.counts)[0]
-            raise InputError(f"{unit_tally.examples[reason][0]}: {reason.replace('_', ' ')} (--strict)")
-        tally.merge(unit_tally)
+    for r in results:
+        tally.merge(Tally.from_json(r["skipped"]))
     if on_progress:
         on_progress(Progress(sum(u.est_bytes for u in units), sum(u.est_bytes for u in units),
                              sum(sum(r["documents"].values()) for r in results),
                              sum(sum(r["tokens"].values()) for r in results), len(units), len(units), "write"))
 
-    splits = _assemble(out, units, info, config, state)
+    asm = os.path.join(state, "assembly")
+    shutil.rmtree(asm, ignore_errors=True)
+    os.makedirs(asm)
+    splits = _assemble(asm, results, info, config, state)
     if splits["train"]["num_chunks"] == 0 and task is None:
         raise InputError(f"the corpus gave {splits['train']['tokens']} tokens, not one chunk of "
                          f"--seq-len {config.seq_len}; lower --seq-len or add text")
-    shutil.copyfile(info.path, os.path.join(out, ".tokenizer.json.tmp"))
-    os.replace(os.path.join(out, ".tokenizer.json.tmp"), os.path.join(out, "tokenizer.json"))
+    _check_unchanged(files)
+    shutil.copyfile(info.path, os.path.join(asm, "tokenizer.json"))
 
     totals = {k: sum(s[k] for s in splits.values())
               for k in ("documents", "tokens", "pad_tokens", "dropped_tokens", "dropped_documents", "num_chunks")}
@@ -464,7 +631,8 @@ def build(inputs: list[str], out: str, tokenizer: str, config: BuildConfig, *, o
         "seq_len": config.seq_len,
         "packing": config.packing,
         "min_tail_len": config.tail_len if config.packing == "document" else None,
-        "tokenizer": {**info.to_json(), "file": "tokenizer.json", "backend_check": backend_check},
+        "tokenizer": {**info.to_json(), "file": "tokenizer.json",
+                      "backend_check": backend_check},
         "options": {"text_field": config.text_field, "val_fraction": config.val_fraction,
                     "split_seed": config.split_seed, "shard_bytes": config.shard_bytes,
                     "unit_bytes": config.unit_bytes, "max_piece_chars": config.max_piece_chars},
@@ -476,8 +644,35 @@ def build(inputs: list[str], out: str, tokenizer: str, config: BuildConfig, *, o
         "skipped": tally.to_json(),
         "warnings": warnings.to_json(),
     }
+    _publish(out, state, asm, splits, manifest)
+    return manifest
+
+
+def _check_unchanged(files) -> None:
+    """An input modified while it was read would give a dataset matching neither version."""
+    for f in files:
+        try:
+            st = os.stat(f.path)
+        except OSError:
+            st = None
+        if st is None or (st.st_size, st.st_mtime_ns) != (f.size, f.mtime_ns):
+            raise InputError(f"{f.path}: changed while the build read it; rerun when the corpus is stable")
+
+
+def _publish(out: str, state: str, asm: str, splits: dict, manifest: dict) -> None:
+    """Move the finished files from STATE into OUT, then the manifest, last and atomically.
+
+    publish.json names the files first, so a kill halfway leaves them known as helixtok's
+    (a rerun resumes and publishes again; --overwrite removes them).
+    """
+    names = [e["path"] for s in splits.values() for e in s["shards"]]
+    names += [e[k]["path"] for s in splits.values() for e in s["shards"] for k in ("docs", "valid") if k in e]
+    names.append("tokenizer.json")
+    write_json_atomic(os.path.join(state, PUBLISH), {"files": names})
+    for n in names:
+        os.replace(os.path.join(asm, n), os.path.join(out, n))
     fsync_dir(out)  # shard renames are durable before the manifest says they exist
-    write_json_atomic(os.path.join(out, MANIFEST), manifest)
+    write_json_atomic(os.path.join(state, MANIFEST), manifest)
+    os.replace(os.path.join(state, MANIFEST), os.path.join(out, MANIFEST))
     fsync_dir(out)
     shutil.rmtree(state)
-    return manifest

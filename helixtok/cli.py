@@ -86,6 +86,8 @@ def main():
               help="Fraction of documents in a 'val' split (by content hash).")
 @click.option("--split-seed", type=int, default=0, show_default=True, help="Seed of the train/val split hash.")
 @click.option("--shard-size", callback=parse_size, default="1GiB", show_default=True, help="Target bytes per shard.")
+@click.option("--unit-size", callback=parse_size, default="4MiB", show_default=True,
+              help="Input bytes per work unit (scheduling only: the shards do not depend on it).")
 @click.option("--workers", "-j", type=click.IntRange(min=0), default=0, help="Worker processes [default: all cores].")
 @click.option("--overwrite", is_flag=True, help="Replace a dataset or unfinished build in OUT.")
 @click.option("--strict", is_flag=True, help="Fail instead of skipping any bad document or file.")
@@ -101,7 +103,7 @@ def main():
               help="Which partition [default: $SLURM_ARRAY_TASK_ID or $JOB_COMPLETION_INDEX].")
 @handle_errors
 def build(corpus, out, tokenizer, seq_len, packing, min_tail_len, text_field, bos, eos_token, bos_token,
-          pad_token, val_fraction, split_seed, shard_size, workers, overwrite, strict, quiet, as_json,
+          pad_token, val_fraction, split_seed, shard_size, unit_size, workers, overwrite, strict, quiet, as_json,
           stall_timeout, backend, num_tasks, task_index):
     """Tokenize CORPUS (files, folders, globs) into fixed-length token shards in OUT.
 
@@ -118,7 +120,7 @@ def build(corpus, out, tokenizer, seq_len, packing, min_tail_len, text_field, bo
     cfg = BuildConfig(seq_len=seq_len, packing=packing, min_tail_len=min_tail_len, text_field=text_field,
                       add_bos=bos, eos_token=eos_token, bos_token=bos_token, pad_token=pad_token,
                       val_fraction=val_fraction, split_seed=split_seed, shard_bytes=shard_size,
-                      workers=workers, strict=strict, backend=backend,
+                      unit_bytes=unit_size, workers=workers, strict=strict, backend=backend,
                       stall_seconds=stall_timeout)
     task = task_from_env(num_tasks, task_index)
     if task:

@@ -42,14 +42,21 @@ class Tally:
 
     counts: dict[str, int] = field(default_factory=dict)
     examples: dict[str, list[str]] = field(default_factory=dict)
+    strict: bool = False  # --strict: the first problem is an error, where it is found
+    first: str | None = None  # the first problem met, in reading order: what --strict reports
 
     def add(self, reason: str, where: str, n: int = 1) -> None:
+        if self.strict:
+            raise InputError(f"{where}: {reason.replace('_', ' ')} (--strict)")
+        if self.first is None:
+            self.first = f"{where}: {reason.replace('_', ' ')}"
         self.counts[reason] = self.counts.get(reason, 0) + n
         ex = self.examples.setdefault(reason, [])
         if len(ex) < MAX_EXAMPLES:
             ex.append(where)
 
     def merge(self, other: "Tally") -> None:
+        self.first = self.first or other.first
         for reason, n in other.counts.items():
             self.counts[reason] = self.counts.get(reason, 0) + n
             ex = self.examples.setdefault(reason, [])
@@ -83,13 +90,20 @@ def discover(paths: list[str], *, exclude: str | None = None) -> tuple[list[Inpu
     """Expand files, directories (recursively, following links) and globs into a sorted file list.
 
     A path or pattern that names nothing is an error; unsupported files met inside a
-    directory are left out and counted (named explicitly, they are an error).
+    directory are left out and counted (named explicitly, they are an error).  Every folder
+    is read once (by device and inode), a directory link that leads outside the folders given
+    is not followed, and a file reached twice (hard or symbolic link) is read once.
     """
     warnings = Tally()
-    found: dict[str, str] = {}  # realpath -> path as found
+    found: dict[tuple[int, int], str] = {}  # (dev, inode) -> path as found
+    visited: set[tuple[int, int]] = set()
     skip_real = os.path.realpath(exclude) if exclude else None
+    roots: list[str] = []
 
-    def add_file(p: str, explicit: bool) -> None:
+    def inside(real: str, top: str) -> bool:
+        return real == top or real.startswith(top.rstrip(os.sep) + os.sep)
+
+    def add_file(p: str, st: os.stat_result, explicit: bool) -> None:
         kind = file_kind(p)
         if kind is None:
             if explicit:
@@ -98,15 +112,15 @@ def discover(paths: list[str], *, exclude: str | None = None) -> tuple[list[Inpu
                     hint = (" If it holds JSON Lines, rename it to .jsonl; if it is one JSON array,"
                             f" convert it with: jq -c '.[]' {p} > {p}l")
                 raise InputError(f"{p}: unsupported file type; supported: {SUPPORTED}.{hint}")
-            warnings.add("unsupported_file", p)
+            warnings.add("unsupported_file", os.path.abspath(p))
             return
-        real = os.path.realpath(p)
-        if real in found:
-            warnings.add("duplicate_file", f"{p} (same file as {found[real]})")
+        key = (st.st_dev, st.st_ino)
+        if key in found:
+            warnings.add("duplicate_file", f"{os.path.abspath(p)} (same file as {os.path.abspath(found[key])})")
             return
-        found[real] = p
+        found[key] = p
 
-    def walk(d: str, ancestors: frozenset[str]) -> None:
+    def walk(d: str) -> None:
         try:
             entries = sorted(os.scandir(d), key=lambda e: e.name)
         except PermissionError as e:
@@ -114,7 +128,7 @@ def discover(paths: list[str], *, exclude: str | None = None) -> tuple[list[Inpu
         for e in entries:
             p = os.path.join(d, e.name)
             real = os.path.realpath(p)
-            if skip_real and (real == skip_real or real.startswith(skip_real + os.sep)):
+            if skip_real and inside(real, skip_real):
                 continue
             try:
                 st = os.stat(p)
@@ -122,22 +136,42 @@ def discover(paths: list[str], *, exclude: str | None = None) -> tuple[list[Inpu
                 raise InputError(f"{p}: broken symbolic link; fix it or remove it") from err
             except OSError as err:
                 if err.errno == 40:  # ELOOP: a link that points at itself
-                    warnings.add("symlink_loop", p)
+                    warnings.add("symlink_loop", os.path.abspath(p))
                     continue
                 raise InputError(f"{p}: cannot stat ({err.strerror})") from err
             if stat.S_ISDIR(st.st_mode):
-                if real in ancestors:
-                    warnings.add("symlink_loop", p)
+                if e.is_symlink() and not any(inside(real, r) for r in roots):
+                    warnings.add("link_outside_corpus", os.path.abspath(p))
                     continue
-                walk(p, ancestors | {real})
+                enter_dir(p, st)
             elif stat.S_ISREG(st.st_mode):
-                add_file(p, explicit=False)
+                add_file(p, st, explicit=False)
+
+    def enter_dir(p: str, st: os.stat_result) -> None:
+        key = (st.st_dev, st.st_ino)
+        if key in visited:  # a link loop, or a second way into a folder already read
+            warnings.add("symlink_loop", os.path.abspath(p))
+            return
+        visited.add(key)
+        walk(p)
+
+    def check_not_in_out(arg: str) -> None:
+        if skip_real and inside(os.path.realpath(arg), skip_real):
+            raise InputError(f"{arg}: is inside the output folder {exclude}; move the corpus out of it "
+                             "or choose another output folder")
 
     for arg in paths:
         if os.path.isdir(arg):
-            walk(arg, frozenset({os.path.realpath(arg)}))
+            check_not_in_out(arg)
+            roots.append(os.path.realpath(arg))
+        elif not os.path.exists(arg) and _GLOB_CHARS & set(arg):
+            roots.extend(os.path.realpath(m) for m in glob.glob(arg, recursive=True) if os.path.isdir(m))
+    for arg in paths:
+        if os.path.isdir(arg):
+            enter_dir(arg, os.stat(arg))
         elif os.path.exists(arg):
-            add_file(arg, explicit=True)
+            check_not_in_out(arg)
+            add_file(arg, os.stat(arg), explicit=True)
         elif os.path.lexists(arg):
             raise InputError(f"{arg}: broken symbolic link; fix it or remove it")
         elif _GLOB_CHARS & set(arg):
@@ -145,10 +179,12 @@ def discover(paths: list[str], *, exclude: str | None = None) -> tuple[list[Inpu
             if not matches:
                 raise InputError(f"{arg}: pattern matched no files")
             for m in matches:
+                if skip_real and inside(os.path.realpath(m), skip_real):
+                    continue
                 if os.path.isdir(m):
-                    walk(m, frozenset({os.path.realpath(m)}))
+                    enter_dir(m, os.stat(m))
                 else:
-                    add_file(m, explicit=False)
+                    add_file(m, os.stat(m), explicit=False)
         else:
             raise InputError(f"{arg}: no such file or directory")
 
@@ -162,6 +198,10 @@ def discover(paths: list[str], *, exclude: str | None = None) -> tuple[list[Inpu
             raise InputError(f"{p}: permission denied; make it readable or leave it out")
         st = os.stat(p)
         files.append(InputFile(p, os.path.relpath(os.path.abspath(p), root), file_kind(p), st.st_size, st.st_mtime_ns))
+    # The manifest keeps warning locations relative to the corpus root, never host paths.
+    prefix = root.rstrip(os.sep) + os.sep
+    for reason, ex in warnings.examples.items():
+        warnings.examples[reason] = [x.replace(prefix, "") for x in ex]
     return files, warnings
 
 
@@ -303,6 +343,20 @@ def _open_stream(path: str, kind: str, raw: io.BufferedReader):
     return raw
 
 
+def _complete_lines(path: str, kind: str) -> int:
+    """Newlines readable before a compressed stream breaks (slow path, for the error message only):
+    the buffered reader fails on the block holding the damage, before the lines ahead of it."""
+    n = 0
+    with open(path, "rb") as raw:
+        stream = gzip.GzipFile(fileobj=raw) if kind == "jsonl.gz" else _ZstdRaw(raw) if kind == "jsonl.zst" else raw
+        try:
+            while block := stream.read(1 << 16):
+                n += block.count(b"\n")
+        except Exception:  # noqa: BLE001 - the damage we are locating
+            pass
+    return n
+
+
 def _check_jsonl_head(f: InputFile, text_field: str) -> None:
     """Fail fast when the first record lacks the text field: that is a wrong --text-field, not bad data."""
     first = None
@@ -430,7 +484,8 @@ class UnitReader:
                     try:
                         obj = json.loads(s)
                     except ValueError as e:
-                        self.tally.add("malformed_json", f"{name}:{lineno} ({e.msg})")
+                        self.tally.add("malformed_json", f"{name}:{lineno} ({getattr(e, 'msg', e)} at column "
+                                                          f"{getattr(e, 'colno', '?')})")
                         continue
                     if not isinstance(obj, dict):
                         self.tally.add("not_an_object", f"{name}:{lineno}")
@@ -451,12 +506,12 @@ class UnitReader:
                     self._loc = (name, lineno, ":")
                     yield text
             except (EOFError, OSError, zlib.error) as e:
-                raise InputError(f"{path}: truncated or corrupt after line {lineno} ({e}); "
-                                 "re-create the file or leave it out") from e
+                raise InputError(f"{path}: truncated or corrupt after line {_complete_lines(path, u.kind)}, "
+                                 f"its last complete line ({e}); re-create the file or leave it out") from e
             except Exception as e:
                 if type(e).__name__ == "ZstdError":
-                    raise InputError(f"{path}: corrupt zstd stream after line {lineno} ({e}); "
-                                     "re-create the file or leave it out") from e
+                    raise InputError(f"{path}: corrupt zstd stream after line {_complete_lines(path, u.kind)}, "
+                                     f"its last complete line ({e}); re-create the file or leave it out") from e
                 raise
 
     def _parquet(self) -> Iterator[str]:

@@ -91,6 +91,7 @@ class TokenizerInfo:
     add_bos: bool
     splittable: bool  # long documents may be encoded piecewise without changing ids
     backend: str = "hf"  # "hf" (tokenizers) or "tiktoken" (same ids, checked; faster)
+    backend_version: str = ""  # the library's version: another version may give other ids
 
     @property
     def dtype(self) -> np.dtype:
@@ -99,6 +100,7 @@ class TokenizerInfo:
     def to_json(self) -> dict:
         return {
             "sha256": self.sha256, "vocab_size": self.vocab_size, "backend": self.backend,
+            "backend_version": self.backend_version,
             "eos_id": self.eos_id, "eos_token": self.eos_token,
             "pad_id": self.pad_id, "pad_token": self.pad_token,
             "bos_id": self.bos_id, "bos_token": self.bos_token, "add_bos": self.add_bos,

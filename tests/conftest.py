@@ -1,4 +1,8 @@
-"""Shared fixtures: a tokenizer trained here, the dev corpus read independently, and built datasets."""
+"""Shared fixtures: a corpus and a tokenizer made here, the corpus read independently, and built datasets.
+
+Everything is self-contained: `dev_corpus` is real text written from Python's own standard
+library.  Tests marked with `shared_dev` use the larger ../shared/corpus/dev and skip without it.
+"""
 
 from __future__ import annotations
 
@@ -10,17 +14,56 @@ from pathlib import Path
 
 import pytest
 
-def _find_dev() -> Path:
-    """$HELIXTOK_DEV_CORPUS, else ../shared/corpus/dev beside the checkout, else /work/shared's."""
+def _find_dev() -> Path | None:
+    """The optional large tier: $HELIXTOK_DEV_CORPUS, else ../shared/corpus/dev beside the checkout."""
     if os.environ.get("HELIXTOK_DEV_CORPUS"):
         return Path(os.environ["HELIXTOK_DEV_CORPUS"])
     for c in (Path(__file__).resolve().parents[2] / "shared" / "corpus" / "dev", Path("/work/shared/corpus/dev")):
         if c.is_dir():
             return c
-    return Path(__file__).resolve().parents[2] / "shared" / "corpus" / "dev"
+    return None
 
 
-DEV = _find_dev()
+SHARED_DEV = _find_dev()
+# Units of 512 KiB: the ~5 MB test corpus spreads over a dozen work units, so two workers,
+# resume and kill tests all see several.
+UNIT = 512 << 10
+
+
+def make_corpus(root: Path, budget: int = 5_000_000) -> Path:
+    """Real text every Python install has: the standard library's own sources (PSF License),
+    written as .txt files, .jsonl.gz and .jsonl files, and a parquet file with small row groups."""
+    import sysconfig
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    lib = Path(sysconfig.get_paths()["stdlib"])
+    texts, total = [], 0
+    for p in sorted(lib.glob("**/*.py")):
+        rel = p.relative_to(lib).as_posix()
+        if rel.startswith(("test/", "idlelib/idle_test", "site-packages", "lib2to3/tests")) or "/test" in rel:
+            continue
+        t = p.read_text(encoding="utf-8", errors="replace")
+        if t.strip():
+            texts.append(t)
+            total += len(t.encode())
+        if total >= budget:
+            break
+    q = len(texts) // 4
+    (root / "txt").mkdir(parents=True)
+    for i, t in enumerate(texts[:q]):
+        (root / "txt" / f"doc{i:04d}.txt").write_text(t, encoding="utf-8")
+    (root / "jsonl").mkdir()
+    half = texts[q: 2 * q]
+    for k, chunk in enumerate((half[: len(half) // 2], half[len(half) // 2:])):
+        with gzip.open(root / "jsonl" / f"part{k}.jsonl.gz", "wt", encoding="utf-8") as fh:
+            fh.writelines(json.dumps({"id": i, "text": t}) + "\n" for i, t in enumerate(chunk))
+    with open(root / "jsonl" / "plain.jsonl", "w", encoding="utf-8") as fh:
+        fh.writelines(json.dumps({"id": i, "text": t}) + "\n" for i, t in enumerate(texts[2 * q: 3 * q]))
+    (root / "parquet").mkdir()
+    pq.write_table(pa.table({"text": texts[3 * q:]}), root / "parquet" / "code.parquet", row_group_size=32)
+    return root
 
 
 def train_bpe(texts, path, vocab_size=1024):
@@ -37,15 +80,20 @@ def train_bpe(texts, path, vocab_size=1024):
 
 
 @pytest.fixture(scope="session")
-def dev_corpus() -> Path:
-    if not DEV.is_dir():
-        pytest.fail(f"dev corpus not found at {DEV}; set HELIXTOK_DEV_CORPUS")
-    return DEV
+def dev_corpus(tmp_path_factory) -> Path:
+    return make_corpus(tmp_path_factory.mktemp("corpus") / "dev")
+
+
+@pytest.fixture(scope="session")
+def shared_dev_corpus() -> Path:
+    if SHARED_DEV is None or not SHARED_DEV.is_dir():
+        pytest.skip("no ../shared/corpus/dev (set HELIXTOK_DEV_CORPUS to run the large-corpus tier)")
+    return SHARED_DEV
 
 
 @pytest.fixture(scope="session")
 def tokenizer_path(tmp_path_factory, dev_corpus) -> str:
-    texts = [p.read_text() for p in sorted((dev_corpus / "txt").glob("fortunes__*.txt"))]
+    texts = [p.read_text() for p in sorted((dev_corpus / "txt").glob("*.txt"))]
     return train_bpe(texts, tmp_path_factory.mktemp("tok") / "tokenizer.json", vocab_size=2048)
 
 
@@ -57,8 +105,8 @@ def read_dev_docs(root: Path) -> list[str]:
     for p in sorted(glob.glob(str(root / "**" / "*"), recursive=True)):
         if p.endswith(".txt"):
             docs.append(Path(p).read_text(encoding="utf-8"))
-        elif p.endswith(".jsonl.gz"):
-            with gzip.open(p, "rt", encoding="utf-8") as fh:
+        elif p.endswith((".jsonl.gz", ".jsonl")):
+            with (gzip.open(p, "rt", encoding="utf-8") if p.endswith(".gz") else open(p, encoding="utf-8")) as fh:
                 docs.extend(json.loads(line)["text"] for line in fh)
         elif p.endswith(".parquet"):
             docs.extend(pq.read_table(p, columns=["text"]).column(0).to_pylist())
@@ -84,7 +132,7 @@ def _build(tmp_path_factory, corpus, tok, name, **kw):
     from helixtok.config import BuildConfig
 
     out = str(tmp_path_factory.mktemp(name) / "out")
-    build([str(corpus)], out, tok, BuildConfig(**kw))
+    build([str(corpus)], out, tok, BuildConfig(**{"unit_bytes": UNIT, **kw}))
     return out
 
 
@@ -92,13 +140,13 @@ def _build(tmp_path_factory, corpus, tok, name, **kw):
 def dev_packed(tmp_path_factory, dev_corpus, tokenizer_path) -> str:
     # Small shards so the dataset spans several and shard boundaries get exercised.
     return _build(tmp_path_factory, dev_corpus, tokenizer_path, "packed", seq_len=512, workers=2,
-                  shard_bytes=4 << 20)
+                  shard_bytes=1 << 20)
 
 
 @pytest.fixture(scope="session")
 def dev_document(tmp_path_factory, dev_corpus, tokenizer_path) -> str:
     return _build(tmp_path_factory, dev_corpus, tokenizer_path, "document", seq_len=512, workers=2,
-                  packing="document", shard_bytes=4 << 20)
+                  packing="document", shard_bytes=1 << 20)
 
 
 @pytest.fixture

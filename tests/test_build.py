@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
+from conftest import UNIT
 from helixtok.build import build
 from helixtok.config import BuildConfig
 from helixtok.errors import ConfigError, InputError
@@ -26,7 +27,7 @@ def test_packed_counts_equal_independent_recount(dev_packed, dev_ids, dev_docs):
     stream = np.array([t for ids in dev_ids for t in ids + [eos]], dtype=np.int64)
     k = len(stream) // 512
     assert m["splits"]["train"]["num_chunks"] == k == len(chunks)
-    assert m["totals"]["documents"] == len(dev_docs) == 5710
+    assert m["totals"]["documents"] == len(dev_docs) > 300
     assert m["totals"]["tokens"] == len(stream)
     assert m["totals"]["dropped_tokens"] == len(stream) - k * 512
     assert np.array_equal(chunks.reshape(-1), stream[: k * 512])
@@ -79,7 +80,7 @@ def test_workers_and_backends_byte_identical(tmp_path, dev_corpus, tokenizer_pat
     """workers=1 with tokenizers vs workers=2 with the auto backend (tiktoken, when installed): same bytes."""
     out = str(tmp_path / "w1")
     m = build([str(dev_corpus)], out, tokenizer_path,
-              BuildConfig(seq_len=512, workers=1, shard_bytes=4 << 20, backend="hf"))
+              BuildConfig(seq_len=512, workers=1, shard_bytes=1 << 20, unit_bytes=UNIT, backend="hf"))
     assert m["tokenizer"]["backend"] == "hf"
     names = sorted(os.listdir(dev_packed))
     assert names == sorted(os.listdir(out))
@@ -193,7 +194,7 @@ def test_refuses_non_empty_out_and_finished_dataset(tmp_path, small_tok):
     write(tmp_path / "c" / "a.txt", "hello world " * 50)
     out = tmp_path / "out"
     write(out / "other.txt", "x")
-    with pytest.raises(ConfigError, match="not empty"):
+    with pytest.raises(ConfigError, match="which helixtok did not write"):
         build([str(tmp_path / "c")], str(out), small_tok, BuildConfig(seq_len=4, workers=1))
     (out / "other.txt").unlink()
     build([str(tmp_path / "c")], str(out), small_tok, BuildConfig(seq_len=4, workers=1))

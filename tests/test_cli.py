@@ -105,7 +105,10 @@ def test_non_empty_out(tmp_path, corpus, small_tok):
     out.mkdir()
     (out / "keep.txt").write_text("x")
     r = run("build", corpus, out, "-t", small_tok)
-    assert r.exit_code == 1 and "is not empty" in r.output
+    assert r.exit_code == 1 and "holds 'keep.txt', which helixtok did not write" in r.output
+    r = run("build", corpus, out, "-t", small_tok, "--overwrite")  # --overwrite never deletes it either
+    assert r.exit_code == 1 and "which helixtok did not write" in r.output
+    assert sorted(os.listdir(out)) == ["keep.txt"]
 
 
 def test_bad_option_is_usage_error(tmp_path, corpus, small_tok):

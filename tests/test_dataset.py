@@ -36,7 +36,7 @@ def test_items_equal_shard_bytes(dev_packed):
 def test_getitems_batches_across_shards(dev_packed):
     ds = MemmapChunkDataset(dev_packed)
     raw = all_chunks(dev_packed)
-    idx = [len(ds) - 1, 0, 4095, 4096, 7, 7]
+    idx = [len(ds) - 1, 0, 1023, 1024, 7, 7]
     got = ds.__getitems__(idx)
     assert [g["input_ids"].tolist() for g in got] == raw[idx].tolist()
 
@@ -73,7 +73,7 @@ def test_document_mode_masks_padding(dev_document):
 def test_shifted_pairs_borrow_next_chunk(dev_packed):
     ds = MemmapChunkDataset(dev_packed, shifted=True)
     raw = all_chunks(dev_packed)
-    for i in [0, 4095, len(ds) - 2]:  # 4095 is the last chunk of the first 4 MiB shard
+    for i in [0, 1023, len(ds) - 2]:  # 1023 is the last chunk of the first 1 MiB shard
         x = ds[i]
         assert x["input_ids"].tolist() == raw[i].tolist()
         assert x["labels"].tolist() == raw[i][1:].tolist() + [int(raw[i + 1][0])]
@@ -89,7 +89,7 @@ def test_position_ids_restart_at_documents(dev_packed, dev_ids):
         assert x["position_ids"][first].item() == 0 and x["position_ids"][first - 1].item() == first - 1
     total_starts = sum(len(ds.document_starts(i)) for i in range(len(ds)))
     m = json.load(open(os.path.join(dev_packed, "manifest.json")))
-    assert total_starts == sum(s["docs"]["count"] for s in m["splits"]["train"]["shards"]) == 5710
+    assert total_starts == sum(s["docs"]["count"] for s in m["splits"]["train"]["shards"]) == len(dev_ids)
 
 
 @pytest.mark.parametrize("ctx", ["fork", "spawn"])

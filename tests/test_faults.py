@@ -13,6 +13,7 @@ import pytest
 from click.testing import CliRunner
 
 import helixtok.build as hb
+from conftest import UNIT
 from helixtok.build import STATE, build
 from helixtok.cli import main
 from helixtok.config import BuildConfig
@@ -28,7 +29,7 @@ def same_folder(a, b):
 
 def start_cli(corpus, out, tok, *extra):
     return subprocess.Popen([sys.executable, "-m", "helixtok.cli", "build", str(corpus), str(out), "-t", tok,
-                             "-L", "512", "-j", "2", "-q", "--shard-size", "4MiB", *extra],
+                             "-L", "512", "-j", "2", "-q", "--shard-size", "1MiB", "--unit-size", "512KiB", *extra],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -76,10 +77,12 @@ def test_interrupted_assembly_resumes_identically(tmp_path, dev_corpus, tokenize
 
     monkeypatch.setattr(shards.ShardWriter, "_close", dying_close)
     out = str(tmp_path / "out")
-    cfg = BuildConfig(seq_len=512, workers=2, shard_bytes=4 << 20)
+    cfg = BuildConfig(seq_len=512, workers=2, shard_bytes=1 << 20, unit_bytes=UNIT)
     with pytest.raises(KeyboardInterrupt):
         build([str(dev_corpus)], out, tokenizer_path, cfg)
-    assert os.path.exists(os.path.join(out, "train-00000.bin")) and not os.path.exists(os.path.join(out, "manifest.json"))
+    # Shards are assembled inside the state folder; OUT shows nothing until the publish step.
+    assert os.path.exists(os.path.join(out, STATE, "assembly", "train-00000.bin"))
+    assert os.listdir(out) == [STATE]
     monkeypatch.setattr(shards.ShardWriter, "_close", real)
     seen = []
     build([str(dev_corpus)], out, tokenizer_path, cfg, on_progress=lambda p: seen.append(p.units_done))
@@ -165,6 +168,7 @@ def test_disk_full_is_a_clear_error_and_publishes_nothing(tmp_path, small_tok, m
     (c / "a.txt").write_text("hello world " * 100)
     r = CliRunner().invoke(main, ["build", str(c), str(tmp_path / "out"), "-t", small_tok, "-L", "4", "-j", "1", "-q"])
     assert r.exit_code == 1
-    assert "disk full while writing" in r.output and "rerun the same command to resume" in r.output
+    assert f"{tmp_path / 'out'}: disk full while building" in r.output
+    assert "rerun the same command to resume" in r.output
     assert not (tmp_path / "out" / "manifest.json").exists()
     assert not glob.glob(str(tmp_path / "out" / "*.bin"))

@@ -147,7 +147,7 @@ def test_directory_walk_symlink_loop_unsupported_and_duplicates(tmp_path, small_
     assert warn.counts == {"unsupported_file": 1, "symlink_loop": 1, "duplicate_file": 1}
     m, _ = do_build(tmp_path, small_tok, d)
     assert m["warnings"]["symlink_loop"]["count"] == 1
-    with pytest.raises(InputError, match=r"duplicate file \(--strict\)"):
+    with pytest.raises(InputError, match=r"notes.csv: unsupported file \(--strict\)"):  # the first, in order
         do_build(tmp_path, small_tok, d, strict=True)
 
 

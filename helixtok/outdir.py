@@ -1,0 +1,147 @@
+"""The output folder: one build at a time (a lock), and removal of only the files helixtok wrote there."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+import socket
+import time
+
+from .errors import ConfigError
+from .manifest import MANIFEST, write_json_atomic
+
+STATE = ".helixtok-partial"  # everything an unfinished build keeps; only helixtok writes inside
+LOCK_INFO = ".helixtok-lock"  # who holds the lock, for the message a second build prints
+OWNED = "owned.json"  # in STATE: files of an earlier dataset being removed by --overwrite
+PUBLISH = "publish.json"  # in STATE: files being moved from STATE into OUT by the final step
+
+
+class OutLock:
+    """An exclusive flock on the OUT folder itself, held for a whole build or merge.
+
+    The kernel drops it when the holder dies (kill -9 included), so it is never stale; a
+    second build fails at once naming the holder.  Worker processes do not inherit it.
+    """
+
+    def __init__(self, out: str):
+        self.out = out
+        self.fd = os.open(out, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self.fd)
+            raise ConfigError(f"{out}: another helixtok process ({_holder(out)}) is writing this folder; "
+                              "wait for it to finish or stop it, then rerun") from None
+        info = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%d %H:%M:%S")}
+        with open(os.path.join(out, LOCK_INFO), "w") as fh:  # only informative: no need to be atomic
+            json.dump(info, fh)
+
+    def release(self) -> None:
+        if self.fd >= 0:
+            try:
+                os.remove(os.path.join(self.out, LOCK_INFO))
+            except FileNotFoundError:
+                pass
+            os.close(self.fd)  # closing the descriptor drops the flock
+            self.fd = -1
+
+    def __enter__(self) -> "OutLock":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def _holder(out: str) -> str:
+    try:
+        with open(os.path.join(out, LOCK_INFO)) as fh:
+            h = json.load(fh)
+        return f"pid {h['pid']} on {h['host']}, since {h['since']}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "pid unknown"
+
+
+def _read_list(path: str) -> list[str]:
+    try:
+        with open(path) as fh:
+            v = json.load(fh)
+    except (OSError, ValueError):
+        return []
+    return [x for x in v.get("files", []) if isinstance(x, str)] if isinstance(v, dict) else []
+
+
+def _manifest_files(out: str) -> list[str]:
+    """Top-level names a finished dataset's manifest says are its own (best effort on a damaged one)."""
+    try:
+        with open(os.path.join(out, MANIFEST)) as fh:
+            m = json.load(fh)
+    except (OSError, ValueError):
+        return []
+    if not isinstance(m, dict):
+        return []
+    names = [MANIFEST]
+    tok = m.get("tokenizer")
+    if isinstance(tok, dict) and isinstance(tok.get("file"), str):
+        names.append(tok["file"])
+    splits = m.get("splits")
+    for s in splits.values() if isinstance(splits, dict) else []:
+        for e in s.get("shards") or [] if isinstance(s, dict) else []:
+            if not isinstance(e, dict):
+                continue
+            for p in [e.get("path")] + [e[k].get("path") for k in ("docs", "valid") if isinstance(e.get(k), dict)]:
+                # Only files directly in OUT: a merged dataset's parts are folders with manifests of their own.
+                if isinstance(p, str) and os.sep not in p and p not in (".", ".."):
+                    names.append(p)
+    return names
+
+
+def owned_entries(out: str) -> set[str]:
+    """Names in OUT that helixtok wrote: the manifest's files, STATE's records, STATE and the lock info."""
+    state = os.path.join(out, STATE)
+    names = {STATE, LOCK_INFO, *_manifest_files(out)}
+    names.update(_read_list(os.path.join(state, OWNED)))
+    names.update(_read_list(os.path.join(state, PUBLISH)))
+    return names | {f".{n}.tmp" for n in names}  # write_json_atomic's and the shard writer's temp names
+
+
+def foreign_entries(out: str) -> list[str]:
+    owned = owned_entries(out)
+    return sorted(e for e in os.listdir(out) if e not in owned)
+
+
+def refuse_foreign(out: str) -> None:
+    foreign = foreign_entries(out)
+    if foreign:
+        more = f" and {len(foreign) - 1} more" if len(foreign) > 1 else ""
+        raise ConfigError(f"{out}: holds {foreign[0]!r}{more}, which helixtok did not write; build into an "
+                          "empty or new folder (helixtok never deletes files it did not write)")
+
+
+def remove_owned(out: str, keep: set[str] | None = None, protect: list[str] = ()) -> None:
+    """Delete a previous dataset or unfinished build in OUT: only files helixtok wrote, never an input.
+
+    The list of what is being deleted is written into STATE first, so a kill halfway leaves
+    the rest still known as helixtok's.
+    """
+    state = os.path.join(out, STATE)
+    victims = sorted(e for e in owned_entries(out) if e not in (STATE, LOCK_INFO) and e not in (keep or ())
+                     and os.path.lexists(os.path.join(out, e)))
+    protected = {os.path.realpath(p) for p in protect}
+    for v in victims:
+        if os.path.realpath(os.path.join(out, v)) in protected:
+            raise ConfigError(f"{os.path.join(out, v)}: is one of this build's inputs and would be deleted by "
+                              "--overwrite; copy it out of the folder first")
+    if victims:
+        os.makedirs(state, exist_ok=True)
+        write_json_atomic(os.path.join(state, OWNED), {"files": victims})
+    # The manifest goes first: from then on the folder no longer claims to hold a dataset.
+    for v in sorted(victims, key=lambda v: v != MANIFEST):
+        p = os.path.join(out, v)
+        if os.path.isdir(p) and not os.path.islink(p):
+            shutil.rmtree(p)
+        else:
+            os.remove(p)
+    if os.path.isdir(state):
+        shutil.rmtree(state)
