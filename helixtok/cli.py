@@ -91,7 +91,7 @@ def main():
 @click.option("--workers", "-j", type=click.IntRange(min=0), default=0, help="Worker processes [default: all cores].")
 @click.option("--overwrite", is_flag=True, help="Replace a dataset or unfinished build in OUT.")
 @click.option("--strict", is_flag=True, help="Fail instead of skipping any bad document or file.")
-@click.option("--quiet", "-q", is_flag=True, help="No progress bar (for logs).")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bar (for logs); warnings and the summary still print.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as one JSON object.")
 @click.option("--stall-timeout", type=click.FloatRange(min=0, min_open=True), default=600, show_default=True,
               help="Fail when no worker makes progress for this many seconds.")
@@ -130,7 +130,7 @@ def build(corpus, out, tokenizer, seq_len, packing, min_tail_len, text_field, bo
         m = run_build(list(corpus), out, tokenizer, cfg, overwrite=overwrite, task=task)
     else:
         m = _build_with_progress(run_build, con, list(corpus), out, tokenizer, cfg, overwrite, task)
-    _print_build_summary(m, out, as_json, con)
+    _print_build_summary(m, out, as_json, _console())  # -q hides the bar, never the warnings
 
 
 def _build_with_progress(run_build, con, corpus, out, tokenizer, cfg, overwrite, part):

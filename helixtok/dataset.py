@@ -10,10 +10,15 @@ import torch
 from torch.utils.data import Dataset
 
 from .errors import DatasetError
-from .manifest import DTYPES, load_manifest, split_entry
+from .manifest import DTYPES, MANIFEST, load_manifest, split_entry
 from .shards import DOCS_DTYPE, VALID_DTYPE
 
 IGNORE_INDEX = -100  # what torch's cross_entropy ignores by default
+
+
+def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
+    # Every build writes new files (temp + rename), so a rebuilt shard has a new inode.
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
 
 
 class ChunkBatch(Sequence):
@@ -66,6 +71,10 @@ class MemmapChunkDataset(Dataset):
                  shifted: bool = False, position_ids: bool = False):
         self.path = os.fspath(path)
         self.split = split
+        try:
+            before = _identity(os.stat(os.path.join(self.path, MANIFEST)))
+        except OSError:
+            before = None  # load_manifest says what is wrong
         m = load_manifest(self.path)
         s = split_entry(m, split, self.path)
         self.seq_len = int(m["seq_len"])
@@ -82,6 +91,11 @@ class MemmapChunkDataset(Dataset):
             self._check_tokenizer(tokenizer)
         self._shards = [(os.path.join(self.path, e["path"]), int(e["num_chunks"]), e) for e in s["shards"]]
         self._check_files()
+        # What each file is now: a process that opens them later (a DataLoader worker, a pickled
+        # copy after `build --overwrite`) must read these very files or fail, never others.
+        self._identity = {p: _identity(os.stat(p)) for p in self._files()}
+        if self._identity[os.path.join(self.path, MANIFEST)] != before:
+            raise DatasetError(f"{self.path}: the dataset changed while it was being opened; open it again")
         counts = np.array([n for _, n, _ in self._shards], dtype=np.int64)
         self._starts = np.concatenate(([0], np.cumsum(counts)))
         self._len = int(s["num_chunks"])
@@ -127,17 +141,37 @@ class MemmapChunkDataset(Dataset):
         d["_maps"] = None
         return d
 
+    def _files(self) -> list[str]:
+        side = "valid" if self.packing == "document" else "docs"
+        return [os.path.join(self.path, MANIFEST)] + [q for p, _, e in self._shards
+                                                      for q in (p, os.path.join(self.path, e[side]["path"]))]
+
+    def _checked(self, p: str):
+        """Open p, refusing a file that is not the one this dataset was created over."""
+        try:
+            fh = open(p, "rb")
+        except FileNotFoundError:
+            fh = None
+        if fh is None or _identity(os.fstat(fh.fileno())) != self._identity[p]:
+            if fh is not None:
+                fh.close()
+            raise DatasetError(f"{p}: changed since this MemmapChunkDataset was created (dataset rebuilt, "
+                               "replaced or deleted?); create the dataset and its DataLoader again")
+        return fh
+
     def _open(self) -> list:
+        self._checked(os.path.join(self.path, MANIFEST)).close()
         maps = []
         for p, n, e in self._shards:
-            mm = np.memmap(p, dtype=self.dtype, mode="r", shape=(n, self.seq_len))
+            with self._checked(p) as fh:
+                mm = np.memmap(fh, dtype=self.dtype, mode="r", shape=(n, self.seq_len))
             side = None
             if self.packing == "document":
-                side = np.memmap(os.path.join(self.path, e["valid"]["path"]), dtype=VALID_DTYPE, mode="r", shape=(n,))
-            elif self.position_ids and e["docs"]["count"]:
-                side = np.fromfile(os.path.join(self.path, e["docs"]["path"]), dtype=DOCS_DTYPE).astype(np.int64)
+                with self._checked(os.path.join(self.path, e["valid"]["path"])) as fh:
+                    side = np.memmap(fh, dtype=VALID_DTYPE, mode="r", shape=(n,))
             elif self.position_ids:
-                side = np.empty(0, np.int64)
+                with self._checked(os.path.join(self.path, e["docs"]["path"])) as fh:
+                    side = np.fromfile(fh, dtype=DOCS_DTYPE).astype(np.int64)
             maps.append((mm, side))
         self._maps = maps
         return maps

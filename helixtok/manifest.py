@@ -39,16 +39,80 @@ def load_manifest(out_dir: str) -> dict:
             m = json.load(fh)
     except ValueError as e:
         raise DatasetError(f"{path}: not valid JSON ({e}); rebuild the dataset") from e
+    if not isinstance(m, dict):
+        raise DatasetError(f"{path}: not a helixtok manifest (a JSON {type(m).__name__}); rebuild the dataset")
     v = m.get("format_version")
     if v != FORMAT_VERSION:
         raise DatasetError(f"{path}: format_version {v!r}, this helixtok reads version {FORMAT_VERSION}; "
                            "upgrade helixtok or rebuild the dataset")
-    for key in ("dtype", "seq_len", "packing", "tokenizer", "splits", "totals"):
-        if key not in m:
-            raise DatasetError(f"{path}: missing key {key!r}; rebuild the dataset")
-    if m["dtype"] not in DTYPES:
-        raise DatasetError(f"{path}: unknown dtype {m['dtype']!r} (expected uint16 or uint32)")
+    problems = schema_problems(m)
+    if problems:
+        raise DatasetError(f"{path}: invalid manifest; rebuild the dataset:\n" + "\n".join(f"  {p}" for p in problems))
     return m
+
+
+def _int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def schema_problems(m: dict) -> list[str]:
+    """Every way `m` departs from the manifest schema of docs/format.md, one line each."""
+    out: list[str] = []
+
+    def need(obj, key, check, what, where):
+        if not isinstance(obj, dict) or key not in obj:
+            out.append(f"{where}{key}: missing")
+            return False
+        if not check(obj[key]):
+            out.append(f"{where}{key}: {obj[key]!r} is not {what}")
+            return False
+        return True
+
+    need(m, "dtype", lambda v: v in DTYPES, "uint16 or uint32", "")
+    need(m, "seq_len", lambda v: _int(v) and v > 0, "a positive integer", "")
+    need(m, "packing", lambda v: v in ("packed", "document"), "packed or document", "")
+    if need(m, "tokenizer", lambda v: isinstance(v, dict), "an object", ""):
+        t = m["tokenizer"]
+        need(t, "sha256", lambda v: isinstance(v, str) and len(v) == 64, "a sha256 hex digest", "tokenizer.")
+        for k in ("vocab_size", "eos_id", "pad_id"):
+            need(t, k, _int, "a non-negative integer", "tokenizer.")
+        need(t, "file", lambda v: isinstance(v, str) and v, "a file name", "tokenizer.")
+    if need(m, "totals", lambda v: isinstance(v, dict), "an object", ""):
+        for k in ("documents", "tokens", "chunks"):
+            need(m["totals"], k, _int, "a non-negative integer", "totals.")
+    if not need(m, "splits", lambda v: isinstance(v, dict) and v, "a non-empty object", ""):
+        return out
+    for name, s in m["splits"].items():
+        w = f"splits.{name}."
+        if not isinstance(s, dict):
+            out.append(f"splits.{name}: not an object")
+            continue
+        for k in ("num_chunks", "num_tokens", "documents", "tokens", "pad_tokens", "dropped_tokens"):
+            need(s, k, _int, "a non-negative integer", w)
+        if not need(s, "shards", lambda v: isinstance(v, list), "a list", w):
+            continue
+        for i, e in enumerate(s["shards"]):
+            we = f"{w}shards[{i}]."
+            if not isinstance(e, dict):
+                out.append(f"{w}shards[{i}]: not an object")
+                continue
+            need(e, "path", _rel_path, "a relative path", we)
+            need(e, "num_chunks", _int, "a non-negative integer", we)
+            need(e, "bytes", _int, "a non-negative integer", we)
+            need(e, "sha256", lambda v: isinstance(v, str) and len(v) == 64, "a sha256 hex digest", we)
+            side = "valid" if m.get("packing") == "document" else "docs"
+            if need(e, side, lambda v: isinstance(v, dict), "an object", we):
+                need(e[side], "path", _rel_path, "a relative path", f"{we}{side}.")
+                need(e[side], "sha256", lambda v: isinstance(v, str) and len(v) == 64, "a sha256 hex digest",
+                     f"{we}{side}.")
+                if side == "docs":
+                    need(e[side], "count", _int, "a non-negative integer", f"{we}{side}.")
+    return out
+
+
+def _rel_path(v) -> bool:
+    # Relative (a merged dataset may point into sibling part folders), never absolute.
+    return isinstance(v, str) and bool(v) and not os.path.isabs(v)
 
 
 def split_entry(m: dict, split: str, where: str) -> dict:

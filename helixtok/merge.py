@@ -7,6 +7,7 @@ import shutil
 
 from .errors import ConfigError, DatasetError
 from .manifest import MANIFEST, load_manifest, write_json_atomic
+from .outdir import OutLock
 from .sources import Tally, Unit
 
 ENV_INDEX = ("SLURM_ARRAY_TASK_ID", "JOB_COMPLETION_INDEX")  # Slurm arrays, Kubernetes Indexed Jobs
@@ -94,9 +95,15 @@ def merge(parts: list[str], out: str, *, overwrite: bool = False) -> dict:
                                if missing else f"a task is given twice: {idx}")
         order = sorted(range(len(parts)), key=lambda i: tasks[i]["task_index"])
         parts, ms = [parts[i] for i in order], [ms[i] for i in order]
-    if os.path.isfile(os.path.join(out, MANIFEST)) and not overwrite:
-        raise ConfigError(f"{out}: already holds a dataset; pass --overwrite to replace its manifest")
     os.makedirs(out, exist_ok=True)
+    with OutLock(out):
+        if os.path.isfile(os.path.join(out, MANIFEST)) and not overwrite:
+            raise ConfigError(f"{out}: already holds a dataset; pass --overwrite to replace its manifest")
+        return _merge_locked(parts, ms, out)
+
+
+def _merge_locked(parts: list[str], ms: list[dict], out: str) -> dict:
+    first = ms[0]
 
     splits: dict = {}
     for p, m in zip(parts, ms):

@@ -199,7 +199,8 @@ def discover(paths: list[str], *, exclude: str | None = None) -> tuple[list[Inpu
         st = os.stat(p)
         files.append(InputFile(p, os.path.relpath(os.path.abspath(p), root), file_kind(p), st.st_size, st.st_mtime_ns))
     # The manifest keeps warning locations relative to the corpus root, never host paths.
-    prefix = root.rstrip(os.sep) + os.sep
+    top = os.path.commonpath([root] + [os.path.abspath(a) for a in paths if os.path.isdir(a)])
+    prefix = top.rstrip(os.sep) + os.sep
     for reason, ex in warnings.examples.items():
         warnings.examples[reason] = [x.replace(prefix, "") for x in ex]
     return files, warnings
@@ -350,7 +351,8 @@ def _complete_lines(path: str, kind: str) -> int:
     with open(path, "rb") as raw:
         stream = gzip.GzipFile(fileobj=raw) if kind == "jsonl.gz" else _ZstdRaw(raw) if kind == "jsonl.zst" else raw
         try:
-            while block := stream.read(1 << 16):
+            # read1: one decompression step at a time, so no block is lost when the next one fails
+            while block := getattr(stream, "read1", stream.read)(1 << 16):
                 n += block.count(b"\n")
         except Exception:  # noqa: BLE001 - the damage we are locating
             pass

@@ -61,6 +61,12 @@ def verify(out: str, *, sample: int = 0, seed: int = 0) -> VerifyReport:
     vocab = m["tokenizer"]["vocab_size"]
     reports, problems = [], []
     pad_seen = 0
+    tok = os.path.join(out, m["tokenizer"]["file"])
+    if not os.path.isfile(tok):
+        problems.append(f"{m['tokenizer']['file']}: missing (the tokenizer copy the data was built with)")
+    elif sha256_file(tok) != m["tokenizer"]["sha256"]:
+        problems.append(f"{m['tokenizer']['file']}: sha256 differs from the manifest's tokenizer.sha256 "
+                        "(replaced or modified)")
     for split, s in m["splits"].items():
         if sum(e["num_chunks"] for e in s["shards"]) != s["num_chunks"]:
             problems.append(f"{split}: shards hold {sum(e['num_chunks'] for e in s['shards'])} chunks, "
@@ -69,6 +75,12 @@ def verify(out: str, *, sample: int = 0, seed: int = 0) -> VerifyReport:
             problems.append(f"{split}: num_tokens {s['num_tokens']} != num_chunks x seq_len")
         if s["tokens"] + s["pad_tokens"] - s["dropped_tokens"] != s["num_tokens"]:
             problems.append(f"{split}: tokens + pad_tokens - dropped_tokens != num_tokens")
+        starts = sum(e["docs"]["count"] for e in s["shards"] if "docs" in e)
+        # Packed: every document starts in a stored chunk, except those (of >= 1 token each)
+        # wholly inside the dropped remainder.
+        if m["packing"] == "packed" and not 0 <= s["documents"] - starts <= s["dropped_tokens"]:
+            problems.append(f"{split}: .docs sidecars hold {starts} document starts for {s['documents']} documents "
+                            f"and {s['dropped_tokens']} dropped tokens")
         for e in s["shards"]:
             p = os.path.join(out, e["path"])
             r = ShardReport(split, e["path"], True)

@@ -153,3 +153,14 @@ def dev_document(tmp_path_factory, dev_corpus, tokenizer_path) -> str:
 def small_tok(tmp_path) -> str:
     texts = ["the quick brown fox jumps over the lazy dog", "hello world", "pack me into chunks please"] * 20
     return train_bpe(texts, tmp_path / "small.json", vocab_size=300)
+
+
+@pytest.fixture
+def small_corpus(tmp_path, dev_corpus) -> Path:
+    """Seven real text files (~40 KB) from the test corpus: a.txt first, then b.txt..."""
+    c = tmp_path / "small"
+    c.mkdir()
+    srcs = sorted((dev_corpus / "txt").glob("*.txt"))[:7]
+    for name, src in zip("abcdefg", srcs):
+        (c / f"{name}.txt").write_text(src.read_text()[:6000])
+    return c

@@ -4,6 +4,7 @@ import errno
 import filecmp
 import glob
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -20,8 +21,8 @@ from helixtok.config import BuildConfig
 from helixtok.errors import ConfigError
 
 
-def same_folder(a, b):
-    names = sorted(os.listdir(a))
+def same_folder(a, b, ignore=()):
+    names = sorted(n for n in os.listdir(a) if n not in ignore)
     assert names == sorted(os.listdir(b))
     for n in names:
         assert filecmp.cmp(os.path.join(a, n), os.path.join(b, n), shallow=False), n
@@ -172,3 +173,99 @@ def test_disk_full_is_a_clear_error_and_publishes_nothing(tmp_path, small_tok, m
     assert "rerun the same command to resume" in r.output
     assert not (tmp_path / "out" / "manifest.json").exists()
     assert not glob.glob(str(tmp_path / "out" / "*.bin"))
+
+
+def _descendants(pid):
+    out, todo = [], [pid]
+    while todo:
+        kids = subprocess.run(["pgrep", "-P", str(todo.pop())], capture_output=True, text=True).stdout.split()
+        out += [int(k) for k in kids]
+        todo += [int(k) for k in kids]
+    return out
+
+
+def _alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _gone_within(pids, seconds):
+    t = time.time()
+    while any(_alive(p) for p in pids):
+        if time.time() - t > seconds:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def test_kill_9_leaves_no_process_behind_and_the_rerun_succeeds_first_time(tmp_path, dev_corpus, tokenizer_path,
+                                                                           dev_packed):
+    out = tmp_path / "out"
+    p = start_cli(dev_corpus, out, tokenizer_path)
+    wait_for(str(out / STATE / "u*.done.json"), p)
+    kids = _descendants(p.pid)
+    assert len(kids) >= 2  # the workers (and the resource tracker)
+    p.kill()
+    t = time.time()
+    p.communicate(timeout=10)  # returns only once no process holds its stdout/stderr: a `| cat` would end
+    assert time.time() - t < 2 and _gone_within(kids, 2)
+    p = start_cli(dev_corpus, out, tokenizer_path)
+    assert p.wait() == 0, p.communicate()
+    same_folder(out, dev_packed)
+
+
+def test_stress_random_kills_and_concurrent_builds(tmp_path, dev_corpus, tokenizer_path):
+    """20 kill -9 at random moments, each followed by a rerun; then 10 builds at once into one OUT.
+    Every published dataset equals an uninterrupted build; no process outlives its build by 2 s."""
+    import random
+
+    corpus = dev_corpus / "txt"
+    args = ["-L", "128", "-q", "--shard-size", "64KiB", "--unit-size", "64KiB"]
+
+    def cli(out, *extra):
+        return subprocess.Popen([sys.executable, "-m", "helixtok.cli", "build", str(corpus), str(out), "-t",
+                                 tokenizer_path, *args, *extra],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    ref = tmp_path / "ref"
+    assert cli(ref, "-j", "2").wait() == 0
+    rng = random.Random(9)
+    out = tmp_path / "out"
+    published = leftovers = 0
+    for cycle in range(20):
+        p = cli(out, "-j", "2")
+        deadline = time.time() + rng.uniform(0.3, 1.2)
+        kids = []
+        while time.time() < deadline and p.poll() is None:
+            kids = set(kids) | set(_descendants(p.pid))
+            time.sleep(0.02)
+        p.kill()
+        _, err = p.communicate(timeout=30)
+        leftovers += not _gone_within(kids, 2)
+        assert p.returncode in (0, -9), err
+        if (out / "manifest.json").exists():  # published (the kill came after the manifest, or none came)
+            same_folder(out, ref, ignore=(STATE, ".helixtok-lock"))
+            published += 1
+            shutil.rmtree(out)
+    assert leftovers == 0
+    last = cli(out, "-j", "2")
+    assert last.wait() == 0, last.communicate()
+    same_folder(out, ref)
+
+    out2 = tmp_path / "out2"
+    procs = [cli(out2, "-j", "1", *(["--overwrite"] if i % 2 else [])) for i in range(10)]
+    codes, errs = [], []
+    for p in procs:
+        _, e = p.communicate(timeout=120)
+        codes.append(p.returncode)
+        errs.append(e)
+    assert 0 in codes and set(codes) <= {0, 1}, errs
+    for c, e in zip(codes, errs):
+        if c == 1:
+            assert ("another helixtok process (pid" in e or "already holds a finished dataset" in e), e
+    same_folder(out2, ref)
+    print(f"stress: 20 kill cycles ({published} finished before the kill), leftover processes {leftovers}; "
+          f"concurrent: {codes.count(0)} of 10 published, {codes.count(1)} refused")
