@@ -6,8 +6,11 @@ import os
 from collections.abc import Sequence
 
 import numpy as np
-import torch
-from torch.utils.data import Dataset
+
+from . import require_torch
+
+torch = require_torch()
+from torch.utils.data import Dataset  # noqa: E402
 
 from .errors import DatasetError
 from .manifest import DTYPES, MANIFEST, load_manifest, split_entry

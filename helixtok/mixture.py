@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import numpy as np
-from torch.utils.data import Dataset
+
+from . import require_torch
+
+require_torch()
+from torch.utils.data import Dataset  # noqa: E402
 
 from .errors import ConfigError
 

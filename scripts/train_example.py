@@ -44,17 +44,21 @@ class TinyLM(nn.Module):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--data", required=True)
-    ap.add_argument("--batch-size", type=int, default=16)
-    ap.add_argument("--grad-accum", type=int, default=2)
-    ap.add_argument("--epochs", type=int, default=1)
-    ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--warmup-ratio", type=float, default=0.05)
-    ap.add_argument("--checkpoint", default="/tmp/helixtok-example.pt")
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--data", required=True, help="a helixtok dataset folder (helixtok build's OUT)")
+    ap.add_argument("--batch-size", type=int, default=16, help="samples per rank per micro-batch")
+    ap.add_argument("--grad-accum", type=int, default=2, help="micro-batches per optimizer step")
+    ap.add_argument("--epochs", type=int, default=1, help="passes over the train split")
+    ap.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (linear warmup, cosine decay)")
+    ap.add_argument("--warmup-ratio", type=float, default=0.05, help="share of optimizer steps spent warming up")
+    ap.add_argument("--checkpoint", default="/tmp/helixtok-example.pt", help="checkpoint path (one file per rank)")
     ap.add_argument("--stop-after", type=int, default=0, help="save a checkpoint and exit after N optimizer steps")
-    ap.add_argument("--resume", action="store_true")
-    ap.add_argument("--num-workers", type=int, default=1)
+    ap.add_argument("--max-steps", type=int, default=0,
+                    help="stop after N optimizer steps without a checkpoint (0: run every step stats predicts)")
+    ap.add_argument("--resume", action="store_true", help="continue from --checkpoint at the exact next sample")
+    ap.add_argument("--num-workers", type=int, default=0,
+                    help="DataLoader worker processes (0 is fastest for memory-mapped data; see docs/training.md)")
     args = ap.parse_args()
 
     world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
@@ -110,6 +114,9 @@ def main() -> None:
                     opt.zero_grad()
                     step += 1
                     bar.update(task, completed=step, loss=f"{loss_v:.3f}")
+                    if step == args.max_steps:
+                        print(f"stopped at {step}/{total} optimizer steps (--max-steps)")
+                        return
                     if step == args.stop_after:
                         torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
                                     "sampler": sampler.state_dict(batch_in_epoch * args.batch_size),
