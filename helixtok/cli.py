@@ -172,7 +172,10 @@ def _print_build_summary(m, out, as_json, con):
                     f"{s['pad_tokens']:,}", f"{s['dropped_tokens']:,}")
     Console().print(tab)
     click.echo(f"documents {t['documents']:,}  skipped {t['skipped_documents']:,}  repaired {t['repaired_documents']:,}"
-               f"  tokens produced {t['tokens']:,}")
+               f"  dropped whole (document packing) {t.get('dropped_documents', 0):,}")
+    # Every term of the arithmetic, so no token is unaccounted for.
+    click.echo(f"tokens: produced {t['tokens']:,} + pad {t['pad_tokens']:,} - dropped {t['dropped_tokens']:,} "
+               f"= stored {t['chunks'] * m['seq_len']:,} = {t['chunks']:,} chunks x {m['seq_len']}")
     for kind in ("skipped", "warnings"):
         for reason, v in m[kind].items():
             con.print(f"[yellow]warning[/]: {v['count']:,} x {reason.replace('_', ' ')}, e.g. "
@@ -181,16 +184,26 @@ def _print_build_summary(m, out, as_json, con):
 
 @main.command()
 @click.argument("out")
-@click.option("--split", default="train", show_default=True)
+@click.option("--split", default="train", show_default=True, help="Which split to count (train or val).")
 @click.option("--batch-size", "-b", type=click.IntRange(min=1), default=1, show_default=True, help="Per-rank batch size.")
-@click.option("--grad-accum", "-g", type=click.IntRange(min=1), default=1, show_default=True)
-@click.option("--world-size", "-w", type=click.IntRange(min=1), default=1, show_default=True)
-@click.option("--epochs", "-e", type=click.IntRange(min=1), default=1, show_default=True)
-@click.option("--drop-last/--no-drop-last", default=False, show_default=True)
-@click.option("--warmup-ratio", type=click.FloatRange(0, 1), default=0.0, show_default=True)
+@click.option("--grad-accum", "-g", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Micro-batches per optimizer step (a partial window is flushed at epoch end).")
+@click.option("--world-size", "-w", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Data-parallel ranks (DistributedSampler num_replicas).")
+@click.option("--epochs", "-e", type=click.IntRange(min=1), default=1, show_default=True, help="Passes over the split.")
+@click.option("--sampler-drop-last/--no-sampler-drop-last", default=None,
+              help="DistributedSampler(drop_last=...): drop the tail that does not divide by world size "
+                   "[default: as --drop-last].")
+@click.option("--loader-drop-last/--no-loader-drop-last", default=None,
+              help="DataLoader(drop_last=...): drop each rank's last partial batch [default: as --drop-last].")
+@click.option("--drop-last/--no-drop-last", default=False, show_default=True,
+              help="Shorthand: sets both --sampler-drop-last and --loader-drop-last.")
+@click.option("--warmup-ratio", type=click.FloatRange(0, 1), default=0.0, show_default=True,
+              help="Share of optimizer steps for LR warmup (rounded up).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @handle_errors
-def stats(out, split, batch_size, grad_accum, world_size, epochs, drop_last, warmup_ratio, as_json):
+def stats(out, split, batch_size, grad_accum, world_size, epochs, sampler_drop_last, loader_drop_last, drop_last,
+          warmup_ratio, as_json):
     """Exact chunk, batch and optimizer-step counts for a training run over OUT.
 
     \b
@@ -200,7 +213,8 @@ def stats(out, split, batch_size, grad_accum, world_size, epochs, drop_last, war
     from .stats import stats_for
 
     st = stats_for(out, split=split, batch_size=batch_size, grad_accum=grad_accum, world_size=world_size,
-                   epochs=epochs, drop_last=drop_last, warmup_ratio=warmup_ratio)
+                   epochs=epochs, drop_last=drop_last, sampler_drop_last=sampler_drop_last,
+                   loader_drop_last=loader_drop_last, warmup_ratio=warmup_ratio)
     if as_json:
         click.echo(json.dumps(st.to_json()))
         return
@@ -218,7 +232,7 @@ def stats(out, split, batch_size, grad_accum, world_size, epochs, drop_last, war
 @main.command()
 @click.argument("out")
 @click.option("--sample", type=click.IntRange(min=0), default=0, help="Also decode N random chunks.")
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON object.")
 @handle_errors
 def verify(out, sample, as_json):
     """Check every shard of OUT: size, sha256, ids < vocab size, counts. Exit 1 on any problem.
@@ -248,7 +262,7 @@ def verify(out, sample, as_json):
 @click.argument("parts", nargs=-1, required=True)
 @click.argument("out", nargs=1)
 @click.option("--overwrite", is_flag=True, help="Replace OUT's manifest.")
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as one JSON object.")
 @handle_errors
 def merge(parts, out, overwrite, as_json):
     """Join task outputs (PARTS) into one dataset OUT whose manifest references their shards (no copy).
@@ -267,9 +281,9 @@ def merge(parts, out, overwrite, as_json):
 @main.command("train-tokenizer")
 @click.argument("corpus", nargs=-1, required=True)
 @click.argument("out_json", metavar="OUT.json")
-@click.option("--vocab-size", type=click.IntRange(min=260), required=True)
-@click.option("--text-field", default="text", show_default=True)
-@click.option("--overwrite", is_flag=True)
+@click.option("--vocab-size", type=click.IntRange(min=260), required=True, help="Vocabulary size, special token included.")
+@click.option("--text-field", default="text", show_default=True, help="JSON field or parquet column with the text.")
+@click.option("--overwrite", is_flag=True, help="Replace OUT.json if it exists.")
 @handle_errors
 def train_tokenizer(corpus, out_json, vocab_size, text_field, overwrite):
     """Train a byte-level BPE tokenizer with <|endoftext|> on CORPUS (for research and offline use).

@@ -18,9 +18,14 @@ def samples_per_rank(num_chunks: int, world_size: int, drop_last: bool) -> int:
     return math.ceil(num_chunks / world_size)
 
 
-def batches_per_epoch(num_chunks: int, batch_size: int, world_size: int = 1, drop_last: bool = False) -> int:
-    n = samples_per_rank(num_chunks, world_size, drop_last)
-    return n // batch_size if drop_last else math.ceil(n / batch_size)
+def batches_per_epoch(num_chunks: int, batch_size: int, world_size: int = 1, drop_last: bool = False, *,
+                      sampler_drop_last: bool | None = None, loader_drop_last: bool | None = None) -> int:
+    """len(DataLoader): DistributedSampler(drop_last=sampler_drop_last) feeding
+    DataLoader(drop_last=loader_drop_last) -- two independent torch settings; `drop_last` sets both."""
+    sd = drop_last if sampler_drop_last is None else sampler_drop_last
+    ld = drop_last if loader_drop_last is None else loader_drop_last
+    n = samples_per_rank(num_chunks, world_size, sd)
+    return n // batch_size if ld else math.ceil(n / batch_size)
 
 
 @dataclass(frozen=True)
@@ -28,13 +33,14 @@ class Stats:
     split: str
     seq_len: int
     chunks: int
-    tokens: int
-    real_tokens: int
+    stored_tokens: int  # chunks x seq_len, padding included
+    real_tokens: int  # stored_tokens - padding
     batch_size: int
     grad_accum: int
     world_size: int
     epochs: int
-    drop_last: bool
+    sampler_drop_last: bool  # DistributedSampler(drop_last=...)
+    loader_drop_last: bool  # DataLoader(drop_last=...)
     samples_per_rank: int
     batches_per_epoch: int
     optimizer_steps_per_epoch: int
@@ -49,7 +55,12 @@ class Stats:
 
 def compute_stats(manifest: dict, *, split: str = "train", batch_size: int = 1, grad_accum: int = 1,
                   world_size: int = 1, epochs: int = 1, drop_last: bool = False, warmup_ratio: float = 0.0,
+                  sampler_drop_last: bool | None = None, loader_drop_last: bool | None = None,
                   where: str = "dataset") -> Stats:
+    """Exact counts for DistributedSampler(drop_last=sampler_drop_last) + DataLoader(drop_last=
+    loader_drop_last); `drop_last` sets both.  A run with zero optimizer steps is a ConfigError."""
+    sd = drop_last if sampler_drop_last is None else sampler_drop_last
+    ld = drop_last if loader_drop_last is None else loader_drop_last
     for name, v in (("batch-size", batch_size), ("grad-accum", grad_accum), ("world-size", world_size),
                     ("epochs", epochs)):
         if v < 1:
@@ -59,15 +70,20 @@ def compute_stats(manifest: dict, *, split: str = "train", batch_size: int = 1, 
     s = split_entry(manifest, split, where)
     n = s["num_chunks"]
     L = manifest["seq_len"]
-    batches = batches_per_epoch(n, batch_size, world_size, drop_last)
+    batches = batches_per_epoch(n, batch_size, world_size, sampler_drop_last=sd, loader_drop_last=ld)
     # A partial accumulation window is flushed at epoch end (HelixLM's Trainer does), hence ceil.
     steps = math.ceil(batches / grad_accum)
     total = steps * epochs
+    if total == 0:
+        per_rank = samples_per_rank(n, world_size, sd)
+        raise ConfigError(f"{where}: split {split!r} has {n} samples, {per_rank} per rank with world size "
+                          f"{world_size}: not one full batch of {batch_size}, so 0 optimizer steps; lower "
+                          "--batch-size or --world-size, drop --loader-drop-last, or build more data")
     return Stats(
-        split=split, seq_len=L, chunks=n, tokens=s["num_tokens"],
+        split=split, seq_len=L, chunks=n, stored_tokens=s["num_tokens"],
         real_tokens=s["num_tokens"] - s["pad_tokens"],
         batch_size=batch_size, grad_accum=grad_accum, world_size=world_size, epochs=epochs,
-        drop_last=drop_last, samples_per_rank=samples_per_rank(n, world_size, drop_last),
+        sampler_drop_last=sd, loader_drop_last=ld, samples_per_rank=samples_per_rank(n, world_size, sd),
         batches_per_epoch=batches, optimizer_steps_per_epoch=steps, total_optimizer_steps=total,
         warmup_ratio=warmup_ratio, warmup_steps=math.ceil(warmup_ratio * total),
         tokens_per_optimizer_step=batch_size * grad_accum * world_size * L,

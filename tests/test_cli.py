@@ -149,3 +149,24 @@ def test_console_script_runs(tmp_path, corpus, small_tok):
     assert "train" in p.stdout and "Traceback" not in p.stderr
     assert "docs" in p.stderr  # the progress bar goes to stderr, never stdout
     assert "docs" not in p.stdout.replace("documents", "")
+
+
+def test_every_option_of_every_command_has_help():
+    missing = [f"{name} {p.opts[0]}" for name, cmd in main.commands.items() for p in cmd.params
+               if p.param_type_name == "option" and not (p.help or "").strip()]
+    assert not missing, missing
+
+
+def test_train_example_describes_itself():
+    r = subprocess.run([sys.executable, "scripts/train_example.py", "--help"], capture_output=True, text=True,
+                       cwd=os.path.join(os.path.dirname(__file__), ".."))
+    assert r.returncode == 0 and "Train a tiny causal LM" in r.stdout and "--max-steps" in r.stdout
+
+
+def test_dataset_without_torch_names_the_extra():
+    code = "import sys; sys.modules['torch'] = None\nfrom helixtok import MemmapChunkDataset"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 1 and "pip install 'helixtok[torch]'" in r.stderr
+    # ...while building and stats need no torch at all.
+    code = "import sys; sys.modules['torch'] = None\nimport helixtok.cli, helixtok.build, helixtok.stats, helixtok.verify"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0

@@ -26,23 +26,53 @@ def manifest(n, L=8):
 
 @pytest.mark.parametrize("n", [1, 7, 64, 101, 1000])
 def test_batches_equal_len_dataloader_grid(n):
+    """Every combination of the two independent torch settings: DistributedSampler(drop_last=SD)
+    and DataLoader(drop_last=LD)."""
+    from helixtok.errors import ConfigError
+
     ds = Sized(n)
-    for B, W, D in itertools.product([1, 3, 16], [1, 2, 3, 8], [False, True]):
+    for B, W, SD, LD in itertools.product([1, 3, 16], [1, 2, 3, 8], [False, True], [False, True]):
         if W == 1:
-            want = len(DataLoader(ds, batch_size=B, shuffle=True, drop_last=D))
+            if SD:
+                continue  # no DistributedSampler at world size 1
+            want = len(DataLoader(ds, batch_size=B, shuffle=True, drop_last=LD))
         else:
-            lens = {len(DataLoader(ds, batch_size=B, drop_last=D,
-                                   sampler=DistributedSampler(ds, num_replicas=W, rank=r, shuffle=True, drop_last=D)))
+            lens = {len(DataLoader(ds, batch_size=B, drop_last=LD,
+                                   sampler=DistributedSampler(ds, num_replicas=W, rank=r, shuffle=True, drop_last=SD)))
                     for r in range(W)}
             assert len(lens) == 1
             want = lens.pop()
-        assert batches_per_epoch(n, B, W, D) == want, (n, B, W, D)
+        assert batches_per_epoch(n, B, W, sampler_drop_last=SD, loader_drop_last=LD) == want, (n, B, W, SD, LD)
         for G in (1, 4):
-            st = compute_stats(manifest(n), batch_size=B, grad_accum=G, world_size=W, drop_last=D, epochs=3,
-                               warmup_ratio=0.1)
+            kw = dict(batch_size=B, grad_accum=G, world_size=W, sampler_drop_last=SD, loader_drop_last=LD, epochs=3,
+                      warmup_ratio=0.1)
+            if want == 0:
+                with pytest.raises(ConfigError, match=f"split 'train' has {n} samples.*0 optimizer steps"):
+                    compute_stats(manifest(n), **kw)
+                continue
+            st = compute_stats(manifest(n), **kw)
             assert st.batches_per_epoch == want
             assert st.optimizer_steps_per_epoch == -(-want // G)
             assert st.total_optimizer_steps == 3 * st.optimizer_steps_per_epoch
+
+
+def test_the_measured_13_vs_12_case_and_zero_steps_on_the_cli(tmp_path, small_corpus, small_tok):
+    """n=101, W=8, B=1: sampler pads to 13 per rank; with sampler drop_last only, 12."""
+    import json
+
+    from click.testing import CliRunner
+
+    from helixtok.cli import main
+
+    assert batches_per_epoch(101, 1, 8, sampler_drop_last=False, loader_drop_last=True) == 13
+    assert batches_per_epoch(101, 1, 8, sampler_drop_last=True, loader_drop_last=False) == 12
+    out = tmp_path / "out"
+    assert CliRunner().invoke(main, ["build", str(small_corpus), str(out), "-t", small_tok, "-L", "64", "-q"]).exit_code == 0
+    n = json.load(open(out / "manifest.json"))["splits"]["train"]["num_chunks"]
+    r = CliRunner().invoke(main, ["stats", str(out), "-b", str(n + 1), "--loader-drop-last"])
+    assert r.exit_code == 1 and f"split 'train' has {n} samples" in r.output and "0 optimizer steps" in r.output
+    r = CliRunner().invoke(main, ["stats", str(out), "-b", "1", "-w", "2", "--sampler-drop-last", "--json"])
+    assert r.exit_code == 0 and json.loads(r.stdout)["samples_per_rank"] == n // 2
 
 
 def test_steps_count_a_real_accumulation_loop():
