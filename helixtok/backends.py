@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from functools import lru_cache
 
 # The pre-tokenizer regex of HF's ByteLevel(use_regex=True): GPT-2's pattern.
@@ -15,6 +16,12 @@ HOSTILE = [
     "<|endoftext|> inside text", "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa", "x" * 2000 + " " * 300 + "y",
     "def f(x):\n    return {'a': [1, 2]}\n", "ÜBER straße Ωμέγα Привет مرحبا", "\u2028\u2029\u200b\u00a0",
 ]
+
+
+# tiktoken's regex backtracks without limit on a long whitespace run (it fails near 1 MiB of
+# spaces); a text holding a run this long is encoded by tokenizers instead: the same ids by definition.
+WS_RUN = 100_000
+_LONG_WS = re.compile(r"(?<!\s)\s{%d}|^\s{%d}" % (WS_RUN, WS_RUN))  # only run starts are tried: linear
 
 
 @lru_cache(maxsize=1)
@@ -83,21 +90,50 @@ def tiktoken_encoding(tokenizer_json: str):
     return enc, None
 
 
+SPECIAL_POLICIES = ("text", "extract")
+
+
+def hf_tokenizer(path: str, special: str):
+    """A tokenizers Tokenizer that treats special-token strings inside a document per `special`:
+    "text" encodes them as ordinary characters (no hidden boundaries or control tokens from
+    crawled text), "extract" turns them into their special ids (for corpora with markup)."""
+    from .tokenizer import load_tokenizer
+
+    tok = load_tokenizer(path)
+    tok.encode_special_tokens = special == "text"
+    return tok
+
+
 def hf_ids(tok, texts: list[str]) -> list[list[int]]:
     fn = getattr(tok, "encode_batch_fast", tok.encode_batch)
     return [e.ids for e in fn(texts, add_special_tokens=False)]
 
 
-def tiktoken_ids(enc, texts: list[str]) -> list[list[int]]:
-    # HF extracts added special tokens found in the text even with add_special_tokens=False;
-    # allowed_special="all" makes tiktoken do the same.
-    return [enc.encode(t, allowed_special="all") for t in texts]
+def tiktoken_ids(enc, texts: list[str], special: str = "text", tok=None) -> list[list[int]]:
+    """tiktoken's ids under the same special-token policy; with `tok`, texts holding a long
+    whitespace run go to tokenizers (see WS_RUN)."""
+    out = []
+    for t in texts:
+        if tok is not None and len(t) >= WS_RUN and _LONG_WS.search(t):
+            out.append(hf_ids(tok, [t])[0])
+        elif special == "text":
+            out.append(enc.encode_ordinary(t))
+        else:
+            out.append(enc.encode(t, allowed_special="all"))
+    return out
 
 
-def parity(tok, enc, sample: list[str]) -> tuple[bool, str]:
-    """(True, "") when tiktoken gives HF's ids for every text of the sample and HOSTILE."""
-    texts = HOSTILE + sample
-    a, b = hf_ids(tok, texts), tiktoken_ids(enc, texts)
+def special_probes(tok) -> list[str]:
+    """Every special and added token of the tokenizer placed inside text, as crawled text holds them."""
+    toks = sorted(t.content for t in tok.get_added_tokens_decoder().values())
+    return [f"x{t}y {t} z{t}" for t in toks] + [" ".join(toks)]
+
+
+def parity(tok, enc, sample: list[str], special: str) -> tuple[bool, str]:
+    """(True, "") when tiktoken gives HF's ids for every text of the sample, HOSTILE and every
+    special token inside text."""
+    texts = HOSTILE + special_probes(tok) + sample
+    a, b = hf_ids(tok, texts), tiktoken_ids(enc, texts, special, tok)
     for t, x, y in zip(texts, a, b):
         if x != y:
             return False, f"ids differ on {t[:40]!r}"

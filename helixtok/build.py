@@ -488,9 +488,8 @@ def _choose_backend(info: TokenizerInfo, units: list[Unit], config: BuildConfig)
     """Pick the backend: tiktoken only where it gives HF's ids on a sample of this corpus."""
     import dataclasses
 
-    from .backends import parity, tiktoken_encoding
+    from .backends import hf_tokenizer, parity, tiktoken_encoding
     from .errors import TokenizerError
-    from .tokenizer import load_tokenizer
 
     from importlib.metadata import version
 
@@ -511,7 +510,7 @@ def _choose_backend(info: TokenizerInfo, units: list[Unit], config: BuildConfig)
                 if got >= SAMPLE_CHARS // SAMPLE_UNITS:
                     break
         sample_docs = len(sample)
-        ok, why = parity(load_tokenizer(info.path), enc, sample)
+        ok, why = parity(hf_tokenizer(info.path, info.special_tokens), enc, sample, info.special_tokens)
         if ok:
             return dataclasses.replace(info, backend="tiktoken", backend_version=f"tiktoken {version('tiktoken')}"), {
                 "chosen": "tiktoken", "reason": "same ids as tokenizers on the sample", "sample_documents": sample_docs}
@@ -528,7 +527,7 @@ def build(inputs: list[str], out: str, tokenizer: str, config: BuildConfig, *, o
     Holds an exclusive lock on `out` throughout: a second build into it fails at once.
     """
     info = inspect_tokenizer(tokenizer, eos_token=config.eos_token, bos_token=config.bos_token,
-                             pad_token=config.pad_token, add_bos=config.add_bos)
+                             pad_token=config.pad_token, add_bos=config.add_bos, special_tokens=config.special_tokens)
     if os.path.exists(out) and not os.path.isdir(out):
         raise ConfigError(f"{out}: exists and is not a folder")
     created = not os.path.exists(out)

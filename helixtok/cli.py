@@ -95,6 +95,9 @@ def main():
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as one JSON object.")
 @click.option("--stall-timeout", type=click.FloatRange(min=0, min_open=True), default=600, show_default=True,
               help="Fail when no worker makes progress for this many seconds.")
+@click.option("--special-tokens", type=click.Choice(["text", "extract"]), default="text", show_default=True,
+              help="Special-token strings inside documents (e.g. '<|endoftext|>' in crawled text): text = "
+                   "encode them as ordinary characters; extract = turn them into their special ids (markup).")
 @click.option("--backend", type=click.Choice(["auto", "hf", "tiktoken"]), default="auto", show_default=True,
               help="auto: tiktoken where it gives tokenizers' ids on a corpus sample (faster), else hf.")
 @click.option("--num-tasks", type=click.IntRange(min=1), default=None,
@@ -104,7 +107,7 @@ def main():
 @handle_errors
 def build(corpus, out, tokenizer, seq_len, packing, min_tail_len, text_field, bos, eos_token, bos_token,
           pad_token, val_fraction, split_seed, shard_size, unit_size, workers, overwrite, strict, quiet, as_json,
-          stall_timeout, backend, num_tasks, task_index):
+          stall_timeout, special_tokens, backend, num_tasks, task_index):
     """Tokenize CORPUS (files, folders, globs) into fixed-length token shards in OUT.
 
     \b

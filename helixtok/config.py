@@ -34,6 +34,7 @@ class BuildConfig:
     batch_chars: int = 1 << 20  # characters per encode_batch call in a worker
     max_piece_chars: int = 200_000  # longer documents are encoded in pieces
     stall_seconds: float = 600.0  # no progress from any worker for this long: the build fails
+    special_tokens: str = "text"  # special-token strings in documents: "text" (as characters) or "extract"
     backend: str = "auto"  # auto: tiktoken when it reproduces HF's ids on a corpus sample, else hf
 
     def __post_init__(self) -> None:
@@ -56,6 +57,10 @@ class BuildConfig:
             raise ConfigError(f"--workers must be >= 0 (0 = all cores), got {self.workers}")
         if self.backend not in BACKENDS:
             raise ConfigError(f"--backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
+        if self.special_tokens not in ("text", "extract"):
+            raise ConfigError(f"--special-tokens must be text or extract, got {self.special_tokens!r}")
+        if self.unit_bytes < 1:
+            raise ConfigError(f"--unit-size must be positive, got {self.unit_bytes}")
         if self.stall_seconds <= 0:
             raise ConfigError(f"--stall-timeout must be positive, got {self.stall_seconds}")
         if not self.text_field:

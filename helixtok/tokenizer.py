@@ -92,6 +92,7 @@ class TokenizerInfo:
     splittable: bool  # long documents may be encoded piecewise without changing ids
     backend: str = "hf"  # "hf" (tokenizers) or "tiktoken" (same ids, checked; faster)
     backend_version: str = ""  # the library's version: another version may give other ids
+    special_tokens: str = "text"  # special-token strings inside documents: "text" or "extract"
 
     @property
     def dtype(self) -> np.dtype:
@@ -100,7 +101,7 @@ class TokenizerInfo:
     def to_json(self) -> dict:
         return {
             "sha256": self.sha256, "vocab_size": self.vocab_size, "backend": self.backend,
-            "backend_version": self.backend_version,
+            "backend_version": self.backend_version, "special_tokens_in_text": self.special_tokens,
             "eos_id": self.eos_id, "eos_token": self.eos_token,
             "pad_id": self.pad_id, "pad_token": self.pad_token,
             "bos_id": self.bos_id, "bos_token": self.bos_token, "add_bos": self.add_bos,
@@ -133,7 +134,8 @@ def _config_token(tok_path: str, key: str) -> str | None:
 
 
 def inspect_tokenizer(spec: str, *, eos_token: str | None = None, bos_token: str | None = None,
-                      pad_token: str | None = None, add_bos: bool = False) -> TokenizerInfo:
+                      pad_token: str | None = None, add_bos: bool = False, special_tokens: str = "text"
+                      ) -> TokenizerInfo:
     path = resolve_tokenizer_path(spec)
     tok = load_tokenizer(path)
     vocab = tok.get_vocab(with_added_tokens=True)
@@ -164,7 +166,7 @@ def inspect_tokenizer(spec: str, *, eos_token: str | None = None, bos_token: str
         path=path, sha256=sha256_file(path), vocab_size=max(vocab.values()) + 1,
         eos_id=vocab[eos], eos_token=eos, pad_id=vocab[pad], pad_token=pad,
         bos_id=vocab[bos] if bos else None, bos_token=bos, add_bos=add_bos,
-        splittable=_splits_exactly(tok),
+        splittable=_splits_exactly(tok), special_tokens=special_tokens,
     )
 
 
@@ -219,16 +221,16 @@ class Encoder:
 
     def __init__(self, info: TokenizerInfo, *, max_piece_chars: int):
         self.info = info
-        self.tok = load_tokenizer(info.path)
+        from .backends import hf_ids, hf_tokenizer, tiktoken_encoding, tiktoken_ids
+
+        self.tok = hf_tokenizer(info.path, info.special_tokens)
         self.dtype = info.dtype
         self.max_piece_chars = max_piece_chars
-        from .backends import hf_ids, tiktoken_encoding, tiktoken_ids
-
         if info.backend == "tiktoken":
             enc, why = tiktoken_encoding(info.path)
             if enc is None:
                 raise TokenizerError(f"{info.path}: tiktoken backend unavailable: {why}")
-            self._ids = lambda texts: tiktoken_ids(enc, texts)
+            self._ids = lambda texts: tiktoken_ids(enc, texts, info.special_tokens, self.tok)
         else:
             # encode_batch_fast (inside hf_ids) skips offset tracking, which we never use: ~25% faster.
             self._ids = lambda texts: hf_ids(self.tok, texts)
