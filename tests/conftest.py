@@ -124,7 +124,10 @@ def dev_ids(dev_docs, tokenizer_path) -> list[list[int]]:
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(tokenizer_path)
-    return [e.ids for e in tok.encode_batch(dev_docs, add_special_tokens=False)]
+    ids = []
+    for i in range(0, len(dev_docs), 64):  # Encodings are ~100 bytes a token: keep few alive at once
+        ids += [e.ids for e in tok.encode_batch(dev_docs[i: i + 64], add_special_tokens=False)]
+    return ids
 
 
 def _build(tmp_path_factory, corpus, tok, name, **kw):
