@@ -27,15 +27,18 @@ def resolve_tokenizer_path(spec: str) -> str:
         if os.path.isfile(p):
             return p
         raise TokenizerError(f"{spec}: folder has no tokenizer.json; point --tokenizer at a tokenizer.json file")
-    if spec.count("/") == 1 and not spec.startswith((".", "/")):
-        p = _from_hf_cache(spec)
-        if p:
-            return p
-        raise TokenizerError(
-            f"tokenizer {spec!r} is not a file, a folder, or a repo in the local HF cache ({_hf_cache_dir()}); "
-            f"on a machine with network run `huggingface-cli download {spec} tokenizer.json` and copy the cache, "
-            "or pass the path of a tokenizer.json")
-    raise TokenizerError(f"{spec}: no such tokenizer file or folder; pass a tokenizer.json path")
+    looks_like_path = spec.startswith((".", "/", "~")) or spec.endswith(".json") or spec.count("/") > 1
+    if looks_like_path:
+        raise TokenizerError(f"{spec}: no such tokenizer file or folder; pass the path of a tokenizer.json "
+                             "(or of a folder holding one)")
+    p = _from_hf_cache(spec)
+    if p:
+        return p
+    tried = os.path.join(_hf_cache_dir(), "models--" + spec.replace("/", "--"))
+    raise TokenizerError(
+        f"tokenizer {spec!r}: not a file or folder here, and not a repo in the local HF cache (looked in "
+        f"{tried}); pass the path of a tokenizer.json, or on a machine with network run "
+        f"`huggingface-cli download {spec} tokenizer.json` and copy the cache")
 
 
 def _hf_cache_dir() -> str:

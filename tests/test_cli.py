@@ -83,8 +83,12 @@ def test_unsupported_file_type_and_json(tmp_path, small_tok):
 def test_unknown_tokenizer(tmp_path, corpus):
     r = run("build", corpus, tmp_path / "out", "-t", "no-such-org/no-such-model")
     assert r.exit_code == 1
-    assert "not a file, a folder, or a repo in the local HF cache" in r.output
+    assert "not a file or folder here, and not a repo in the local HF cache (looked in" in r.output
     assert "huggingface-cli download" in r.output
+    # A mistyped relative path is a missing file, not a repo id to download.
+    r = run("build", corpus, tmp_path / "out", "-t", "tokenizers/tok.json")
+    assert r.exit_code == 1 and "tokenizers/tok.json: no such tokenizer file or folder" in r.output
+    assert "huggingface" not in r.output
     bad = tmp_path / "tok.json"
     bad.write_text('{"not": "a tokenizer"}')
     r = run("build", corpus, tmp_path / "out", "-t", bad)
@@ -149,6 +153,15 @@ def test_console_script_runs(tmp_path, corpus, small_tok):
     assert "train" in p.stdout and "Traceback" not in p.stderr
     assert "docs" in p.stderr  # the progress bar goes to stderr, never stdout
     assert "docs" not in p.stdout.replace("documents", "")
+
+
+def test_single_name_repo_id_from_the_local_hf_cache(tmp_path, corpus, small_tok, monkeypatch):
+    snap = tmp_path / "hub" / "models--gpt2" / "snapshots" / "abc123"
+    snap.mkdir(parents=True)
+    (snap / "tokenizer.json").write_bytes(open(small_tok, "rb").read())
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    r = run("build", corpus, tmp_path / "out", "-t", "gpt2", "-L", "8", "-q")
+    assert r.exit_code == 0, r.output
 
 
 def test_every_option_of_every_command_has_help():
