@@ -11,7 +11,6 @@ import pytest
 from click.testing import CliRunner
 
 import helixtok.build as hb
-from conftest import UNIT
 from helixtok import MemmapChunkDataset
 from helixtok.build import build
 from helixtok.cli import main

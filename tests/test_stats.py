@@ -3,7 +3,6 @@
 import itertools
 
 import pytest
-import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from helixtok.stats import batches_per_epoch, compute_stats
