@@ -310,7 +310,8 @@ def train_tokenizer(corpus, out_json, vocab_size, text_field, overwrite):
         for u in units:
             yield from UnitReader(u, text_field, Tally())
 
-    train(texts(), out_json, vocab_size=vocab_size)
+    # tokenizers' own progress bars (reading, counting pairs, merges) on stderr, when a person watches.
+    train(texts(), out_json, vocab_size=vocab_size, show_progress=sys.stderr.isatty())
     click.echo(out_json)
 
 

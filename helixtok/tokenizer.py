@@ -276,7 +276,8 @@ class Encoder:
         return out, lens
 
 
-def train_tokenizer(texts: Iterable[str], out_path: str, *, vocab_size: int, min_frequency: int = 2) -> None:
+def train_tokenizer(texts: Iterable[str], out_path: str, *, vocab_size: int, min_frequency: int = 2,
+                    show_progress: bool = False) -> None:
     """Train a GPT-2-style byte-level BPE with <|endoftext|>, written as tokenizer.json."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -285,7 +286,7 @@ def train_tokenizer(texts: Iterable[str], out_path: str, *, vocab_size: int, min
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=min_frequency,
                                   special_tokens=["<|endoftext|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=show_progress)
     tok.train_from_iterator(texts, trainer)
     tmp = out_path + ".tmp"
     tok.save(tmp)

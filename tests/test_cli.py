@@ -183,3 +183,11 @@ def test_dataset_without_torch_names_the_extra():
     # ...while building and stats need no torch at all.
     code = "import sys; sys.modules['torch'] = None\nimport helixtok.cli, helixtok.build, helixtok.stats, helixtok.verify"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_quiet_hides_the_bar_not_the_warnings(tmp_path, corpus, small_tok):
+    (tmp_path / "c2").mkdir()
+    (tmp_path / "c2" / "a.txt").write_text("hello world " * 50)
+    (tmp_path / "c2" / "notes.csv").write_text("x")
+    r = run("build", tmp_path / "c2", tmp_path / "out", "-t", small_tok, "-L", "8", "-q")
+    assert r.exit_code == 0 and "1 x unsupported file, e.g. notes.csv" in r.output and "tok/s" not in r.output
