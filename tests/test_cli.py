@@ -147,7 +147,8 @@ def test_cli_does_not_import_torch():
 def test_console_script_runs(tmp_path, corpus, small_tok):
     """The installed entry point, in a real subprocess with real worker processes."""
     out = tmp_path / "out"
-    p = subprocess.run(["helixtok", "build", str(corpus), str(out), "-t", small_tok, "-L", "16", "-j", "2"],
+    exe = os.path.join(os.path.dirname(sys.executable), "helixtok")  # this environment's, whatever PATH says
+    p = subprocess.run([exe, "build", str(corpus), str(out), "-t", small_tok, "-L", "16", "-j", "2"],
                        capture_output=True, text=True)
     assert p.returncode == 0, p.stderr
     assert "train" in p.stdout and "Traceback" not in p.stderr
