@@ -128,13 +128,11 @@ def run_unit(unit: Unit) -> dict:
         _W["slots"][_W["slot"] + 1] = unit.index
     try:
         return _run_unit(unit)
-    except (HelixtokError, KeyboardInterrupt, SystemExit):
+    except (HelixtokError, OSError, KeyboardInterrupt, SystemExit):
         raise
     except MemoryError:
         raise HelixtokError(f"out of memory while tokenizing {_where(unit)}; use fewer --workers or "
                             "more memory, then rerun the same command to resume") from None
-    except OSError:
-        raise
     except BaseException as e:  # noqa: BLE001 - includes pyo3's PanicException
         msg = (str(e).splitlines() or [""])[0][:200]
         raise HelixtokError(f"tokenizing {_where(unit)} failed: {type(e).__name__}: {msg}") from None
@@ -370,9 +368,7 @@ def _run_units(units: list[Unit], pending: list[Unit], info: TokenizerInfo, conf
                     raise HelixtokError(f"no progress for {config.stall_seconds:g} s: a worker seems hung while "
                                         f"tokenizing {where}; rerun the same command to resume "
                                         "(or raise --stall-timeout for huge documents)")
-    except BrokenProcessPool as e:  # the pool broke while starting (submit raised)
-        raise HelixtokError(f"a worker process died while starting ({e}); rerun the same command to resume") from None
-    except BaseException:
+    except BaseException as e:
         for f in futures:
             f.cancel()
         # Stop workers now rather than after their current unit (Ctrl-C, a failed or hung unit);
@@ -381,6 +377,9 @@ def _run_units(units: list[Unit], pending: list[Unit], info: TokenizerInfo, conf
             for p in list(getattr(pool, "_processes", {}).values()):
                 p.kill()
             pool.shutdown(wait=True, cancel_futures=True)
+        if isinstance(e, BrokenProcessPool):  # the pool broke while starting (submit raised)
+            raise HelixtokError(f"a worker process died while starting ({e}); "
+                                "rerun the same command to resume") from None
         raise
     pool.shutdown(wait=True)
     return results
@@ -400,9 +399,7 @@ def _result(f, u: Unit, pool, slots, units: list[Unit]) -> dict:
                 break
         raise HelixtokError(f"a worker process died while tokenizing {_where(u)}; it was killed "
                             "(out of memory?); rerun the same command to resume") from None
-    except HelixtokError:
-        raise
-    except OSError:
+    except (HelixtokError, OSError):
         raise
     except Exception as e:  # noqa: BLE001
         raise HelixtokError(f"tokenizing {_where(u)} failed: {type(e).__name__}: {e}") from None
@@ -487,11 +484,10 @@ SAMPLE_UNITS, SAMPLE_CHARS = 8, 1 << 20
 def _choose_backend(info: TokenizerInfo, units: list[Unit], config: BuildConfig) -> tuple[TokenizerInfo, dict]:
     """Pick the backend: tiktoken only where it gives HF's ids on a sample of this corpus."""
     import dataclasses
+    from importlib.metadata import version
 
     from .backends import hf_tokenizer, parity, tiktoken_encoding
     from .errors import TokenizerError
-
-    from importlib.metadata import version
 
     hf = dataclasses.replace(info, backend="hf", backend_version=f"tokenizers {version('tokenizers')}")
     if config.backend == "hf":
@@ -630,8 +626,7 @@ def _build_locked(inputs: list[str], out: str, info: TokenizerInfo, config: Buil
         "seq_len": config.seq_len,
         "packing": config.packing,
         "min_tail_len": config.tail_len if config.packing == "document" else None,
-        "tokenizer": {**info.to_json(), "file": "tokenizer.json",
-                      "backend_check": backend_check},
+        "tokenizer": {**info.to_json(), "file": "tokenizer.json", "backend_check": backend_check},
         "options": {"text_field": config.text_field, "val_fraction": config.val_fraction,
                     "split_seed": config.split_seed, "shard_bytes": config.shard_bytes,
                     "unit_bytes": config.unit_bytes, "max_piece_chars": config.max_piece_chars},

@@ -10,6 +10,7 @@ import sys
 
 import click
 
+from .backends import SPECIAL_POLICIES
 from .errors import HelixtokError
 
 SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.I)
@@ -95,7 +96,7 @@ def main():
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as one JSON object.")
 @click.option("--stall-timeout", type=click.FloatRange(min=0, min_open=True), default=600, show_default=True,
               help="Fail when no worker makes progress for this many seconds.")
-@click.option("--special-tokens", type=click.Choice(["text", "extract"]), default="text", show_default=True,
+@click.option("--special-tokens", type=click.Choice(list(SPECIAL_POLICIES)), default="text", show_default=True,
               help="Special-token strings inside documents (e.g. '<|endoftext|>' in crawled text): text = "
                    "encode them as ordinary characters; extract = turn them into their special ids (markup).")
 @click.option("--backend", type=click.Choice(["auto", "hf", "tiktoken"]), default="auto", show_default=True,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import asdict, dataclass
 
+from .backends import SPECIAL_POLICIES
 from .errors import ConfigError
 
 PACKINGS = ("packed", "document")
@@ -57,8 +58,9 @@ class BuildConfig:
             raise ConfigError(f"--workers must be >= 0 (0 = all cores), got {self.workers}")
         if self.backend not in BACKENDS:
             raise ConfigError(f"--backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
-        if self.special_tokens not in ("text", "extract"):
-            raise ConfigError(f"--special-tokens must be text or extract, got {self.special_tokens!r}")
+        if self.special_tokens not in SPECIAL_POLICIES:
+            raise ConfigError(f"--special-tokens must be one of {', '.join(SPECIAL_POLICIES)}, "
+                              f"got {self.special_tokens!r}")
         if self.unit_bytes < 1:
             raise ConfigError(f"--unit-size must be positive, got {self.unit_bytes}")
         if self.stall_seconds <= 0:

@@ -269,3 +269,22 @@ def test_stress_random_kills_and_concurrent_builds(tmp_path, dev_corpus, tokeniz
     same_folder(out2, ref)
     print(f"stress: 20 kill cycles ({published} finished before the kill), leftover processes {leftovers}; "
           f"concurrent: {codes.count(0)} of 10 published, {codes.count(1)} refused")
+
+
+def test_a_pool_that_breaks_while_starting_is_one_line_and_leaves_no_worker(tmp_path, small_corpus, small_tok,
+                                                                            monkeypatch):
+    from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures.process import BrokenProcessPool
+
+    made = []
+    real_submit = ProcessPoolExecutor.submit
+
+    def broken_submit(self, *a, **k):
+        real_submit(self, *a, **k)  # starts the worker processes
+        made.extend(self._processes.values())
+        raise BrokenProcessPool("a child process terminated abruptly")
+
+    monkeypatch.setattr(ProcessPoolExecutor, "submit", broken_submit)
+    with pytest.raises(hb.HelixtokError, match="a worker process died while starting"):
+        build([str(small_corpus)], str(tmp_path / "out"), small_tok, BuildConfig(seq_len=16, workers=2, unit_bytes=1))
+    assert made and all(not p.is_alive() for p in made)
