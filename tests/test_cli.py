@@ -192,3 +192,17 @@ def test_quiet_hides_the_bar_not_the_warnings(tmp_path, corpus, small_tok):
     (tmp_path / "c2" / "notes.csv").write_text("x")
     r = run("build", tmp_path / "c2", tmp_path / "out", "-t", small_tok, "-L", "8", "-q")
     assert r.exit_code == 0 and "1 x unsupported file, e.g. notes.csv" in r.output and "tok/s" not in r.output
+
+
+def test_summary_prints_every_term_of_the_token_arithmetic(tmp_path, corpus, small_tok):
+    # Document packing pads tails and drops short ones: all four terms are non-zero here.
+    (corpus / "c.txt").write_text("hello world")
+    r = run("build", corpus, tmp_path / "out", "-t", small_tok, "-L", "64", "--pack", "document",
+            "--min-tail-len", "40", "-q")
+    assert r.exit_code == 0, r.output
+    t = json.load(open(tmp_path / "out" / "manifest.json"))["totals"]
+    assert t["pad_tokens"] and t["dropped_tokens"] and t["dropped_documents"]
+    assert t["tokens"] + t["pad_tokens"] - t["dropped_tokens"] == t["chunks"] * 64
+    assert (f"tokens: produced {t['tokens']:,} + pad {t['pad_tokens']:,} - dropped {t['dropped_tokens']:,} "
+            f"= stored {t['chunks'] * 64:,} = {t['chunks']:,} chunks x 64") in r.output
+    assert f"dropped whole (document packing) {t['dropped_documents']:,}" in r.output
