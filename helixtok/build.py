@@ -26,14 +26,15 @@ import numpy as np
 from . import __version__
 from .config import BuildConfig
 from .errors import ConfigError, HelixtokError, InputError
+from .longdoc import LongText
 from .manifest import DOC_SKIPS, FORMAT_VERSION, MANIFEST, REPAIRS, write_json_atomic
-from .pack import PackCounts, document_chunks, packed_chunks
 from .outdir import PUBLISH, STATE, OutLock, refuse_foreign, remove_owned
+from .pack import PackCounts, document_chunks, packed_chunks
 from .shards import ShardWriter, fsync_dir
 from .sources import Tally, Unit, UnitReader, discover, plan_units
 from .tokenizer import Encoder, TokenizerInfo, inspect_tokenizer
 
-ASSEMBLY_TOKENS = 1 << 24  # tokens per slice when assembling: keeps memory flat
+ASSEMBLY_TOKENS = 1 << 22  # tokens per slice when assembling: memory stays flat (16 MiB at uint32)
 
 
 @dataclass
@@ -108,9 +109,21 @@ def _bump(counters, b: int, d: int, t: int) -> None:
         counters[2] += t
 
 
+_HASH_STEP = 1 << 20
+
+
 def _split_of(text: str, fraction: float, seed: int) -> int:
     # Content hash: identical documents always land in the same split, so none is in both.
-    h = hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=8, key=seed.to_bytes(8, "little"))
+    return _split_of_pieces((text[i: i + _HASH_STEP] for i in range(0, len(text), _HASH_STEP)), fraction, seed)
+
+
+def _split_of_pieces(pieces, fraction: float, seed: int) -> int:
+    """_split_of for a text given in pieces (the hash of the pieces' bytes is the text's)."""
+    if fraction <= 0:
+        return 0
+    h = hashlib.blake2b(digest_size=8, key=seed.to_bytes(8, "little"))
+    for p in pieces:
+        h.update(p.encode("utf-8", "surrogatepass"))
     return int(int.from_bytes(h.digest(), "little") < fraction * 2.0**64)
 
 
@@ -149,7 +162,7 @@ def _run_unit(unit: Unit) -> dict:
     docs = {s: 0 for s in splits}
     tokens = {s: 0 for s in splits}
     tally = Tally(strict=cfg.strict)
-    reader = UnitReader(unit, cfg.text_field, tally)
+    reader = UnitReader(unit, cfg.text_field, tally, long_bytes=cfg.long_doc_bytes)
     batch = {s: [] for s in splits}
     chars = 0
     last_consumed = 0
@@ -173,6 +186,16 @@ def _run_unit(unit: Unit) -> dict:
         chars = 0
 
     for text in reader:
+        if isinstance(text, LongText):  # read, hashed and encoded in pieces: memory stays flat
+            s = splits[_split_of_pieces(text.pieces(), cfg.val_fraction, cfg.split_seed)]
+            flush()  # the documents before it go first
+            n = enc.encode_stream(text.pieces(), lambda ids: files[s][0].write(ids.data))
+            files[s][1].write(np.array([n], dtype="<i8").data)
+            docs[s] += 1
+            tokens[s] += n
+            _bump(counters, reader.consumed - last_consumed, 1, n)
+            last_consumed = reader.consumed
+            continue
         if not text or text.isspace():
             tally.add("empty", reader.where())
             continue
@@ -416,6 +439,13 @@ class _LocalCounters(list):
         return contextlib.nullcontext()
 
 
+def _read_ids(fh, dtype: np.dtype, n: int, path: str) -> np.ndarray:
+    ids = np.fromfile(fh, dtype=dtype, count=n)
+    if len(ids) != n:
+        raise HelixtokError(f"{path}: shorter than its journal says (changed during the build?); rerun")
+    return ids
+
+
 def _assemble(dest: str, results: list[dict], info: TokenizerInfo, config: BuildConfig, state: str) -> dict:
     """Pack the units' spill files, in unit order, into shards in `dest` (inside STATE until published)."""
     L = config.seq_len
@@ -436,32 +466,37 @@ def _assemble(dest: str, results: list[dict], info: TokenizerInfo, config: Build
                 tok_path, len_path = (os.path.join(state, n) for n, _ in r["spill"][split])
                 if os.path.getsize(len_path) == 0:
                     continue
-                ids_all = np.memmap(tok_path, dtype=dtype, mode="r")
                 lens_all = np.fromfile(len_path, dtype="<i8")
                 ends = np.cumsum(lens_all)
                 documents += len(lens_all)
                 produced += int(ends[-1])
-                d0 = 0
-                while d0 < len(lens_all):  # slices of whole documents, ~ASSEMBLY_TOKENS each
-                    base = int(ends[d0 - 1]) if d0 else 0
-                    d1 = max(d0 + 1, int(np.searchsorted(ends, base + ASSEMBLY_TOKENS, side="right")))
-                    ids = np.asarray(ids_all[base: int(ends[d1 - 1])])
-                    lens = lens_all[d0:d1]
+                # Read in slices of ~ASSEMBLY_TOKENS (packed: any token range; document packing:
+                # whole documents), so memory does not grow with a unit's or a document's size.
+                with open(tok_path, "rb") as fh:
                     if config.packing == "packed":
-                        starts = pos + np.concatenate(([0], np.cumsum(lens)[:-1]))
-                        written = writer.num_chunks * L
-                        chunks, carry = packed_chunks(carry, ids, L)
-                        all_starts = np.concatenate((pending_starts, starts)) - written
-                        cut = np.searchsorted(all_starts, len(chunks) * L)
-                        writer.write(chunks, doc_starts=all_starts[:cut])
-                        pending_starts = all_starts[cut:] + written
-                        pos += len(ids)
+                        doc_starts = pos + np.concatenate(([0], ends[:-1]))
+                        t, total = 0, int(ends[-1])
+                        while t < total:
+                            ids = _read_ids(fh, dtype, min(ASSEMBLY_TOKENS, total - t), tok_path)
+                            a, b = np.searchsorted(doc_starts, [pos, pos + len(ids)])
+                            written = writer.num_chunks * L
+                            chunks, carry = packed_chunks(carry, ids, L)
+                            all_starts = np.concatenate((pending_starts, doc_starts[a:b])) - written
+                            cut = np.searchsorted(all_starts, len(chunks) * L)
+                            writer.write(chunks, doc_starts=all_starts[:cut])
+                            pending_starts = all_starts[cut:] + written
+                            pos += len(ids)
+                            t += len(ids)
                     else:
-                        chunks, valid, c = document_chunks(ids, lens, L, config.tail_len, info.pad_id)
-                        counts.add(c)
-                        writer.write(chunks, valid=valid)
-                    d0 = d1
-                del ids_all
+                        d0 = 0
+                        while d0 < len(lens_all):
+                            base = int(ends[d0 - 1]) if d0 else 0
+                            d1 = max(d0 + 1, int(np.searchsorted(ends, base + ASSEMBLY_TOKENS, side="right")))
+                            ids = _read_ids(fh, dtype, int(ends[d1 - 1]) - base, tok_path)
+                            chunks, valid, c = document_chunks(ids, lens_all[d0:d1], L, config.tail_len, info.pad_id)
+                            counts.add(c)
+                            writer.write(chunks, valid=valid)
+                            d0 = d1
             shards = writer.finish()
         except BaseException:
             writer.abort()
@@ -500,8 +535,9 @@ def _choose_backend(info: TokenizerInfo, units: list[Unit], config: BuildConfig)
         sample: list[str] = []
         for u in units[::step][:SAMPLE_UNITS]:
             got = 0
-            for text in UnitReader(u, config.text_field, Tally()):
-                sample.append(text[: SAMPLE_CHARS // SAMPLE_UNITS])
+            for text in UnitReader(u, config.text_field, Tally(), long_bytes=config.long_doc_bytes):
+                head = SAMPLE_CHARS // SAMPLE_UNITS
+                sample.append(text.head(head) if isinstance(text, LongText) else text[:head])
                 got += len(sample[-1])
                 if got >= SAMPLE_CHARS // SAMPLE_UNITS:
                     break

@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass
 
 from .backends import SPECIAL_POLICIES
 from .errors import ConfigError
+from .longdoc import LONG_DOC_BYTES
 
 PACKINGS = ("packed", "document")
 BACKENDS = ("auto", "hf", "tiktoken")
@@ -34,6 +35,7 @@ class BuildConfig:
     strict: bool = False
     batch_chars: int = 1 << 20  # characters per encode_batch call in a worker
     max_piece_chars: int = 200_000  # longer documents are encoded in pieces
+    long_doc_bytes: int = LONG_DOC_BYTES  # larger documents are also read in pieces (memory stays flat)
     stall_seconds: float = 600.0  # no progress from any worker for this long: the build fails
     special_tokens: str = "text"  # special-token strings in documents: "text" (as characters) or "extract"
     backend: str = "auto"  # auto: tiktoken when it reproduces HF's ids on a corpus sample, else hf

@@ -13,6 +13,15 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 from .errors import InputError
+from .longdoc import (
+    LONG_DOC_BYTES,
+    SURROGATE,
+    LongText,
+    long_text_file,
+    parse_long_line,
+    repair_surrogates,
+    skeleton,
+)
 
 SUFFIXES = {
     ".txt": "text",
@@ -366,6 +375,8 @@ def _check_jsonl_head(f: InputFile, text_field: str) -> None:
         with open(f.path, "rb") as raw:
             for lineno, line in enumerate(_open_stream(f.path, f.kind, raw), 1):
                 if line.strip():
+                    if len(line) > LONG_DOC_BYTES:  # its field names suffice: do not parse a huge text
+                        line = skeleton(line)[0]
                     first = (lineno, json.loads(line))
                     break
     except Exception:  # noqa: BLE001 - bad JSON or a corrupt stream is reported, with its line, by the reader
@@ -405,21 +416,17 @@ def _row_group_cuts(f: InputFile, unit_bytes: int, text_field: str) -> Iterator[
 # --------------------------------------------------------------------------- reading
 
 
-def _repair(text: str) -> str:
-    """Replace lone surrogates (from JSON escapes like \\ud800) with U+FFFD."""
-    return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
-
-
 class UnitReader:
     """Iterate the documents of a unit; `consumed` tracks input bytes read (for progress).
 
     Skips and repairs go to `tally`; fatal problems raise InputError naming file and line.
     """
 
-    def __init__(self, unit: Unit, text_field: str, tally: Tally):
+    def __init__(self, unit: Unit, text_field: str, tally: Tally, *, long_bytes: int | None = None):
         self.unit = unit
         self.text_field = text_field
         self.tally = tally
+        self.long_bytes = long_bytes  # documents above this many bytes come as LongText (None: never)
         self.consumed = 0
         self._loc: tuple = ("", None, "")
 
@@ -428,7 +435,7 @@ class UnitReader:
         name, n, sep = self._loc
         return name if n is None else f"{name}{sep}{n}"
 
-    def __iter__(self) -> Iterator[str]:
+    def __iter__(self) -> Iterator[str | LongText]:
         kind = self.unit.kind
         if kind == "text":
             yield from self._text()
@@ -440,13 +447,22 @@ class UnitReader:
     def _text(self) -> Iterator[str]:
         for path, name in zip(self.unit.files, self.unit.names):
             with open(path, "rb") as fh:
-                data = fh.read()
+                if self.long_bytes is not None and os.fstat(fh.fileno()).st_size > self.long_bytes:
+                    data = None
+                else:
+                    data = fh.read()
+            if data is None:
+                self.consumed += os.path.getsize(path)
+                self._loc = (name, None, "")
+                yield long_text_file(path, name, self.tally)
+                continue
             self.consumed += len(data)
             try:
                 text = data.decode("utf-8")
             except UnicodeDecodeError as e:
                 text = data.decode("utf-8", "replace")
                 self.tally.add("invalid_utf8_repaired", f"{name} (byte {e.start})")
+            del data  # hold one copy of a huge document while it is tokenized, not two
             if text.startswith("\ufeff"):  # a BOM is an encoding marker, not text
                 text = text[1:]
             self._loc = (name, None, "")
@@ -455,7 +471,6 @@ class UnitReader:
     def _jsonl(self) -> Iterator[str]:
         u = self.unit
         path, name = u.files[0], u.names[0]
-        field_ = self.text_field
         lineno = u.first_line - 1
         with open(path, "rb") as raw:
             stream = _open_stream(path, u.kind, raw)
@@ -478,33 +493,30 @@ class UnitReader:
                         line = line[3:]
                     if not line.strip():
                         continue
+                    if self.long_bytes is not None and len(line) > self.long_bytes:
+                        text = self._long_line(line, f"{name}:{lineno}")
+                        line = None
+                        if text is not None:
+                            self._loc = (name, lineno, ":")
+                            yield text
+                        continue
                     try:
                         s = line.decode("utf-8")
                     except UnicodeDecodeError:
                         s = line.decode("utf-8", "replace")
                         self.tally.add("invalid_utf8_repaired", f"{name}:{lineno}")
+                    line = None  # a huge line: never hold its bytes, text and parsed copy at once
                     try:
                         obj = json.loads(s)
+                        s = None
                     except ValueError as e:
                         self.tally.add("malformed_json", f"{name}:{lineno} ({getattr(e, 'msg', e)} at column "
                                                           f"{getattr(e, 'colno', '?')})")
                         continue
-                    if not isinstance(obj, dict):
-                        self.tally.add("not_an_object", f"{name}:{lineno}")
-                        continue
-                    text = obj.get(field_)
+                    text = self._field(obj, f"{name}:{lineno}")
+                    obj = None  # only the text stays alive while it is tokenized
                     if text is None:
-                        self.tally.add("missing_text" if field_ not in obj else "null_text", f"{name}:{lineno}")
                         continue
-                    if not isinstance(text, str):
-                        self.tally.add("non_string_text", f"{name}:{lineno} ({type(text).__name__})")
-                        continue
-                    if not text.isascii():
-                        try:
-                            text.encode("utf-8")
-                        except UnicodeEncodeError:
-                            text = _repair(text)
-                            self.tally.add("lone_surrogate_repaired", f"{name}:{lineno}")
                     self._loc = (name, lineno, ":")
                     yield text
             except (EOFError, OSError, zlib.error) as e:
@@ -515,6 +527,31 @@ class UnitReader:
                     raise InputError(f"{path}: corrupt zstd stream after line {_complete_lines(path, u.kind)}, "
                                      f"its last complete line ({e}); re-create the file or leave it out") from e
                 raise
+
+    def _field(self, obj, where: str, resolve=None) -> str | LongText | None:
+        """The text field of a parsed record, or None (counted) when it has none."""
+        if not isinstance(obj, dict):
+            self.tally.add("not_an_object", where)
+            return None
+        text = obj.get(self.text_field)
+        if text is None:
+            self.tally.add("missing_text" if self.text_field not in obj else "null_text", where)
+            return None
+        if not isinstance(text, str):
+            self.tally.add("non_string_text", f"{where} ({type(text).__name__})")
+            return None
+        if resolve is not None:
+            text = resolve(text)
+            if isinstance(text, LongText):
+                return text
+        if not text.isascii() and SURROGATE.search(text):
+            text = repair_surrogates(text)
+            self.tally.add("lone_surrogate_repaired", where)
+        return text
+
+    def _long_line(self, line: bytes, where: str) -> str | LongText | None:
+        parsed = parse_long_line(line, where, self.tally)
+        return None if parsed is None else self._field(parsed[0], where, parsed[1])
 
     def _parquet(self) -> Iterator[str]:
         import pyarrow.parquet as pq

@@ -7,7 +7,7 @@ import json
 import os
 from dataclasses import dataclass
 from itertools import chain
-from typing import Iterable
+from typing import Callable, Iterable, Iterator
 
 import numpy as np
 
@@ -238,37 +238,82 @@ class Encoder:
             # encode_batch_fast (inside hf_ids) skips offset tracking, which we never use: ~25% faster.
             self._ids = lambda texts: hf_ids(self.tok, texts)
 
-    def encode(self, docs: list[str]) -> tuple[np.ndarray, np.ndarray]:
-        """Returns (ids, lengths): ids of all docs concatenated, each [BOS] + text + EOS."""
-        texts: list[str] = []
-        owner: list[int] = []  # which doc each piece belongs to
+    def _pieces(self, docs: list[str]) -> Iterator[tuple[int, str]]:
+        """(document index, text piece), made lazily: a huge document is never held twice."""
         for d, text in enumerate(docs):
             if self.info.splittable and len(text) > self.max_piece_chars:
-                cuts = cut_points(text, self.max_piece_chars)
-                bounds = [0, *cuts, len(text)]
-                texts.extend(text[a:b] for a, b in zip(bounds, bounds[1:]))
-                owner.extend([d] * (len(bounds) - 1))
+                bounds = [0, *cut_points(text, self.max_piece_chars), len(text)]
+                for a, b in zip(bounds, bounds[1:]):
+                    yield d, text[a:b]
             else:
-                texts.append(text)
-                owner.append(d)
-        # Encode in groups of about max_piece_chars characters: an Encoding costs ~100 bytes
-        # per token, so one call over a 50 MB document would hold GBs at once.
-        flats, piece_lens = [], []
-        i = 0
-        while i < len(texts):
-            j, size = i, 0
-            while j < len(texts) and (j == i or size + len(texts[j]) <= self.max_piece_chars):
-                size += len(texts[j])
-                j += 1
-            id_lists = self._ids(texts[i:j])
+                yield d, text
+
+    def _flat(self, texts: list[str]) -> np.ndarray:
+        id_lists = self._ids(texts)
+        return np.fromiter(chain.from_iterable(id_lists), dtype=self.dtype, count=sum(map(len, id_lists)))
+
+    def encode_stream(self, pieces: Iterable[str], write: Callable[[np.ndarray], object]) -> int:
+        """Encode one document given as text pieces, handing its ids (BOS/EOS included) to
+        `write` a group at a time; returns how many.  The same ids as encode([joined text]):
+        cuts fall only on cut_points of the text seen so far, so memory stays flat."""
+        if not self.info.splittable:  # no exact cut rule: the whole text, as encode() does
+            ids, _ = self.encode(["".join(pieces)])
+            write(ids)
+            return len(ids)
+        n = 0
+
+        def emit(arr: np.ndarray) -> None:
+            nonlocal n
+            write(arr)
+            n += len(arr)
+
+        if self.info.add_bos:
+            emit(np.array([self.info.bos_id], dtype=self.dtype))
+        carry = ""
+        for piece in pieces:
+            carry += piece
+            if len(carry) > self.max_piece_chars:
+                cuts = cut_points(carry, self.max_piece_chars)
+                if cuts:
+                    bounds = [0, *cuts]
+                    emit(self._flat([carry[a:b] for a, b in zip(bounds, bounds[1:])]))
+                    carry = carry[cuts[-1]:]
+        emit(self._flat([carry]))
+        emit(np.array([self.info.eos_id], dtype=self.dtype))
+        return n
+
+    def encode(self, docs: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        """Returns (ids, lengths): ids of all docs concatenated, each [BOS] + text + EOS.
+
+        Memory: the documents, plus about twice their ids (a 50 MB document: 2.4x its size
+        at most), because pieces are encoded in groups of about max_piece_chars characters —
+        an Encoding costs ~100 bytes per token, so one call over 50 MB would hold GBs."""
+        flats, owner, piece_lens = [], [], []
+        group: list[str] = []
+        size = 0
+
+        def encode_group() -> None:
+            id_lists = self._ids(group)
             lens_ = np.fromiter(map(len, id_lists), dtype=np.int64, count=len(id_lists))
             flats.append(np.fromiter(chain.from_iterable(id_lists), dtype=self.dtype, count=int(lens_.sum())))
             piece_lens.append(lens_)
-            i = j
+            group.clear()
+
+        for d, piece in self._pieces(docs):
+            if group and size + len(piece) > self.max_piece_chars:
+                encode_group()
+                size = 0
+            group.append(piece)
+            owner.append(d)
+            size += len(piece)
+        if group:
+            encode_group()
         flat = np.concatenate(flats) if flats else np.empty(0, self.dtype)
+        flats.clear()
         plens = np.concatenate(piece_lens) if piece_lens else np.empty(0, np.int64)
         lens = np.bincount(np.asarray(owner, dtype=np.int64), weights=plens, minlength=len(docs)).astype(np.int64)
         out = np.insert(flat, np.cumsum(lens), self.info.eos_id)
+        del flat
         lens += 1
         if self.info.add_bos:
             out = np.insert(out, np.concatenate(([0], np.cumsum(lens)[:-1])), self.info.bos_id)

@@ -1,0 +1,145 @@
+"""Long documents are read and encoded in pieces: the same text, ids, counts and bytes as a whole read, in flat memory."""
+
+import json
+import os
+import subprocess
+import sys
+from unittest import mock
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tokenizers import Tokenizer
+
+from helixtok import longdoc
+from helixtok.build import build
+from helixtok.config import BuildConfig
+from helixtok.errors import InputError
+from helixtok.longdoc import LongText
+from helixtok.sources import Tally, UnitReader, discover, plan_units
+
+# Characters that stress every cut rule: escapes, multi-byte UTF-8, astral pairs, lone surrogates.
+ALPHABET = st.sampled_from(list('ab "\\\n\t\x01/é日😀') + ["\ud800", "\udc00", "u", "0", "D"])
+
+
+def read_all(path, long_bytes):
+    tally = Tally()
+    (files, _) = discover([str(path)])
+    try:
+        units, _ = plan_units(files, unit_bytes=1 << 30, text_field="text")
+    except InputError as e:  # e.g. damage that renamed the field of the first record: the same either way
+        return str(e)
+    docs = []
+    for u in units:
+        for t in UnitReader(u, "text", tally, long_bytes=long_bytes):
+            t = "".join(t.pieces()) if isinstance(t, LongText) else t
+            docs.append("" if t.isspace() else t)  # blank long documents come as "": both are skipped
+    return docs, tally.counts
+
+
+@settings(max_examples=150, deadline=None)
+@given(texts=st.lists(st.text(ALPHABET, max_size=60), min_size=1, max_size=4), piece=st.integers(1, 9),
+       ascii_=st.booleans(), damage=st.one_of(st.none(), st.tuples(st.integers(0, 10**6), st.sampled_from(
+           [b"\xff", b"\x01", b'"', b"\\", b"\xe6\x97"]))))
+def test_a_line_read_in_pieces_equals_the_line_read_whole(tmp_path_factory, texts, piece, ascii_, damage):
+    lines = []
+    for i, t in enumerate(texts):
+        obj = {"id": i, "text": t, "other": t[::-1]} if i % 2 else {"text": t}
+        line = json.dumps(obj, ensure_ascii=ascii_).encode("utf-8", "surrogatepass")
+        if damage and i == 0:  # invalid UTF-8, a control character or a broken string
+            k = damage[0] % len(line)
+            line = line[:k] + damage[1] + line[k:]
+        lines.append(line + b"\n")
+    p = tmp_path_factory.mktemp("l") / "x.jsonl"
+    p.write_bytes(b"".join(lines))
+    with mock.patch.object(longdoc, "PIECE_BYTES", piece):
+        assert read_all(p, long_bytes=0) == read_all(p, long_bytes=None)
+
+
+def test_a_text_file_read_in_pieces_equals_the_file_read_whole(tmp_path):
+    body = "\ufeff" + "日本語 text é😀 " * 500
+    cases = {"bom.txt": body.encode(), "bad.txt": b"ok " * 100 + b"\xff\xfe" + "é".encode() * 300,
+             "blank.txt": b" \n\t" * 400, "cut.txt": "é".encode() * 1000}
+    for name, data in cases.items():
+        (tmp_path / name).write_bytes(data)
+        with mock.patch.object(longdoc, "PIECE_BYTES", 7):
+            assert read_all(tmp_path / name, long_bytes=0) == read_all(tmp_path / name, long_bytes=None), name
+
+
+def _hostile(d):
+    d.mkdir()
+    rows = [{"text": "x" * 5000 + ' "quoted" \\ back\\slash \n' * 200}, {"text": "日本語のテキスト " * 900},
+            {"text": "emoji 😀😀 pairs " * 700 + "\ud800 lone"}, {"text": "   \n  " * 900},
+            {"meta": "m" * 9000, "text": "short text after a long field"}, {"text": None}, {"id": 3},
+            {"text": "tab\there " * 800, "meta": "\udc00" * 3000}]
+    (d / "h.jsonl").write_bytes(b"".join(json.dumps(r).encode() + b"\n" for r in rows)
+                                + b'{"text": "ctl \x01 char ' + b"y" * 9000 + b'"}\n'
+                                + b'{"text": "bad \xff utf8 ' + b"z " * 5000 + b'"}\n')
+    (d / "bom.txt").write_bytes("\ufeff".encode() + "Hello wörld. ".encode() * 3000)
+
+
+def test_build_is_byte_identical_whether_documents_are_read_whole_or_in_pieces(tmp_path, dev_corpus,
+                                                                              tokenizer_path):
+    _hostile(tmp_path / "hostile")
+    inputs = [str(dev_corpus / "txt"), str(dev_corpus / "jsonl"), str(tmp_path / "hostile")]
+    kw = dict(seq_len=256, workers=1, val_fraction=0.1, max_piece_chars=3000)
+    build(inputs, str(tmp_path / "whole"), tokenizer_path, BuildConfig(**kw))
+    with mock.patch.object(longdoc, "PIECE_BYTES", 4096):
+        build(inputs, str(tmp_path / "pieces"), tokenizer_path, BuildConfig(long_doc_bytes=0, **kw))
+    a, b = (json.load(open(tmp_path / x / "manifest.json")) for x in ("whole", "pieces"))
+    # Malformed lines are counted alike; only the whole read can name the column.
+    for m in (a, b):
+        m.pop("created_at", None)
+        m["skipped"]["malformed_json"].pop("examples")
+    assert a == b and a["skipped"]["malformed_json"]["count"] == 1
+    assert a["skipped"]["invalid_utf8_repaired"]["count"] == 1
+    assert a["skipped"]["lone_surrogate_repaired"]["count"] == 1
+    names = sorted(f for f in os.listdir(tmp_path / "whole") if f != "manifest.json")
+    assert names == sorted(f for f in os.listdir(tmp_path / "pieces") if f != "manifest.json")
+    for f in names:
+        assert (tmp_path / "whole" / f).read_bytes() == (tmp_path / "pieces" / f).read_bytes(), f
+
+
+PEAK = """
+import sys
+from helixtok.build import build
+from helixtok.config import BuildConfig
+build([sys.argv[1]], sys.argv[2], sys.argv[3], BuildConfig(seq_len=1024, workers=1))
+# VmHWM, not ru_maxrss: Linux carries ru_maxrss over from the forking parent (pytest) across exec.
+print(next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmHWM:")))
+"""
+
+
+def test_fifty_megabyte_documents_build_in_flat_memory(tmp_path, tokenizer_path, dev_docs):
+    """Peak memory is a constant plus about the raw line (JSON) or nothing (text), and the ids are exact."""
+    text = " ".join(d.replace("\n", " ") for d in dev_docs[:2000])
+    text = (text * (50_000_000 // len(text) + 1))[:50_000_000]
+    (tmp_path / "small").mkdir()
+    (tmp_path / "small" / "a.txt").write_text(text[:200_000])
+    (tmp_path / "big.jsonl").write_text(json.dumps({"text": text}) + "\n")
+    (tmp_path / "big.txt").write_text(text)
+    size = len(text.encode())
+    del text
+
+    def peak(src, out):
+        r = subprocess.run([sys.executable, "-c", PEAK, str(tmp_path / src), str(tmp_path / out), tokenizer_path],
+                           capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr[-2000:]
+        return int(r.stdout.split()[-1])
+
+    base = peak("small", "o0")
+    as_jsonl, as_txt = peak("big.jsonl", "o1"), peak("big.txt", "o2")
+    print(f"peak RSS: constant {base >> 20} MiB, 50 MB JSON line +{(as_jsonl - base) >> 20} MiB, "
+          f"50 MB text file +{(as_txt - base) >> 20} MiB")
+    assert as_jsonl - base < 2.5 * size  # the line's bytes (and readline's buffer while it reads them)
+    assert as_txt - base < size  # measured +29 MiB (+51 MiB for 100 MB)
+    shards = [sorted(f for f in os.listdir(tmp_path / o) if f.endswith(".bin")) for o in ("o1", "o2")]
+    assert shards[0] == shards[1]
+    for f in shards[0]:
+        assert (tmp_path / "o1" / f).read_bytes() == (tmp_path / "o2" / f).read_bytes()
+    # The ids are the tokenizer's: compare a prefix (encoding 50 MB whole would take GBs).
+    tok = Tokenizer.from_file(tokenizer_path)
+    head = (tmp_path / "big.txt").read_text()[:300_000]
+    want = tok.encode(head[: head.rfind(" ", 0, 200_000)], add_special_tokens=False).ids
+    got = np.fromfile(tmp_path / "o2" / shards[0][0], dtype="<u2")[: len(want) - 1].tolist()
+    assert got == want[:-1]
