@@ -361,6 +361,8 @@ def _run_units(units: list[Unit], pending: list[Unit], info: TokenizerInfo, conf
             pool = ProcessPoolExecutor(n_workers, mp_context=ctx, initializer=_init_worker,
                                        initargs=(info, config, state, run_id, counters, slots, os.getpid()))
             futures = {pool.submit(run_unit, u): u for u in order}
+            # The worker processes (all started by now): once the pool breaks it forgets them.
+            procs = list(getattr(pool, "_processes", {}).values())
             remaining = set(futures)
             last, last_change = None, time.monotonic()
             bad: tuple[int, InputError] | None = None  # the first bad input in corpus order
@@ -370,7 +372,7 @@ def _run_units(units: list[Unit], pending: list[Unit], info: TokenizerInfo, conf
                     raise KeyboardInterrupt
                 for f in sorted(finished, key=lambda f: futures[f].index):
                     try:
-                        results.append(_result(f, futures[f], pool, slots, units))
+                        results.append(_result(f, futures[f], procs, slots, units))
                     except InputError as e:
                         if bad is None or futures[f].index < bad[0]:
                             bad = (futures[f].index, e)
@@ -408,13 +410,18 @@ def _run_units(units: list[Unit], pending: list[Unit], info: TokenizerInfo, conf
     return results
 
 
-def _result(f, u: Unit, pool, slots, units: list[Unit]) -> dict:
+def _result(f, u: Unit, procs: list, slots, units: list[Unit]) -> dict:
     """A finished future's journal entry, or one clear error naming the unit that failed."""
     try:
         return f.result()
     except BrokenProcessPool:
         # Every pending future fails at once: name the unit the dead process was working on.
-        dead = {p.pid for p in getattr(pool, "_processes", {}).values() if p.exitcode is not None}
+        # The pool SIGTERMs the other workers when one dies: the first to die is not among those.
+        # Its pipe closes a moment before it can be reaped: wait for that moment.
+        deadline = time.monotonic() + 2
+        while not (exited := [p for p in procs if p.exitcode is not None]) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        dead = {p.pid for p in ([p for p in exited if p.exitcode != -signal.SIGTERM] or exited)}
         by_index = {x.index: x for x in units}
         for i in range(0, len(slots), 2):
             if slots[i] in dead and slots[i + 1] in by_index:

@@ -1,5 +1,6 @@
 """Crashes and faults: kill -9 and resume, Ctrl-C, a dead worker, a full disk. Nothing half-written."""
 
+import contextlib
 import errno
 import filecmp
 import glob
@@ -142,6 +143,43 @@ def test_dead_worker_fails_promptly_with_location(tmp_path, dev_corpus, tokenize
     assert not (out / "manifest.json").exists()
 
 
+def _open_input(pid, corpus):
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        if target.startswith(str(corpus)):
+            return target
+    return None
+
+
+def test_dead_worker_message_names_the_file_that_worker_was_reading(tmp_path, dev_corpus, tokenizer_path):
+    # Kill one worker while it holds a .jsonl(.gz) open; the message must name that very file.
+    out, corpus = tmp_path / "out", tmp_path / "corpus"
+    corpus.mkdir()
+    plain = (dev_corpus / "jsonl" / "plain.jsonl").read_bytes()
+    for name in ("a", "b", "c"):  # enough text that the workers are caught mid-file
+        (corpus / f"{name}.jsonl").write_bytes(plain * 10)
+    p = start_cli(corpus, out, tokenizer_path, "--unit-size", "256KiB", "--backend", "hf")
+    wait_for(str(out / STATE / "u*.part"), p)
+    victim = reading = None
+    while victim is None and p.poll() is None:
+        kids = subprocess.run(["pgrep", "-P", str(p.pid)], capture_output=True, text=True).stdout.split()
+        for k in kids:
+            with contextlib.suppress(OSError):
+                if "spawn_main" not in open(f"/proc/{k}/cmdline").read():
+                    continue
+            os.kill(int(k), signal.SIGSTOP)  # frozen: it cannot move on to another file
+            reading = _open_input(k, corpus)
+            if reading:
+                victim = int(k)
+                break
+            os.kill(int(k), signal.SIGCONT)
+    assert victim, "no worker was caught reading an input"
+    os.kill(victim, signal.SIGKILL)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 1 and "Traceback" not in err
+    assert f"a worker process died while tokenizing {reading}" in err, (reading, err)
+
+
 def test_hung_worker_fails_promptly_with_location(tmp_path, dev_corpus, tokenizer_path):
     out = tmp_path / "out"
     p = start_cli(dev_corpus, out, tokenizer_path, "--stall-timeout", "3")
@@ -173,6 +211,20 @@ def test_disk_full_is_a_clear_error_and_publishes_nothing(tmp_path, small_tok, m
     assert "rerun the same command to resume" in r.output
     assert not (tmp_path / "out" / "manifest.json").exists()
     assert not glob.glob(str(tmp_path / "out" / "*.bin"))
+
+
+def test_too_many_open_files_is_one_line_with_the_fix(tmp_path, small_corpus, small_tok, monkeypatch):
+    from helixtok.sources import UnitReader
+
+    def emfile(self):
+        raise OSError(errno.EMFILE, "Too many open files", self.unit.files[0])
+
+    monkeypatch.setattr(UnitReader, "_text", emfile)
+    r = CliRunner().invoke(main, ["build", str(small_corpus), str(tmp_path / "out"), "-t", small_tok, "-L", "4",
+                                  "-j", "1", "-q"])
+    assert r.exit_code == 1 and "Traceback" not in r.output
+    assert (f"too many open files ({small_corpus / 'a.txt'}); raise the limit (ulimit -n 4096) or use fewer "
+            "--workers, then rerun the same command to resume") in r.output
 
 
 def _descendants(pid):
