@@ -17,6 +17,7 @@ from .manifest import DTYPES, MANIFEST, load_manifest, split_entry
 from .shards import DOCS_DTYPE, VALID_DTYPE
 
 IGNORE_INDEX = -100  # what torch's cross_entropy ignores by default
+BATCH_KEYS = ("cu_seqlens", "max_seqlen")  # describe a whole batch, not one sample
 
 
 def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
@@ -40,7 +41,7 @@ class ChunkBatch(Sequence):
         if isinstance(j, slice):
             return [self[k] for k in range(*j.indices(self._n))]
         if self._samples is None:  # default_collate asks for every sample: make all views at once
-            keys = list(self.batch)
+            keys = [k for k in self.batch if k not in BATCH_KEYS]
             self._samples = [dict(zip(keys, row)) for row in zip(*(self.batch[k].unbind(0) for k in keys))]
         return self._samples[j]
 
@@ -65,13 +66,18 @@ class MemmapChunkDataset(Dataset):
     i+1 (labels are already shifted: do not shift again).  The last chunk's last label is -100.
 
     position_ids=True (packed data only) adds position ids that restart at every document,
-    from the per-shard document index, so a model can keep attention inside documents.
+    from the per-shard document index (never from scanning for EOS).
+
+    document_masking=True (packed data only) also adds `document_ids` (per token, for a
+    FlexAttention mask_mod or helixtok.masking.block_causal_mask), and to batches made by
+    `collate` (DataLoader(collate_fn=ds.collate)) `cu_seqlens`/`max_seqlen` over the flattened
+    batch for flash-attention varlen; see docs/training.md.
 
     tokenizer: a tokenizer.json path (or folder); the dataset refuses shards built with another.
     """
 
     def __init__(self, path: str, split: str = "train", *, tokenizer: str | None = None,
-                 shifted: bool = False, position_ids: bool = False):
+                 shifted: bool = False, position_ids: bool = False, document_masking: bool = False):
         self.path = os.fspath(path)
         self.split = split
         try:
@@ -85,11 +91,12 @@ class MemmapChunkDataset(Dataset):
         self.dtype = np.dtype(DTYPES[m["dtype"]])
         self.pad_id = int(m["tokenizer"]["pad_id"])
         self.tokenizer_sha256 = m["tokenizer"]["sha256"]
-        if (shifted or position_ids) and self.packing != "packed":
-            raise DatasetError(f"{self.path}: shifted/position_ids need packed data; this dataset is "
-                               f"{self.packing}-packed")
+        if (shifted or position_ids or document_masking) and self.packing != "packed":
+            raise DatasetError(f"{self.path}: shifted/position_ids/document_masking need packed data; this "
+                               f"dataset is {self.packing}-packed")
         self.shifted = shifted
-        self.position_ids = position_ids
+        self.document_masking = document_masking
+        self.position_ids = position_ids or document_masking
         if tokenizer is not None:
             self._check_tokenizer(tokenizer)
         self._shards = [(os.path.join(self.path, e["path"]), int(e["num_chunks"]), e) for e in s["shards"]]
@@ -230,18 +237,6 @@ class MemmapChunkDataset(Dataset):
         a, b = np.searchsorted(starts, [lo, lo + self.seq_len])
         return starts[a:b] - lo
 
-    def _position_ids(self, idx: np.ndarray) -> np.ndarray:
-        L = self.seq_len
-        pos = np.empty((len(idx), L), dtype=np.int64)
-        ar = np.arange(L)
-        for k, i in enumerate(idx.tolist()):
-            st = self.document_starts(i)
-            # Position = distance from the latest document start at or before it (or the chunk start).
-            marks = np.zeros(L, dtype=np.int64)
-            marks[st] = st
-            pos[k] = ar - np.maximum.accumulate(marks)
-        return pos
-
     def _batch(self, idx: np.ndarray) -> dict:
         rows = self._rows(idx)
         L = self.seq_len
@@ -261,7 +256,12 @@ class MemmapChunkDataset(Dataset):
                 mask = (~pad).long()
         b = {"input_ids": ids, "labels": labels, "attention_mask": mask}
         if self.position_ids:
-            b["position_ids"] = torch.from_numpy(self._position_ids(idx))
+            from .masking import boundaries
+
+            bd = boundaries([self.document_starts(i) for i in idx.tolist()], L)
+            b["position_ids"] = bd["position_ids"]
+            if self.document_masking:
+                b.update(document_ids=bd["document_ids"], cu_seqlens=bd["cu_seqlens"], max_seqlen=bd["max_seqlen"])
         return b
 
     def __getitem__(self, i: int) -> dict:
@@ -269,7 +269,7 @@ class MemmapChunkDataset(Dataset):
         if i < 0:
             i += self._len
         b = self._batch(np.array([i], dtype=np.int64))
-        return {k: v[0] for k, v in b.items()}
+        return {k: v[0] for k, v in b.items() if k not in BATCH_KEYS}
 
     collate = staticmethod(collate)
 

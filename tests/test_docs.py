@@ -125,3 +125,12 @@ def test_training_md_trainer_swap_resume_and_mixture(workdir, monkeypatch):
         from_web = sum(mix.locate(i)[0] == 0 for i in range(step * B * W, (step + 1) * B * W))
         assert from_web in (int(0.8 * B * W), int(0.8 * B * W) + 1)
     assert ns["steps"] == 2 * len(ns["loader"]) and mix.counts[0] <= web
+
+
+def test_training_md_document_masking_snippet(workdir, monkeypatch):
+    from helixtok.masking import block_causal_mask
+
+    ns = run(snippet("docs/training.md", "document_masking=True"), workdir, monkeypatch)
+    b = ns["batch"]
+    assert ns["mask"].shape == (8, 1, 256, 256) and torch.equal(ns["mask"], block_causal_mask(b["document_ids"]))
+    assert b["cu_seqlens"][-1] == 8 * 256 and b["max_seqlen"] <= 256

@@ -1,0 +1,119 @@
+"""Document masking is real: a packed chunk with its boundaries gives each document's logits as if it were alone."""
+
+import warnings
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.utils.data import DataLoader
+
+from helixtok import MemmapChunkDataset
+from helixtok.masking import block_causal_mask, boundaries, flex_block_mask
+
+
+def test_boundaries_example():
+    b = boundaries([np.array([0, 3]), np.array([2])], 5)
+    assert b["position_ids"].tolist() == [[0, 1, 2, 0, 1], [0, 1, 0, 1, 2]]
+    assert b["document_ids"].tolist() == [[0, 0, 0, 1, 1], [0, 0, 1, 1, 1]]
+    assert b["cu_seqlens"].tolist() == [0, 3, 5, 7, 10] and b["cu_seqlens"].dtype == torch.int32
+    assert b["max_seqlen"] == 3
+
+
+@settings(max_examples=200, deadline=None)
+@given(L=st.integers(1, 40), rows=st.lists(st.sets(st.integers(0, 39)), min_size=1, max_size=4))
+def test_cu_seqlens_cut_the_flat_batch_exactly_at_rows_and_documents(L, rows):
+    starts = [np.array(sorted(x for x in r if x < L), dtype=np.int64) for r in rows]
+    b = boundaries(starts, L)
+    cu = b["cu_seqlens"].numpy()
+    assert cu[0] == 0 and cu[-1] == len(rows) * L and (np.diff(cu) > 0).all()
+    want = sorted({r * L for r in range(len(rows))} | {r * L + s for r, st_ in enumerate(starts) for s in st_})
+    assert cu[:-1].tolist() == want
+    doc, pos = b["document_ids"].flatten().numpy(), b["position_ids"].flatten().numpy()
+    for a, z in zip(cu[:-1], cu[1:]):  # each segment: one document id, positions 0..n-1 or a row's first piece
+        assert len(set(doc[a:z])) == 1 and (np.diff(pos[a:z]) == 1).all()
+    assert b["max_seqlen"] == int(np.diff(cu).max())
+
+
+def test_dataset_boundaries_come_from_the_docs_sidecar(dev_packed, dev_ids):
+    ds = MemmapChunkDataset(dev_packed, document_masking=True)
+    L = ds.seq_len
+    doc_starts = np.concatenate(([0], np.cumsum([len(x) + 1 for x in dev_ids])))  # each doc + EOS
+    idx = [0, 1, 7, len(ds) // 2, len(ds) - 1]
+    batch = ds.collate(ds.__getitems__(idx))
+    flat = batch["input_ids"].flatten()
+    cu = batch["cu_seqlens"].tolist()
+    want = set()
+    for r, i in enumerate(idx):
+        want |= {r * L} | {r * L + int(s) - i * L for s in doc_starts if i * L <= s < (i + 1) * L}
+    assert cu[:-1] == sorted(want) and cu[-1] == len(idx) * L
+    assert batch["max_seqlen"] == max(np.diff(cu))
+    # Every cut inside a row follows an EOS: a document ends exactly there.
+    eos = int(np.fromfile(f"{dev_packed}/train-00000.bin", dtype="<u2")[doc_starts[1] - 1])
+    assert all(int(flat[c - 1]) == eos for c in cu[1:-1] if c % L)
+    # Per-sample items carry the per-token fields only; a DataLoader batch equals __getitems__.
+    assert set(ds[3]) == {"input_ids", "labels", "attention_mask", "position_ids", "document_ids"}
+    dl = DataLoader(ds, batch_size=len(idx), sampler=idx, collate_fn=ds.collate)
+    got = next(iter(dl))
+    assert all(torch.equal(torch.as_tensor(got[k]), torch.as_tensor(batch[k])) for k in batch)
+
+
+class TinyCausalLM(torch.nn.Module):
+    """Two attention layers with learned positions (taken from position_ids), float64."""
+
+    def __init__(self, vocab, dim=32, heads=4, max_len=512):
+        super().__init__()
+        torch.manual_seed(0)
+        self.tok = torch.nn.Embedding(vocab, dim, dtype=torch.float64)
+        self.pos = torch.nn.Embedding(max_len, dim, dtype=torch.float64)
+        self.qkv = torch.nn.ModuleList(torch.nn.Linear(dim, 3 * dim, dtype=torch.float64) for _ in range(2))
+        self.head = torch.nn.Linear(dim, vocab, dtype=torch.float64)
+        self.heads = heads
+
+    def forward(self, input_ids, position_ids, attn=None):
+        """attn(q, k, v) -> output; default: plain causal attention over the whole row."""
+        attn = attn or (lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True))
+        x = self.tok(input_ids) + self.pos(position_ids)
+        B, L, D = x.shape
+        for lin in self.qkv:
+            q, k, v = (t.view(B, L, self.heads, -1).transpose(1, 2) for t in lin(x).chunk(3, -1))
+            x = x + attn(q, k, v).transpose(1, 2).reshape(B, L, D)
+        return self.head(x)
+
+
+@torch.no_grad()  # FlexAttention has no backward on CPU; forward equality is the claim
+def test_packed_logits_equal_each_document_alone(dev_packed):
+    ds = MemmapChunkDataset(dev_packed, document_masking=True)
+    idx = [i for i in range(len(ds)) if len(ds.document_starts(i)) >= 2][:3]  # rows holding several documents
+    batch = ds.collate(ds.__getitems__(idx))
+    assert len(idx) == 3 and len(batch["cu_seqlens"]) > len(idx) + 3
+    model = TinyCausalLM(int(batch["input_ids"].max()) + 1)
+    ids, pos, doc = batch["input_ids"], batch["position_ids"], batch["document_ids"]
+    mask = block_causal_mask(doc)
+    packed = model(ids, pos, lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # flex_attention warns that it runs uncompiled (eager, CPU)
+        from torch.nn.attention.flex_attention import flex_attention
+
+        bm = flex_block_mask(doc)
+        flex = model(ids, pos, lambda q, k, v: flex_attention(q, k, v, block_mask=bm))
+    plain = model(ids, pos)  # the padded path: attends across documents
+    L = ds.seq_len
+    cu = batch["cu_seqlens"].tolist()
+    crossed = 0
+    for a, z in zip(cu[:-1], cu[1:]):
+        r, a0, z0 = a // L, a % L, a % L + (z - a)
+        alone = model(ids[r, a0:z0][None], torch.arange(z - a)[None])[0]
+        assert torch.allclose(packed[r, a0:z0], alone, atol=1e-10), (r, a0, z0)
+        assert torch.allclose(flex[r, a0:z0], alone, atol=1e-10), (r, a0, z0)
+        crossed += not torch.allclose(plain[r, a0:z0], alone, atol=1e-6)
+    assert crossed > 0  # without the mask, documents after the first in a row see earlier ones
+
+
+def test_document_masking_needs_packed_data(dev_document):
+    from helixtok.errors import DatasetError
+
+    with pytest.raises(DatasetError, match="need packed data"):
+        MemmapChunkDataset(dev_document, document_masking=True)
