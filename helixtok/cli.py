@@ -233,6 +233,43 @@ def stats(out, split, batch_size, grad_accum, world_size, epochs, sampler_drop_l
     Console().print(tab)
 
 
+@main.command("bench-read")
+@click.argument("out")
+@click.option("--split", default="train", show_default=True, help="Which split to read.")
+@click.option("--batch-size", "-b", type=click.IntRange(min=1), default=8, show_default=True, help="Per-rank batch size.")
+@click.option("--num-workers", type=click.IntRange(min=0), default=0, show_default=True,
+              help="DataLoader worker processes.")
+@click.option("--seconds", type=click.FloatRange(min=0.1), default=3.0, show_default=True, help="How long to read.")
+@click.option("--need", "need", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Tokens/s the model consumes per rank (its measured training throughput): exit 1 if the "
+                   "loader is slower.")
+@click.option("--document-masking", is_flag=True, help="Read with document_masking=True (what training will use).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@handle_errors
+def bench_read(out, split, batch_size, num_workers, seconds, need, document_masking, as_json):
+    """Measure the loader's tokens/s on OUT and say whether a model consuming --need tokens/s will wait.
+
+    \b
+    Example (a model that trains at 48k tokens/s per GPU):
+      helixtok bench-read out/ -b 16 --num-workers 0 --need 48000
+    """
+    from .errors import ConfigError
+    from .readbench import measure
+
+    r = measure(out, split=split, batch_size=batch_size, num_workers=num_workers, seconds=seconds,
+                need_tokens_per_s=need, document_masking=document_masking)
+    if as_json:
+        click.echo(json.dumps(r.to_json()))
+    else:
+        click.echo(f"{r.tokens_per_s:,.0f} tokens/s (batch {r.batch_size} x seq_len {r.seq_len}, "
+                   f"num_workers {r.num_workers}, {r.batches} batches in {r.seconds:.1f} s)")
+        if need:
+            click.echo(f"the model needs {need:,.0f} tokens/s: the loader delivers {r.headroom:,.1f}x that")
+    if need and r.tokens_per_s < need:
+        raise ConfigError(f"the loader delivers {r.tokens_per_s:,.0f} tokens/s, less than the {need:,.0f} the model "
+                          "needs: the GPU would wait on data; try --num-workers 2, a larger batch, or node-local disk")
+
+
 @main.command()
 @click.argument("out")
 @click.option("--sample", type=click.IntRange(min=0), default=0, help="Also decode N random chunks.")

@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from helixtok import MemmapChunkDataset  # noqa: E402
+from helixtok import MemmapChunkDataset, readbench  # noqa: E402
 
 DEV = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "corpus", "dev")
 
@@ -49,20 +49,7 @@ def raw_limit(ds: MemmapChunkDataset, B: int, seconds: float) -> float:
 
 
 def loader_rate(ds, B: int, workers: int, seconds: float, collate_fn=None) -> float:
-    dl = DataLoader(ds, batch_size=B, shuffle=True, num_workers=workers, persistent_workers=workers > 0,
-                    collate_fn=collate_fn)
-    n = 0
-    it = iter(dl)
-    next(it)  # worker start-up is not throughput
-    t0 = time.perf_counter()
-    while time.perf_counter() - t0 < seconds:
-        try:
-            b = next(it)
-        except StopIteration:
-            it = iter(dl)
-            continue
-        n += b["input_ids"].numel()
-    return n / (time.perf_counter() - t0)
+    return readbench.loader_rate(ds, B, workers, seconds, collate_fn)[0]
 
 
 class OnTheFly(IterableDataset):

@@ -206,3 +206,15 @@ def test_summary_prints_every_term_of_the_token_arithmetic(tmp_path, corpus, sma
     assert (f"tokens: produced {t['tokens']:,} + pad {t['pad_tokens']:,} - dropped {t['dropped_tokens']:,} "
             f"= stored {t['chunks'] * 64:,} = {t['chunks']:,} chunks x 64") in r.output
     assert f"dropped whole (document packing) {t['dropped_documents']:,}" in r.output
+
+
+def test_bench_read_says_whether_the_loader_keeps_up(dev_packed):
+    r = run("bench-read", dev_packed, "-b", "4", "--seconds", "0.3", "--json")
+    assert r.exit_code == 0, r.output
+    got = json.loads(r.stdout)
+    assert got["tokens_per_s"] > 0 and got["batches"] > 0 and got["seq_len"] == 512 and got["headroom"] is None
+    r = run("bench-read", dev_packed, "-b", "4", "--seconds", "0.3", "--need", "1000")
+    assert r.exit_code == 0 and "the model needs 1,000 tokens/s: the loader delivers" in r.output
+    r = run("bench-read", dev_packed, "-b", "4", "--seconds", "0.3", "--need", "1e15", "--document-masking")
+    assert r.exit_code == 1 and "less than the 1,000,000,000,000,000 the model needs" in r.output
+    assert "Traceback" not in r.output
