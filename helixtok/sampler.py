@@ -64,6 +64,12 @@ class ChunkSampler:
     Resume: `state = sampler.state_dict(samples_consumed)` at a checkpoint (what the training
     loop consumed on this rank this epoch: batches x batch_size); after `load_state_dict(state)`
     the next iteration starts at exactly the next sample, whatever num_workers is.
+
+    Elastic resume: the state also records the global position (samples_consumed x world_size:
+    every rank consumed as many).  Loaded by a sampler with another world size, the rest of the
+    epoch — global positions from there on — is split over the new ranks, so no sample of the
+    epoch is lost or repeated; with a fixed global batch (batch x world size), every later
+    global batch holds the same samples as it would have on the old ranks.
     """
 
     def __init__(self, data_source, *, seed: int = 0, shuffle: bool = True, rank: int = 0, world_size: int = 1,
@@ -72,13 +78,18 @@ class ChunkSampler:
         if world_size < 1 or not 0 <= rank < world_size:
             raise ConfigError(f"rank must be in [0, world_size), got rank={rank}, world_size={world_size}")
         self.seed, self.shuffle, self.rank, self.world_size, self.drop_last = seed, shuffle, rank, world_size, drop_last
-        self.num_samples = samples_per_rank(self.n, world_size, drop_last)
         self.epoch = 0
+        self._rebase(0)
+
+    def _rebase(self, base: int) -> None:
+        """This epoch's positions start at global position `base` (0, or an elastic resume's)."""
+        self._base = base
+        self.num_samples = samples_per_rank(self.n - base, self.world_size, self.drop_last) if base < self.n else 0
         self._offset = 0
 
     def set_epoch(self, epoch: int) -> None:
         if epoch != self.epoch:
-            self._offset = 0
+            self._rebase(0)
         self.epoch = epoch
 
     def __len__(self) -> int:
@@ -87,28 +98,37 @@ class ChunkSampler:
     def indices(self, start: int = 0, stop: int | None = None) -> np.ndarray:
         """This rank's sample indices for positions [start, stop) of the current epoch."""
         stop = self.num_samples if stop is None else stop
+        if stop <= start:
+            return np.empty(0, dtype=np.int64)
         k = np.arange(start, stop, dtype=np.int64)
-        pos = (self.rank + self.world_size * k) % self.n  # wrap-around padding, as DistributedSampler
+        # Wrap-around padding as DistributedSampler, within what is left of the epoch.
+        pos = self._base + (self.rank + self.world_size * k) % (self.n - self._base)
         if not self.shuffle:
             return pos
         return Permutation(self.n, seed=self.seed, epoch=self.epoch)(pos)
 
     def __iter__(self) -> Iterator[int]:
-        start, self._offset = self._offset, 0  # a resumed offset applies to one epoch only
-        for a in range(start, self.num_samples, BLOCK):
+        for a in range(self._offset, self.num_samples, BLOCK):
             yield from self.indices(a, min(a + BLOCK, self.num_samples)).tolist()
+        # A resumed position applies to one epoch only; len() stays right while the epoch runs.
+        self._rebase(0)
 
     def state_dict(self, samples_consumed: int) -> dict:
+        consumed = min(self._base + int(samples_consumed) * self.world_size, self.n)
         return {"seed": self.seed, "epoch": self.epoch, "offset": int(samples_consumed), "n": self.n,
                 "world_size": self.world_size, "rank": self.rank, "drop_last": self.drop_last,
-                "shuffle": self.shuffle}
+                "shuffle": self.shuffle, "base": self._base, "global_consumed": consumed}
 
     def load_state_dict(self, state: dict) -> None:
-        for k in ("seed", "n", "world_size", "drop_last", "shuffle"):
+        for k in ("seed", "n", "drop_last", "shuffle"):
             if state[k] != getattr(self, k):
                 raise ConfigError(f"sampler state has {k}={state[k]!r}, this sampler {getattr(self, k)!r}; "
-                                  "resume with the same dataset, seed and world size")
-        if not 0 <= state["offset"] <= self.num_samples:
-            raise ConfigError(f"sampler state offset {state['offset']} outside [0, {self.num_samples}]")
+                                  "resume with the same dataset, seed and drop_last")
         self.epoch = state["epoch"]
-        self._offset = state["offset"]
+        if state["world_size"] == self.world_size:  # the same split of the epoch: continue it exactly
+            self._rebase(state.get("base", 0))
+            if not 0 <= state["offset"] <= self.num_samples:
+                raise ConfigError(f"sampler state offset {state['offset']} outside [0, {self.num_samples}]")
+            self._offset = state["offset"]
+        else:  # elastic: the rest of the epoch, from its global position, over the new ranks
+            self._rebase(state["global_consumed"])

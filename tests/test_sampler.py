@@ -98,10 +98,46 @@ def test_resume_mid_epoch_at_the_exact_next_sample(dev_packed, workers_before, w
     assert len(s2) == s2.num_samples  # the offset applied to the resumed epoch only
 
 
-def test_resume_refuses_other_world_size():
-    s = ChunkSampler(range(100), world_size=2)
-    with pytest.raises(ConfigError, match="world_size=2"):
-        ChunkSampler(range(100), world_size=4).load_state_dict(s.state_dict(10))
+def _rank_run(args):
+    """One rank in its own process: consume `steps` batches (or all), return them and the state."""
+    n, W, r, B, steps, state = args
+    s = ChunkSampler(range(n), seed=5, rank=r, world_size=W)
+    if state is not None:
+        s.load_state_dict(state)
+    order = list(s)
+    take = order if steps is None else order[: steps * B]
+    return take, s.state_dict(len(take)) if steps is not None else None, len(s)
+
+
+@pytest.mark.parametrize("W1,W2", [(2, 3), (4, 2)])
+def test_elastic_resume_on_another_world_size_loses_and_repeats_nothing(W1, W2):
+    import multiprocessing as mp
+
+    GB, n, steps = 12, 1000, 7  # a fixed global batch: per-rank B = GB / W
+    with mp.get_context("spawn").Pool(4) as pool:
+        before = pool.map(_rank_run, [(n, W1, r, GB // W1, steps, None) for r in range(W1)])
+        state = before[0][1]
+        assert state["global_consumed"] == steps * GB and all(b[1]["global_consumed"] == steps * GB for b in before)
+        after = pool.map(_rank_run, [(n, W2, r, GB // W2, None, state) for r in range(W2)])
+    seen = [i for take, _, _ in before for i in take]
+    rest = [i for take, _, _ in after for i in take]
+    assert len(seen) == steps * GB and len(set(seen)) == len(seen)
+    # The rest of the epoch: every sample not yet seen, once (plus DistributedSampler-style padding).
+    assert set(seen) | set(rest) == set(range(n)) and not set(seen) & set(rest)
+    assert len(rest) - len(set(rest)) < W2
+    assert all(lens == after[0][2] for _, _, lens in after)  # len(sampler) after loading, equal on every rank
+    # With a fixed global batch, the global batches after the resume hold what they would have held.
+    full = [_rank_run((n, W1, r, GB // W1, None, None))[0] for r in range(W1)]
+    for k in range(steps, steps + 10):
+        old = {i for f in full for i in f[k * (GB // W1): (k + 1) * (GB // W1)]}
+        new = {i for take, _, _ in after for i in take[(k - steps) * (GB // W2): (k - steps + 1) * (GB // W2)]}
+        assert old == new, k
+
+
+def test_same_world_size_resume_still_refuses_another_seed():
+    s = ChunkSampler(range(100), world_size=2, seed=1)
+    with pytest.raises(ConfigError, match="seed=1"):
+        ChunkSampler(range(100), world_size=2, seed=2).load_state_dict(s.state_dict(10))
 
 
 def test_mixture_exact_counts_and_items(dev_packed, dev_document):
