@@ -32,7 +32,7 @@ def raw_limit(ds: MemmapChunkDataset, B: int, seconds: float) -> float:
     mms = [np.memmap(p, dtype=ds.dtype, mode="r").reshape(-1, ds.seq_len) for p, _, _ in ds._shards]
     starts = ds._starts
     rng = np.random.default_rng(0)
-    n = t = 0
+    n = 0
     t0 = time.perf_counter()
     while time.perf_counter() - t0 < seconds:
         for idx in np.array_split(rng.permutation(len(ds)), max(1, len(ds) // B)):
