@@ -1,10 +1,16 @@
-"""Tokenizer backends: HF tokenizers, and tiktoken for byte-level BPE where it gives the same ids, faster."""
+"""Tokenizer backends: HF tokenizers (the reference), and faster libraries used only where they give its ids."""
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
+import os
 import re
 from functools import lru_cache
+from itertools import chain
+
+import numpy as np
 
 # The pre-tokenizer regex of HF's ByteLevel(use_regex=True): GPT-2's pattern.
 GPT2_PAT = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
@@ -129,12 +135,96 @@ def special_probes(tok) -> list[str]:
     return [f"x{t}y {t} z{t}" for t in toks] + [" ".join(toks)]
 
 
-def parity(tok, enc, sample: list[str], special: str) -> tuple[bool, str]:
-    """(True, "") when tiktoken gives HF's ids for every text of the sample, HOSTILE and every
+# Long inputs on which libraries fail or drift (regex backtracking, stack depth, chunking): the
+# fast backends must match tokenizers on these too before they are used.
+LONG_HOSTILE_VERSION = 1  # bump when LONG_HOSTILE changes: cached verdicts then no longer apply
+LONG_HOSTILE = [" " * (1 << 20), "\n" * 300_000, "x" * (1 << 20), "7" * 200_000, "日本語" * 100_000,
+                "😀" * 50_000, "a\x00b " * 50_000]
+
+# The fast backends --backend auto tries, fastest first (measured: docs/performance.md).
+FAST = ("fastokens", "gigatoken", "tiktoken")
+
+
+def _flat(id_lists: list) -> tuple[np.ndarray, np.ndarray]:
+    lens = np.fromiter(map(len, id_lists), dtype=np.int64, count=len(id_lists))
+    return np.fromiter(chain.from_iterable(id_lists), dtype=np.uint32, count=int(lens.sum())), lens
+
+
+def flat_encoder(name: str, path: str, special: str, tok):
+    """(encode, version, None): encode(texts) -> (ids uint32 of all texts concatenated, lengths);
+    or (None, None, why) when this backend cannot load the tokenizer or is not installed."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    lib = {"hf": "tokenizers"}.get(name, name)
+    try:
+        ver = f"{lib} {version(lib)}"
+    except PackageNotFoundError:
+        return None, None, f"{lib} is not installed (pip install {lib})"
+    if name == "hf":
+        return (lambda texts: _flat(hf_ids(tok, texts))), ver, None
+    if name == "tiktoken":
+        enc, why = tiktoken_encoding(path)
+        if enc is None:
+            return None, None, why
+        return (lambda texts: _flat(tiktoken_ids(enc, texts, special, tok))), ver, None
+    try:
+        if name == "fastokens":
+            import fastokens
+
+            ft = fastokens.Tokenizer.from_file(path)
+
+            def encode(texts):
+                ids, offs = ft.encode_batch_flat(texts, add_special_tokens=False,
+                                                 split_special_tokens=special == "text")
+                return np.frombuffer(ids, dtype="<u4"), np.diff(np.frombuffer(offs, dtype="<u8")).astype(np.int64)
+        else:
+            import gigatoken
+
+            gt = gigatoken.Tokenizer(path)
+
+            def encode(texts):
+                return _flat(gt.encode_batch_list(texts, parallel=False))
+    except Exception as e:  # noqa: BLE001 - any refusal to load means: not this backend
+        return None, None, f"{lib} cannot load this tokenizer ({type(e).__name__}: {str(e)[:80]})"
+    return encode, ver, None
+
+
+def long_parity(name: str, version: str, path: str, special: str, tok, encode) -> tuple[bool, str]:
+    """parity on LONG_HOSTILE (~2 s, mostly tokenizers' own time): it does not depend on the
+    corpus, so the verdict is cached per library version, tokenizer file and policy."""
+    from .tokenizer import sha256_file
+
+    key = hashlib.sha256(f"{name}|{version}|{sha256_file(path)}|{special}|{LONG_HOSTILE_VERSION}".encode())
+    root = os.environ.get("HELIXTOK_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "helixtok")
+    cached = os.path.join(root, "parity", key.hexdigest() + ".json")
+    with contextlib.suppress(OSError, ValueError):
+        with open(cached) as fh:
+            got = json.load(fh)
+        return bool(got["ok"]), str(got["why"])
+    ok, why = parity(tok, encode, LONG_HOSTILE, special)
+    with contextlib.suppress(OSError):  # no writable cache: check again next time
+        os.makedirs(os.path.dirname(cached), exist_ok=True)
+        tmp = f"{cached}.{os.getpid()}.tmp"
+        with open(tmp, "w") as fh:
+            json.dump({"ok": ok, "why": why}, fh)
+        os.replace(tmp, cached)
+    return ok, why
+
+
+def parity(tok, encode, sample: list[str], special: str) -> tuple[bool, str]:
+    """(True, "") when `encode` gives HF's ids for every text of the sample, HOSTILE and every
     special token inside text."""
     texts = HOSTILE + special_probes(tok) + sample
-    a, b = hf_ids(tok, texts), tiktoken_ids(enc, texts, special, tok)
-    for t, x, y in zip(texts, a, b):
-        if x != y:
-            return False, f"ids differ on {t[:40]!r}"
+    for i in range(0, len(texts), 64):
+        group = texts[i: i + 64]
+        try:
+            got, lens = encode(group)
+        except Exception as e:  # noqa: BLE001 - a backend that fails on some text is not exact
+            return False, f"failed on a text ({type(e).__name__}: {str(e)[:80]})"
+        want = hf_ids(tok, group)
+        ends = np.cumsum(lens)
+        for t, x, a, b in zip(group, want, ends - lens, ends):
+            if got[a:b].tolist() != x:
+                return False, f"ids differ on {t[:40]!r}"
     return True, ""

@@ -523,39 +523,53 @@ def _assemble(dest: str, results: list[dict], info: TokenizerInfo, config: Build
 SAMPLE_UNITS, SAMPLE_CHARS = 8, 1 << 20
 
 
-def _choose_backend(info: TokenizerInfo, units: list[Unit], config: BuildConfig) -> tuple[TokenizerInfo, dict]:
-    """Pick the backend: tiktoken only where it gives HF's ids on a sample of this corpus."""
-    import dataclasses
-    from importlib.metadata import version
+def _sample_texts(units: list[Unit], config: BuildConfig) -> list[str]:
+    """Documents from up to SAMPLE_UNITS evenly spaced units (their first SAMPLE_CHARS / k chars)."""
+    step = max(1, len(units) // SAMPLE_UNITS)
+    head = SAMPLE_CHARS // SAMPLE_UNITS
+    sample: list[str] = []
+    for u in units[::step][:SAMPLE_UNITS]:
+        got = 0
+        for text in UnitReader(u, config.text_field, Tally(), long_bytes=config.long_doc_bytes):
+            sample.append(text.head(head) if isinstance(text, LongText) else text[:head])
+            got += len(sample[-1])
+            if got >= head:
+                break
+    return sample
 
-    from .backends import hf_tokenizer, parity, tiktoken_encoding
+
+def _choose_backend(info: TokenizerInfo, units: list[Unit], config: BuildConfig) -> tuple[TokenizerInfo, dict]:
+    """Pick the backend: the fastest library that gives tokenizers' ids on a sample of this
+    corpus and the hostile sets (checked here, recorded in the manifest); else tokenizers."""
+    import dataclasses
+
+    from .backends import FAST, flat_encoder, hf_tokenizer, long_parity, parity
     from .errors import TokenizerError
 
-    hf = dataclasses.replace(info, backend="hf", backend_version=f"tokenizers {version('tokenizers')}")
+    _, hf_version, _ = flat_encoder("hf", info.path, info.special_tokens, None)
+    hf = dataclasses.replace(info, backend="hf", backend_version=hf_version)
     if config.backend == "hf":
         return hf, {"chosen": "hf", "reason": "--backend hf"}
-    enc, why = tiktoken_encoding(info.path)
-    sample_docs = 0
-    if enc is not None:
-        # Documents from up to SAMPLE_UNITS evenly spaced units (their first SAMPLE_CHARS / k chars).
-        step = max(1, len(units) // SAMPLE_UNITS)
-        sample: list[str] = []
-        for u in units[::step][:SAMPLE_UNITS]:
-            got = 0
-            for text in UnitReader(u, config.text_field, Tally(), long_bytes=config.long_doc_bytes):
-                head = SAMPLE_CHARS // SAMPLE_UNITS
-                sample.append(text.head(head) if isinstance(text, LongText) else text[:head])
-                got += len(sample[-1])
-                if got >= SAMPLE_CHARS // SAMPLE_UNITS:
-                    break
-        sample_docs = len(sample)
-        ok, why = parity(hf_tokenizer(info.path, info.special_tokens), enc, sample, info.special_tokens)
-        if ok:
-            return dataclasses.replace(info, backend="tiktoken", backend_version=f"tiktoken {version('tiktoken')}"), {
-                "chosen": "tiktoken", "reason": "same ids as tokenizers on the sample", "sample_documents": sample_docs}
-    if config.backend == "tiktoken":
-        raise TokenizerError(f"{info.path}: --backend tiktoken is not exact for this tokenizer ({why}); use --backend hf")
-    return hf, {"chosen": "hf", "reason": why, "sample_documents": sample_docs}
+    tok = hf_tokenizer(info.path, info.special_tokens)
+    sample = _sample_texts(units, config)
+    tried = {}
+    for name in FAST if config.backend == "auto" else (config.backend,):
+        encode, ver, why = flat_encoder(name, info.path, info.special_tokens, tok)
+        if encode is not None:
+            ok, why = parity(tok, encode, sample, info.special_tokens)
+            # tiktoken's BPE is quadratic on a 1 MiB word: long runs it cannot take go to tokenizers (WS_RUN).
+            if ok and name != "tiktoken":
+                ok, why = long_parity(name, ver, info.path, info.special_tokens, tok, encode)
+            if ok:
+                return dataclasses.replace(info, backend=name, backend_version=ver), {
+                    "chosen": name, "reason": "same ids as tokenizers on the corpus sample and the hostile sets",
+                    "sample_documents": len(sample), "rejected": tried}
+        tried[name] = why
+    if config.backend != "auto":
+        raise TokenizerError(f"{info.path}: --backend {config.backend} is not exact for this tokenizer "
+                             f"({tried[config.backend]}); use --backend hf")
+    return hf, {"chosen": "hf", "reason": "no faster backend is exact here", "rejected": tried,
+                "sample_documents": len(sample)}
 
 
 def build(inputs: list[str], out: str, tokenizer: str, config: BuildConfig, *, overwrite: bool = False,

@@ -11,6 +11,7 @@ import sys
 import click
 
 from .backends import SPECIAL_POLICIES
+from .config import BACKENDS
 from .errors import HelixtokError
 
 SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.I)
@@ -99,8 +100,9 @@ def main():
 @click.option("--special-tokens", type=click.Choice(list(SPECIAL_POLICIES)), default="text", show_default=True,
               help="Special-token strings inside documents (e.g. '<|endoftext|>' in crawled text): text = "
                    "encode them as ordinary characters; extract = turn them into their special ids (markup).")
-@click.option("--backend", type=click.Choice(["auto", "hf", "tiktoken"]), default="auto", show_default=True,
-              help="auto: tiktoken where it gives tokenizers' ids on a corpus sample (faster), else hf.")
+@click.option("--backend", type=click.Choice(list(BACKENDS)), default="auto", show_default=True,
+              help="auto: the fastest of fastokens, gigatoken, tiktoken that gives tokenizers' ids on a corpus "
+                   "sample and hostile texts, else hf (tokenizers).")
 @click.option("--num-tasks", type=click.IntRange(min=1), default=None,
               help="Build one of N partitions into OUT/part-KKKKK (then `helixtok merge`).")
 @click.option("--task-index", type=click.IntRange(min=0), default=None,
@@ -140,8 +142,15 @@ def build(corpus, out, tokenizer, seq_len, packing, min_tail_len, text_field, bo
 def _build_with_progress(run_build, con, corpus, out, tokenizer, cfg, overwrite, part):
     import time
 
-    from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn,
-                               TimeRemainingColumn, TransferSpeedColumn)
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
 
     t0 = time.monotonic()
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),

@@ -10,7 +10,7 @@ from .errors import ConfigError
 from .longdoc import LONG_DOC_BYTES
 
 PACKINGS = ("packed", "document")
-BACKENDS = ("auto", "hf", "tiktoken")
+BACKENDS = ("auto", "hf", "fastokens", "gigatoken", "tiktoken")
 DEFAULT_SHARD_BYTES = 1 << 30
 # ~4 MiB of input per work unit: big enough that per-unit overhead is noise,
 # small enough that N workers stay balanced on corpora of a few dozen MB.

@@ -6,7 +6,6 @@ import hashlib
 import json
 import os
 from dataclasses import dataclass
-from itertools import chain
 from typing import Callable, Iterable, Iterator
 
 import numpy as np
@@ -93,7 +92,7 @@ class TokenizerInfo:
     bos_token: str | None
     add_bos: bool
     splittable: bool  # long documents may be encoded piecewise without changing ids
-    backend: str = "hf"  # "hf" (tokenizers) or "tiktoken" (same ids, checked; faster)
+    backend: str = "hf"  # "hf" (tokenizers, the reference) or a faster library checked to give its ids
     backend_version: str = ""  # the library's version: another version may give other ids
     special_tokens: str = "text"  # special-token strings inside documents: "text" or "extract"
 
@@ -224,19 +223,15 @@ class Encoder:
 
     def __init__(self, info: TokenizerInfo, *, max_piece_chars: int):
         self.info = info
-        from .backends import hf_ids, hf_tokenizer, tiktoken_encoding, tiktoken_ids
+        from .backends import flat_encoder, hf_tokenizer
 
         self.tok = hf_tokenizer(info.path, info.special_tokens)
         self.dtype = info.dtype
         self.max_piece_chars = max_piece_chars
-        if info.backend == "tiktoken":
-            enc, why = tiktoken_encoding(info.path)
-            if enc is None:
-                raise TokenizerError(f"{info.path}: tiktoken backend unavailable: {why}")
-            self._ids = lambda texts: tiktoken_ids(enc, texts, info.special_tokens, self.tok)
-        else:
-            # encode_batch_fast (inside hf_ids) skips offset tracking, which we never use: ~25% faster.
-            self._ids = lambda texts: hf_ids(self.tok, texts)
+        # encode_batch_fast (inside hf) skips offset tracking, which we never use: ~25% faster.
+        self._encode, _, why = flat_encoder(info.backend, info.path, info.special_tokens, self.tok)
+        if self._encode is None:
+            raise TokenizerError(f"{info.path}: backend {info.backend} unavailable: {why}")
 
     def _pieces(self, docs: list[str]) -> Iterator[tuple[int, str]]:
         """(document index, text piece), made lazily: a huge document is never held twice."""
@@ -249,8 +244,7 @@ class Encoder:
                 yield d, text
 
     def _flat(self, texts: list[str]) -> np.ndarray:
-        id_lists = self._ids(texts)
-        return np.fromiter(chain.from_iterable(id_lists), dtype=self.dtype, count=sum(map(len, id_lists)))
+        return self._encode(texts)[0].astype(self.dtype, copy=False)
 
     def encode_stream(self, pieces: Iterable[str], write: Callable[[np.ndarray], object]) -> int:
         """Encode one document given as text pieces, handing its ids (BOS/EOS included) to
@@ -293,9 +287,8 @@ class Encoder:
         size = 0
 
         def encode_group() -> None:
-            id_lists = self._ids(group)
-            lens_ = np.fromiter(map(len, id_lists), dtype=np.int64, count=len(id_lists))
-            flats.append(np.fromiter(chain.from_iterable(id_lists), dtype=self.dtype, count=int(lens_.sum())))
+            ids, lens_ = self._encode(group)
+            flats.append(ids.astype(self.dtype, copy=False))
             piece_lens.append(lens_)
             group.clear()
 

@@ -14,6 +14,9 @@ from pathlib import Path
 
 import pytest
 
+# Backend parity verdicts are cached per user; the tests keep theirs to this run.
+os.environ.setdefault("HELIXTOK_CACHE", os.path.join(os.environ.get("TMPDIR", "/tmp"), f"helixtok-test-cache-{os.getpid()}"))
+
 def _find_dev() -> Path | None:
     """The optional large tier: $HELIXTOK_DEV_CORPUS, else ../shared/corpus/dev beside the checkout."""
     if os.environ.get("HELIXTOK_DEV_CORPUS"):

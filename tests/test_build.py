@@ -94,26 +94,33 @@ def test_workers_and_backends_byte_identical(tmp_path, dev_corpus, tokenizer_pat
         assert m[k] == other[k]
 
 
-def test_tiktoken_backend_is_chosen_only_when_exact(tmp_path, tokenizer_path, small_tok):
-    pytest.importorskip("tiktoken")
+def test_auto_backend_is_the_fastest_exact_one_and_says_why(tmp_path, tokenizer_path, small_tok, monkeypatch):
     from tokenizers import normalizers
 
-    write(tmp_path / "c" / "a.txt", "hello world, It's 2026! 日本語 😀 " * 20)
+    import helixtok.backends as hbk
+    from helixtok.errors import TokenizerError
+
+    write(tmp_path / "c" / "a.txt", "hello world, It's 2026! 日本語 😀 <|endoftext|> " * 20)
     m = build([str(tmp_path / "c")], str(tmp_path / "o1"), tokenizer_path, BuildConfig(seq_len=4, workers=1))
-    assert m["tokenizer"]["backend"] == "tiktoken"
+    assert m["tokenizer"]["backend"] == "fastokens" and m["tokenizer"]["backend_version"].startswith("fastokens ")
     assert m["tokenizer"]["backend_check"]["sample_documents"] == 1
-    # A normalizer (here: lowercasing) is something tiktoken cannot mirror: auto falls back to hf.
+    # gigatoken turns special-token text into control ids whatever it is asked: not exact under "text".
+    with pytest.raises(TokenizerError, match="--backend gigatoken is not exact for this tokenizer .ids differ on"):
+        build([str(tmp_path / "c")], str(tmp_path / "o2"), tokenizer_path, BuildConfig(seq_len=4, workers=1,
+                                                                                     backend="gigatoken"))
+    # Without the faster ones, tiktoken is next; a normalizer (lowercasing) it cannot mirror: tokenizers.
+    monkeypatch.setattr(hbk, "FAST", ("tiktoken",))
+    m = build([str(tmp_path / "c")], str(tmp_path / "o3"), tokenizer_path, BuildConfig(seq_len=4, workers=1))
+    assert m["tokenizer"]["backend"] == "tiktoken"
     tok = Tokenizer.from_file(small_tok)
     tok.normalizer = normalizers.Lowercase()
     lower = str(tmp_path / "lower.json")
     tok.save(lower)
-    m = build([str(tmp_path / "c")], str(tmp_path / "o2"), lower, BuildConfig(seq_len=4, workers=1))
+    m = build([str(tmp_path / "c")], str(tmp_path / "o4"), lower, BuildConfig(seq_len=4, workers=1))
     assert m["tokenizer"]["backend"] == "hf"
-    assert m["tokenizer"]["backend_check"]["reason"] == "tokenizer has a normalizer"
-    from helixtok.errors import TokenizerError
-
+    assert m["tokenizer"]["backend_check"]["rejected"] == {"tiktoken": "tokenizer has a normalizer"}
     with pytest.raises(TokenizerError, match="--backend tiktoken is not exact for this tokenizer"):
-        build([str(tmp_path / "c")], str(tmp_path / "o3"), lower, BuildConfig(seq_len=4, workers=1, backend="tiktoken"))
+        build([str(tmp_path / "c")], str(tmp_path / "o5"), lower, BuildConfig(seq_len=4, workers=1, backend="tiktoken"))
 
 
 def write(p, text):

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from helixtok.backends import hf_ids, hf_tokenizer, tiktoken_encoding
 from helixtok.build import build
 from helixtok.config import BuildConfig
+from helixtok.errors import TokenizerError
 from helixtok.tokenizer import Encoder, inspect_tokenizer
 
 
@@ -35,13 +36,17 @@ def test_special_token_text_inside_documents(tmp_path, small_tok, special):
     with open(c / "d.jsonl", "w") as fh:
         fh.writelines(json.dumps({"text": d}) + "\n" for d in DOCS)
     outs = {}
-    for backend in ("hf", "auto"):
+    for backend in ("hf", "fastokens", "tiktoken", "gigatoken"):
         out = str(tmp_path / f"o-{backend}")
-        m = build([str(c)], out, small_tok, BuildConfig(seq_len=1, workers=1, backend=backend, special_tokens=special))
-        assert m["tokenizer"]["special_tokens_in_text"] == special
+        cfg = BuildConfig(seq_len=1, workers=1, backend=backend, special_tokens=special)
+        if backend == "gigatoken" and special == "text":  # it always extracts them: refused, not used
+            with pytest.raises(TokenizerError, match="--backend gigatoken is not exact"):
+                build([str(c)], out, small_tok, cfg)
+            continue
+        m = build([str(c)], out, small_tok, cfg)
+        assert m["tokenizer"]["special_tokens_in_text"] == special and m["tokenizer"]["backend"] == backend
         outs[backend] = stream(out)[1]
-    assert m["tokenizer"]["backend"] == "tiktoken"  # the auto build really used the other backend
-    assert outs["hf"].tolist() == outs["auto"].tolist()
+    assert all(o.tolist() == outs["hf"].tolist() for o in outs.values())
     eos = m["tokenizer"]["eos_id"]
     want = [t for d in DOCS for t in reference(small_tok, d, special) + [eos]]
     assert outs["hf"].tolist() == want
@@ -56,7 +61,7 @@ def test_a_mebibyte_of_whitespace_encodes_on_every_backend(tmp_path, small_tok, 
     text = "start " + run * ((1 << 20) // len(run)) + " end"
     info = inspect_tokenizer(small_tok)
     want = reference(small_tok, text)
-    for backend in ("hf", "tiktoken"):
+    for backend in ("hf", "tiktoken", "fastokens", "gigatoken"):
         enc = Encoder(__import__("dataclasses").replace(info, backend=backend), max_piece_chars=200_000)
         ids, lens = enc.encode([text])
         assert ids[:-1].tolist() == want and lens.tolist() == [len(want) + 1]
@@ -91,6 +96,6 @@ def test_any_text_gets_tokenizers_ids_on_every_backend(tokenizer_path, parts, sp
     text = "".join(parts)
     want = encoder(tokenizer_path, special, "hf").tok.encode(text, add_special_tokens=False).ids
     assert tiktoken_encoding(tokenizer_path)[0] is not None
-    for backend in ("hf", "tiktoken"):
+    for backend in ("hf", "tiktoken", "fastokens") + (("gigatoken",) if special == "extract" else ()):
         ids, lens = encoder(tokenizer_path, special, backend).encode([text])
         assert ids[:-1].tolist() == want, backend

@@ -1,0 +1,112 @@
+"""Every backend builds the same bytes as tokenizers, or is refused with one line: three tokenizer shapes."""
+
+import json
+import os
+
+import pytest
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from helixtok.build import build
+from helixtok.config import BuildConfig
+from helixtok.errors import TokenizerError
+
+LLAMA3_PAT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+              r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+def _texts(dev_corpus):
+    return [p.read_text() for p in sorted((dev_corpus / "txt").glob("*.txt"))[:150]]
+
+
+def llama3_like(texts, path):
+    """Split (Llama-3 regex) + ByteLevel BPE, with enough added tokens that ids need uint32."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(LLAMA3_PAT), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(texts, trainers.BpeTrainer(
+        vocab_size=1500, special_tokens=["<|begin_of_text|>", "<|end_of_text|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    # Pad the vocabulary past 65,536 with pieces no merge produces (as large vocabularies hold
+    # tokens a given corpus never uses): ids then need uint32, and the ids stay contiguous.
+    spec = json.loads(tok.to_str())
+    vocab = spec["model"]["vocab"]
+    for i in range(65_000):
+        vocab[f"<unused_{i}>"] = len(vocab)
+    with open(path, "w") as fh:
+        json.dump(spec, fh)
+    assert Tokenizer.from_file(str(path)).get_vocab_size() > 65_536
+    return str(path)
+
+
+def sentencepiece_like(texts, path, metaspace=False):
+    """Llama-2 / Mistral-7B shape: "▁" for spaces by a normalizer (Prepend + Replace, no
+    pre-tokenizer), BPE with byte fallback (<0xNN> pieces).  Trained with a Metaspace
+    pre-tokenizer (fast), then given the normalizer form the exported tokenizer.json files have;
+    metaspace=True keeps the Metaspace pre-tokenizer form."""
+    tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    tok.decoder = decoders.Sequence([decoders.Metaspace(replacement="▁", prepend_scheme="first"),
+                                     decoders.ByteFallback(), decoders.Fuse()])
+    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=1200, special_tokens=["<unk>", "<s>", "</s>"],
+                                                       show_progress=False))
+    spec = json.loads(tok.to_str())
+    vocab = spec["model"]["vocab"]
+    for b in range(256):  # byte-fallback pieces, as SentencePiece exports them
+        vocab.setdefault(f"<0x{b:02X}>", len(vocab))
+    if not metaspace:
+        spec["normalizer"] = {"type": "Sequence", "normalizers": [
+            {"type": "Prepend", "prepend": "▁"}, {"type": "Replace", "pattern": {"String": " "}, "content": "▁"}]}
+        spec["pre_tokenizer"] = None
+        spec["decoder"] = {"type": "Sequence", "decoders": [
+            {"type": "Replace", "pattern": {"String": "▁"}, "content": " "}, {"type": "ByteFallback"},
+            {"type": "Fuse"}, {"type": "Strip", "content": " ", "start": 1, "stop": 0}]}
+    with open(path, "w") as fh:
+        json.dump(spec, fh)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def shapes(tmp_path_factory, dev_corpus, tokenizer_path):
+    d = tmp_path_factory.mktemp("shapes")
+    texts = _texts(dev_corpus)
+    return {"gpt2-like": tokenizer_path, "llama3-like (uint32)": llama3_like(texts, d / "llama3.json"),
+            "sentencepiece-like": sentencepiece_like(texts, d / "sp.json")}
+
+
+def _shards(out):
+    return {n: open(os.path.join(out, n), "rb").read() for n in sorted(os.listdir(out)) if n != "manifest.json"}
+
+
+@pytest.mark.parametrize("special", ["text", "extract"])
+def test_every_backend_gives_tokenizers_bytes_or_is_refused(tmp_path, dev_corpus, shapes, special):
+    corpus = [str(dev_corpus / "jsonl" / "plain.jsonl")]
+    table = {}
+    for shape, tok in shapes.items():
+        cfg = dict(seq_len=256, workers=2, special_tokens=special)
+        ref = build(corpus, str(tmp_path / shape / "hf"), tok, BuildConfig(backend="hf", **cfg))
+        want = _shards(tmp_path / shape / "hf")
+        if shape.startswith("llama3"):
+            assert ref["dtype"] == "uint32"
+        for backend in ("fastokens", "gigatoken", "tiktoken"):
+            out = tmp_path / shape / backend
+            try:
+                m = build(corpus, str(out), tok, BuildConfig(backend=backend, **cfg))
+            except TokenizerError as e:
+                assert f"--backend {backend} is not exact for this tokenizer" in str(e)
+                table[shape, backend] = "refused: " + str(e).split("(", 1)[1][:50]
+                continue
+            assert m["tokenizer"]["backend"] == backend
+            assert _shards(out) == want, (shape, backend)  # byte-identical to tokenizers
+            assert m["totals"] == ref["totals"]
+            table[shape, backend] = "identical"
+        auto = build(corpus, str(tmp_path / shape / "auto"), tok, BuildConfig(**cfg))
+        assert _shards(tmp_path / shape / "auto") == want
+        table[shape, "auto"] = auto["tokenizer"]["backend"]
+    print(special, table)
+    # fastokens is exact on all three shapes, so auto uses it for all of them.
+    assert all(table[s, "fastokens"] == "identical" and table[s, "auto"] == "fastokens" for s in shapes), table
+    # tiktoken mirrors only GPT-2-style byte-level BPE.
+    assert table["gpt2-like", "tiktoken"] == "identical"
+    assert all(table[s, "tiktoken"].startswith("refused") for s in shapes if s != "gpt2-like")
