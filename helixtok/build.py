@@ -26,7 +26,7 @@ import numpy as np
 from . import __version__
 from .config import BuildConfig
 from .errors import ConfigError, HelixtokError, InputError
-from .longdoc import LongText
+from .longdoc import LongText, stripped, utf8_len
 from .manifest import DOC_SKIPS, FORMAT_VERSION, MANIFEST, REPAIRS, write_json_atomic
 from .outdir import PUBLISH, STATE, OutLock, refuse_foreign, remove_owned
 from .pack import PackCounts, document_chunks, packed_chunks
@@ -161,6 +161,7 @@ def _run_unit(unit: Unit) -> dict:
     files = {s: [open(os.path.join(state, n + ".part"), "wb") for n in names[s]] for s in splits}
     docs = {s: 0 for s in splits}
     tokens = {s: 0 for s in splits}
+    text_bytes = {s: 0 for s in splits}  # UTF-8 bytes of the documents as tokenized
     tally = Tally(strict=cfg.strict)
     reader = UnitReader(unit, cfg.text_field, tally, long_bytes=cfg.long_doc_bytes)
     batch = {s: [] for s in splits}
@@ -187,20 +188,25 @@ def _run_unit(unit: Unit) -> dict:
 
     for text in reader:
         if isinstance(text, LongText):  # read, hashed and encoded in pieces: memory stays flat
-            s = splits[_split_of_pieces(text.pieces(), cfg.val_fraction, cfg.split_seed)]
+            pieces = (lambda: stripped(text.pieces())) if cfg.strip else text.pieces
+            s = splits[_split_of_pieces(pieces(), cfg.val_fraction, cfg.split_seed)]
             flush()  # the documents before it go first
-            n = enc.encode_stream(text.pieces(), lambda ids: files[s][0].write(ids.data))
+            n = enc.encode_stream(pieces(), lambda ids: files[s][0].write(ids.data))
             files[s][1].write(np.array([n], dtype="<i8").data)
             docs[s] += 1
             tokens[s] += n
+            text_bytes[s] += sum(map(utf8_len, pieces()))
             _bump(counters, reader.consumed - last_consumed, 1, n)
             last_consumed = reader.consumed
             continue
+        if cfg.strip:
+            text = text.strip()
         if not text or text.isspace():
             tally.add("empty", reader.where())
             continue
         s = _split_of(text, cfg.val_fraction, cfg.split_seed) if cfg.val_fraction > 0 else 0
         batch[splits[s]].append(text)
+        text_bytes[splits[s]] += utf8_len(text)
         chars += len(text)
         if chars >= cfg.batch_chars:
             flush()
@@ -216,7 +222,7 @@ def _run_unit(unit: Unit) -> dict:
             os.replace(os.path.join(state, n + ".part"), os.path.join(state, n))
         spill[s] = [[n, os.path.getsize(os.path.join(state, n))] for n in names[s]]
     result = {"index": unit.index, "run": run, "spill": spill, "documents": docs, "tokens": tokens,
-              "skipped": tally.to_json()}
+              "text_bytes": text_bytes, "skipped": tally.to_json()}
     write_json_atomic(done_path(state, unit.index), result)
     return result
 
@@ -286,7 +292,7 @@ def _trusted_results(state: str, units: list[Unit]) -> dict[int, dict]:
         try:
             with open(done_path(state, u.index)) as fh:
                 r = json.load(fh)
-            ok = r["index"] == u.index and all(
+            ok = r["index"] == u.index and "text_bytes" in r and all(
                 os.path.getsize(os.path.join(state, n)) == size for files in r["spill"].values() for n, size in files)
         except (OSError, ValueError, KeyError, TypeError):
             ok = False
@@ -514,6 +520,7 @@ def _assemble(dest: str, results: list[dict], info: TokenizerInfo, config: Build
         out_splits[split] = {
             "num_chunks": writer.num_chunks, "num_tokens": writer.num_chunks * L,
             "documents": documents, "tokens": produced, "pad_tokens": counts.pad_tokens,
+            "text_bytes": sum(r["text_bytes"][split] for r in results),
             "dropped_tokens": counts.dropped_tokens, "dropped_documents": counts.dropped_documents,
             "shards": shards,
         }
@@ -671,7 +678,8 @@ def _build_locked(inputs: list[str], out: str, info: TokenizerInfo, config: Buil
     shutil.copyfile(info.path, os.path.join(asm, "tokenizer.json"))
 
     totals = {k: sum(s[k] for s in splits.values())
-              for k in ("documents", "tokens", "pad_tokens", "dropped_tokens", "dropped_documents", "num_chunks")}
+              for k in ("documents", "tokens", "text_bytes", "pad_tokens", "dropped_tokens", "dropped_documents",
+                        "num_chunks")}
     totals["chunks"] = totals.pop("num_chunks")
     totals["stored_tokens"] = totals["chunks"] * config.seq_len
     totals["skipped_documents"] = sum(tally.counts.get(r, 0) for r in DOC_SKIPS)
@@ -686,7 +694,8 @@ def _build_locked(inputs: list[str], out: str, info: TokenizerInfo, config: Buil
         "tokenizer": {**info.to_json(), "file": "tokenizer.json", "backend_check": backend_check},
         "options": {"text_field": config.text_field, "val_fraction": config.val_fraction,
                     "split_seed": config.split_seed, "shard_bytes": config.shard_bytes,
-                    "unit_bytes": config.unit_bytes, "max_piece_chars": config.max_piece_chars},
+                    "unit_bytes": config.unit_bytes, "max_piece_chars": config.max_piece_chars,
+                    "strip": config.strip},
         "inputs": {"files": len(files), "bytes": sum(f.size for f in files), "units": len(units),
                    "list": [{"name": f.name, "bytes": f.size} for f in files]},
         **({"partition": partition_info} if partition_info else {}),

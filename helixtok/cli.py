@@ -100,6 +100,8 @@ def main():
 @click.option("--special-tokens", type=click.Choice(list(SPECIAL_POLICIES)), default="text", show_default=True,
               help="Special-token strings inside documents (e.g. '<|endoftext|>' in crawled text): text = "
                    "encode them as ordinary characters; extract = turn them into their special ids (markup).")
+@click.option("--strip", is_flag=True,
+              help="Strip leading/trailing whitespace of every document before tokenizing (as HelixLM's compiler does).")
 @click.option("--backend", type=click.Choice(list(BACKENDS)), default="auto", show_default=True,
               help="auto: the fastest of fastokens, gigatoken, tiktoken that gives tokenizers' ids on a corpus "
                    "sample and hostile texts, else hf (tokenizers).")
@@ -110,7 +112,7 @@ def main():
 @handle_errors
 def build(corpus, out, tokenizer, seq_len, packing, min_tail_len, text_field, bos, eos_token, bos_token,
           pad_token, val_fraction, split_seed, shard_size, unit_size, workers, overwrite, strict, quiet, as_json,
-          stall_timeout, special_tokens, backend, num_tasks, task_index):
+          stall_timeout, special_tokens, strip, backend, num_tasks, task_index):
     """Tokenize CORPUS (files, folders, globs) into fixed-length token shards in OUT.
 
     \b
@@ -127,7 +129,7 @@ def build(corpus, out, tokenizer, seq_len, packing, min_tail_len, text_field, bo
                       add_bos=bos, eos_token=eos_token, bos_token=bos_token, pad_token=pad_token,
                       val_fraction=val_fraction, split_seed=split_seed, shard_bytes=shard_size,
                       unit_bytes=unit_size, workers=workers, strict=strict, backend=backend,
-                      stall_seconds=stall_timeout)
+                      stall_seconds=stall_timeout, special_tokens=special_tokens, strip=strip)
     task = task_from_env(num_tasks, task_index)
     if task:
         out = os.path.join(out, f"part-{task[0]:05d}")
@@ -240,6 +242,34 @@ def stats(out, split, batch_size, grad_accum, world_size, epochs, sampler_drop_l
     for k, v in st.to_json().items():
         tab.add_row(k, f"{v:,}" if isinstance(v, int) and not isinstance(v, bool) else str(v))
     Console().print(tab)
+
+
+@main.group()
+def export():
+    """Write a built dataset in another tool's format."""
+
+
+@export.command("helixlm")
+@click.argument("out")
+@click.argument("dest")
+@click.option("--split", default="train", show_default=True, help="Which split to export.")
+@handle_errors
+def export_helixlm_cmd(out, dest, split):
+    """Write OUT's split as HelixLM's pretraining store (helix.pretrain.samples.v1) in DEST.
+
+    Shards are hard-linked (copied across file systems). Build with --strip for HelixLM's exact
+    token stream.
+
+    \b
+    Example:
+      helixtok build corpus/ out/ -t tokenizer.json -L 1024 --strip
+      helixtok export helixlm out/ helix-store/
+    """
+    from .helixlm import export_helixlm
+
+    st = export_helixlm(out, dest, split=split)
+    click.echo(f"{dest}: {st['sample_count']:,} samples x {st['seq_len']} in {len(st['shards'])} shards "
+               f"({st['source']['shards']}), {st['encoded_tokens']:,} tokens from {st['source_rows']:,} rows")
 
 
 @main.command("bench-read")

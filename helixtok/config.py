@@ -37,6 +37,7 @@ class BuildConfig:
     max_piece_chars: int = 200_000  # longer documents are encoded in pieces
     long_doc_bytes: int = LONG_DOC_BYTES  # larger documents are also read in pieces (memory stays flat)
     stall_seconds: float = 600.0  # no progress from any worker for this long: the build fails
+    strip: bool = False  # str.strip() every document first (HelixLM's compiler does)
     special_tokens: str = "text"  # special-token strings in documents: "text" (as characters) or "extract"
     backend: str = "auto"  # auto: tiktoken when it reproduces HF's ids on a corpus sample, else hf
 

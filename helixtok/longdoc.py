@@ -50,6 +50,28 @@ class LongText:
         return "".join(out)
 
 
+def stripped(pieces: Iterator[str]) -> Iterator[str]:
+    """The pieces of text.strip(): leading whitespace skipped, trailing whitespace held back
+    until more text follows it (so a run inside the text is kept, one at the end is not)."""
+    started, pending = False, ""
+    for p in pieces:
+        if not started:
+            p = p.lstrip()
+            if not p:
+                continue
+            started = True
+        body = p.rstrip()
+        if not body:
+            pending += p
+            continue
+        yield pending + body
+        pending = p[len(body):]
+
+
+def utf8_len(text: str) -> int:
+    return len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
+
+
 def _blank(pieces: Iterator[str]) -> bool:
     """Reads every piece (so decoding errors surface); True if the text is only whitespace."""
     blank = True

@@ -109,7 +109,7 @@ def _merge_locked(parts: list[str], ms: list[dict], out: str) -> dict:
     for p, m in zip(parts, ms):
         rel = os.path.relpath(os.path.abspath(p), os.path.abspath(out))
         for name, s in m["splits"].items():
-            d = splits.setdefault(name, {"num_chunks": 0, "num_tokens": 0, "documents": 0, "tokens": 0,
+            d = splits.setdefault(name, {"num_chunks": 0, "num_tokens": 0, "documents": 0, "tokens": 0, "text_bytes": 0,
                                          "pad_tokens": 0, "dropped_tokens": 0, "dropped_documents": 0, "shards": []})
             for k in d:
                 if k != "shards":

@@ -218,3 +218,12 @@ def test_bench_read_says_whether_the_loader_keeps_up(dev_packed):
     r = run("bench-read", dev_packed, "-b", "4", "--seconds", "0.3", "--need", "1e15", "--document-masking")
     assert r.exit_code == 1 and "less than the 1,000,000,000,000,000 the model needs" in r.output
     assert "Traceback" not in r.output
+
+
+def test_build_passes_special_tokens_and_strip_to_the_build(tmp_path, corpus, small_tok):
+    # --special-tokens was accepted but never reached the build (it always ran "text").
+    r = run("build", corpus, tmp_path / "out", "-t", small_tok, "-L", "8", "-q", "--special-tokens", "extract",
+            "--strip")
+    assert r.exit_code == 0, r.output
+    m = json.load(open(tmp_path / "out" / "manifest.json"))
+    assert m["tokenizer"]["special_tokens_in_text"] == "extract" and m["options"]["strip"] is True

@@ -1,0 +1,75 @@
+"""Exports: HelixLM's pretraining store, checked against its published field list and layout."""
+
+import hashlib
+import json
+import os
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from tokenizers import Tokenizer
+
+from helixtok.build import build
+from helixtok.cli import main
+from helixtok.config import BuildConfig
+from helixtok.errors import ConfigError
+from helixtok.helixlm import FIELDS, SHARD_FIELDS, export_helixlm
+
+ROWS = ["  leading spaces and a tail  \n", "plain row", "\n\nnewlines around\n\n", "   ", "x y z " * 400,
+        "日本語 with spaces  "]
+
+
+@pytest.fixture
+def helix_build(tmp_path, small_tok):
+    c = tmp_path / "c"
+    c.mkdir()
+    (c / "rows.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in ROWS * 30))
+    out = tmp_path / "out"
+    build([str(c)], str(out), small_tok, BuildConfig(seq_len=64, workers=1, strip=True, shard_bytes=64 * 2 * 40))
+    return out
+
+
+def test_helixlm_store_has_the_published_fields_layout_and_the_compilers_stream(tmp_path, helix_build, small_tok):
+    r = CliRunner().invoke(main, ["export", "helixlm", str(helix_build), str(tmp_path / "store")])
+    assert r.exit_code == 0, r.output
+    st = json.load(open(tmp_path / "store" / "manifest.json"))
+    assert tuple(st) == FIELDS and all(tuple(e) == SHARD_FIELDS for e in st["shards"])
+    assert st["format_version"] == "helix.pretrain.samples.v1" and st["token_dtype"] == "<u2"
+    # HelixLM's compiler, independently: strip each text, ids + one EOS, pack, drop the tail.
+    tok = Tokenizer.from_file(small_tok)
+    eos = tok.token_to_id("<|endoftext|>")
+    texts = [t.strip() for t in ROWS * 30 if t.strip()]
+    stream = [i for t in texts for i in tok.encode(t, add_special_tokens=False).ids + [eos]]
+    L = 64
+    n = len(stream) // L
+    assert (st["seq_len"], st["eos_token_id"], st["source_rows"]) == (L, eos, len(texts))
+    assert st["raw_utf8_bytes"] == sum(len(t.encode()) for t in texts)
+    assert (st["encoded_tokens"], st["sample_count"], st["dropped_tail_tokens"]) == (len(stream), n, len(stream) - n * L)
+    assert st["causal_target_count"] == n * (L - 1)
+    # Layout: samples-NNNNN.u16 of sample_count x seq_len little-endian uint16, start_sample cumulative.
+    got, start = [], 0
+    for k, e in enumerate(st["shards"]):
+        p = tmp_path / "store" / e["file"]
+        assert e["file"] == f"samples-{k:05d}.u16" and e["start_sample"] == start
+        data = p.read_bytes()
+        assert len(data) == e["bytes"] == e["sample_count"] * L * 2
+        assert hashlib.sha256(data).hexdigest() == e["sha256"]
+        got += np.frombuffer(data, dtype="<u2").tolist()
+        start += e["sample_count"]
+    assert len(st["shards"]) > 1 and st["samples_per_shard"] == st["shards"][0]["sample_count"]
+    assert got == stream[: n * L]
+    # No token bytes copied: the store's shards are the build's files.
+    assert os.stat(tmp_path / "store" / "samples-00000.u16").st_ino == os.stat(helix_build / "train-00000.bin").st_ino
+    assert st["source"]["shards"] == "linked" and st["source"]["stripped"] is True
+
+
+def test_helixlm_export_refuses_what_the_store_cannot_hold(tmp_path, helix_build, small_tok, dev_document):
+    with pytest.raises(ConfigError, match="document-packed"):
+        export_helixlm(dev_document, str(tmp_path / "s1"))
+    (tmp_path / "s2").mkdir()
+    (tmp_path / "s2" / "mine.txt").write_text("keep")
+    with pytest.raises(ConfigError, match="not an empty folder"):
+        export_helixlm(str(helix_build), str(tmp_path / "s2"))
+    assert (tmp_path / "s2" / "mine.txt").read_text() == "keep"
+    r = CliRunner().invoke(main, ["export", "helixlm", str(tmp_path / "nothing"), str(tmp_path / "s3")])
+    assert r.exit_code == 1 and "Traceback" not in r.output
