@@ -272,6 +272,25 @@ def export_helixlm_cmd(out, dest, split):
                f"({st['source']['shards']}), {st['encoded_tokens']:,} tokens from {st['source_rows']:,} rows")
 
 
+@export.command("megatron")
+@click.argument("out")
+@click.argument("prefix")
+@click.option("--split", default="train", show_default=True, help="Which split to export.")
+@handle_errors
+def export_megatron_cmd(out, prefix, split):
+    """Write OUT's split as a Megatron-LM indexed dataset PREFIX.bin / PREFIX.idx (one sequence per document).
+
+    \b
+    Example:
+      helixtok export megatron out/ data/my_corpus_text_document
+    """
+    from .megatron import export_megatron
+
+    r = export_megatron(out, prefix, split=split)
+    click.echo(f"{prefix}.bin/.idx: {r['documents']:,} documents, {r['tokens']:,} tokens, {r['dtype']} "
+               f"(.bin {r['bin']})")
+
+
 @main.command("bench-read")
 @click.argument("out")
 @click.option("--split", default="train", show_default=True, help="Which split to read.")

@@ -73,3 +73,53 @@ def test_helixlm_export_refuses_what_the_store_cannot_hold(tmp_path, helix_build
     assert (tmp_path / "s2" / "mine.txt").read_text() == "keep"
     r = CliRunner().invoke(main, ["export", "helixlm", str(tmp_path / "nothing"), str(tmp_path / "s3")])
     assert r.exit_code == 1 and "Traceback" not in r.output
+
+
+def _megatron_reader():
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # megatron-core warns that Transformer Engine / Apex are missing
+        mod = pytest.importorskip("megatron.core.datasets.indexed_dataset")
+    return mod.IndexedDataset
+
+
+@pytest.mark.parametrize("shards", ["several", "one"])
+def test_megatron_export_reads_back_with_megatron_core(tmp_path, dev_corpus, tokenizer_path, dev_packed, dev_ids,
+                                                       shards):
+    IndexedDataset = _megatron_reader()
+    src = dev_packed
+    if shards == "one":
+        src = str(tmp_path / "one")
+        build([str(dev_corpus / "txt")], src, tokenizer_path, BuildConfig(seq_len=512, workers=2))
+        docs = [d for d in _read_txt_ids(dev_corpus, tokenizer_path)]
+    else:
+        docs = dev_ids
+    r = CliRunner().invoke(main, ["export", "megatron", src, str(tmp_path / "mg" / "corpus_text_document")])
+    assert r.exit_code == 0, r.output
+    ds = IndexedDataset(str(tmp_path / "mg" / "corpus_text_document"))
+    m = json.load(open(os.path.join(src, "manifest.json")))
+    eos = m["tokenizer"]["eos_id"]
+    # Independent recount: each document's ids + EOS, the stream cut where the last full chunk ends.
+    want, left = [], m["splits"]["train"]["num_tokens"]
+    for ids in docs:
+        seq = (list(ids) + [eos])[:left]
+        want.append(seq)
+        left -= len(seq)
+        if not left:
+            break
+    assert len(ds) == len(want) and ds.document_indices.tolist() == list(range(len(want) + 1))
+    for i in (0, 1, len(want) // 2, len(want) - 1):
+        assert ds[i].tolist() == want[i]
+    assert ds[0].dtype == np.uint16 and int(ds.sequence_lengths.sum()) == m["splits"]["train"]["num_tokens"]
+    linked = os.stat(tmp_path / "mg" / "corpus_text_document.bin").st_ino == os.stat(
+        os.path.join(src, "train-00000.bin")).st_ino
+    assert linked == (shards == "one") and ("(.bin linked)" in r.output) == linked
+
+
+def _read_txt_ids(dev_corpus, tokenizer_path):
+    tok = Tokenizer.from_file(tokenizer_path)
+    for p in sorted((dev_corpus / "txt").glob("*.txt")):
+        text = p.read_text()
+        if text.strip():
+            yield tok.encode(text, add_special_tokens=False).ids

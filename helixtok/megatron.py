@@ -1,0 +1,119 @@
+"""Megatron-LM indexed datasets (.bin/.idx, "MMIDIDX"): export a packed build as one, import one as a build."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import struct
+
+import numpy as np
+
+from .errors import ConfigError, InputError
+from .manifest import load_manifest, split_entry
+from .shards import DOCS_DTYPE
+
+HEADER = b"MMIDIDX\x00\x00"
+VERSION = 1
+# megatron.core.datasets.indexed_dataset.DType codes
+CODES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64, 7: np.float32, 8: np.uint16}
+SLICE = 1 << 22  # tokens converted per step when the dtype changes
+
+
+def megatron_dtype(vocab_size: int) -> type:
+    """Megatron's rule (DType.optimal_dtype): uint16 below 65,500 ids, else int32."""
+    return np.uint16 if vocab_size < 65500 else np.int32
+
+
+def _document_lengths(src: str, s: dict, seq_len: int) -> np.ndarray:
+    """Lengths of the documents of a packed split's stream, from the .docs sidecars (the last
+    one ends where the stream does: the tail that did not fill a chunk was dropped)."""
+    starts, base = [], 0
+    for e in s["shards"]:
+        starts.append(np.fromfile(os.path.join(src, e["docs"]["path"]), dtype=DOCS_DTYPE).astype(np.int64) + base)
+        base += int(e["num_chunks"]) * seq_len
+    st = np.concatenate(starts) if starts else np.zeros(0, np.int64)
+    if len(st) == 0 or st[0] != 0:
+        st = np.concatenate(([0], st))
+    return np.diff(np.concatenate((st, [base])))
+
+
+def write_index(path: str, dtype: type, lengths: np.ndarray) -> None:
+    """The .idx file: header, version, dtype code, counts, int32 lengths, int64 byte pointers,
+    int64 document indices (one document per sequence)."""
+    code = next(c for c, t in CODES.items() if t == dtype)
+    pointers = np.concatenate(([0], np.cumsum(lengths[:-1], dtype=np.int64))) * np.dtype(dtype).itemsize
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as fh:
+        fh.write(HEADER + struct.pack("<Q", VERSION) + struct.pack("<B", code))
+        fh.write(struct.pack("<Q", len(lengths)) + struct.pack("<Q", len(lengths) + 1))
+        fh.write(lengths.astype("<i4").tobytes())
+        fh.write(pointers.astype("<i8").tobytes())
+        fh.write(np.arange(len(lengths) + 1, dtype="<i8").tobytes())
+    os.replace(tmp, path)
+
+
+def export_megatron(src: str, prefix: str, *, split: str = "train") -> dict:
+    """Write PREFIX.bin / PREFIX.idx, which megatron-core's IndexedDataset(PREFIX) reads unchanged:
+    one sequence per document (its ids and EOS, as preprocess_data.py --append-eod makes them).
+    .bin is the build's shard, hard-linked, when there is one shard of Megatron's dtype; else
+    the shards are concatenated (converted to int32 for vocabularies >= 65,500)."""
+    m = load_manifest(src)
+    s = split_entry(m, split, src)
+    if m["packing"] != "packed":
+        raise ConfigError(f"{src}: only packed builds keep whole documents in one stream; this one is "
+                          f"{m['packing']}-packed")
+    L = int(m["seq_len"])
+    dtype = megatron_dtype(int(m["tokenizer"]["vocab_size"]))
+    ours = np.dtype("<u2" if m["dtype"] == "uint16" else "<u4")
+    lengths = _document_lengths(src, s, L)
+    for p in (prefix + ".bin", prefix + ".idx"):
+        if os.path.exists(p):
+            raise ConfigError(f"{p}: exists; give a new prefix")
+    os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
+    shards = [os.path.join(src, e["path"]) for e in s["shards"]]
+    tmp = prefix + ".bin.tmp"
+    how = "copied"
+    if len(shards) == 1 and np.dtype(dtype) == ours:
+        try:
+            os.link(shards[0], tmp)
+            how = "linked"
+        except OSError:
+            shutil.copyfile(shards[0], tmp)
+    else:
+        with open(tmp, "wb") as out:
+            for p in shards:
+                if np.dtype(dtype) == ours:
+                    with open(p, "rb") as fh:
+                        shutil.copyfileobj(fh, out, 1 << 24)
+                    continue
+                ids = np.memmap(p, dtype=ours, mode="r")
+                for a in range(0, len(ids), SLICE):
+                    out.write(np.asarray(ids[a: a + SLICE]).astype(dtype).tobytes())
+                del ids
+    os.replace(tmp, prefix + ".bin")
+    write_index(prefix + ".idx", dtype, lengths)  # last: a prefix with an .idx is complete
+    return {"documents": len(lengths), "tokens": int(lengths.sum()), "dtype": np.dtype(dtype).name, "bin": how}
+
+
+def read_index(prefix: str) -> tuple[type, np.ndarray, np.ndarray, np.ndarray]:
+    """(dtype, sequence lengths, byte pointers, document indices) of PREFIX.idx, validated."""
+    path = prefix + ".idx"
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(34)
+    except OSError as e:
+        raise InputError(f"{path}: cannot read ({e.strerror}); give the prefix without .bin/.idx") from None
+    if len(head) < 34 or head[:9] != HEADER or struct.unpack("<Q", head[9:17])[0] != VERSION:
+        raise InputError(f"{path}: not a Megatron indexed dataset index (MMIDIDX version 1)")
+    code = head[17]
+    if code not in CODES:
+        raise InputError(f"{path}: unknown dtype code {code}")
+    n, d = struct.unpack("<QQ", head[18:34])
+    raw = np.memmap(path, dtype=np.uint8, mode="r")
+    if len(raw) != 34 + n * 4 + n * 8 + d * 8:
+        raise InputError(f"{path}: {len(raw)} bytes, but its counts ({n} sequences, {d} document indices) "
+                         f"need {34 + n * 12 + d * 8}; the index is truncated or corrupt")
+    lengths = np.frombuffer(raw, dtype="<i4", count=n, offset=34).astype(np.int64)
+    pointers = np.frombuffer(raw, dtype="<i8", count=n, offset=34 + 4 * n)
+    docs = np.frombuffer(raw, dtype="<i8", count=d, offset=34 + 12 * n)
+    return CODES[code], lengths, pointers, docs
