@@ -29,7 +29,7 @@ from .errors import ConfigError, HelixtokError, InputError
 from .longdoc import LongText, stripped, utf8_len
 from .manifest import DOC_SKIPS, FORMAT_VERSION, MANIFEST, REPAIRS, write_json_atomic
 from .outdir import PUBLISH, STATE, OutLock, refuse_foreign, remove_owned
-from .pack import PackCounts, document_chunks, packed_chunks
+from .pack import PackCounts, StreamPacker, document_chunks
 from .shards import ShardWriter, fsync_dir
 from .sources import Tally, Unit, UnitReader, discover, plan_units
 from .tokenizer import Encoder, TokenizerInfo, inspect_tokenizer
@@ -471,9 +471,7 @@ def _assemble(dest: str, results: list[dict], info: TokenizerInfo, config: Build
                              "valid" if config.packing == "document" else "docs")
         counts = PackCounts()
         produced = documents = 0
-        carry = np.empty(0, dtype)
-        pending_starts = np.empty(0, np.int64)
-        pos = 0  # tokens of this split's stream seen so far (packed)
+        packer = StreamPacker(writer, L, dtype)
         try:
             for r in results:
                 tok_path, len_path = (os.path.join(state, n) for n, _ in r["spill"][split])
@@ -487,18 +485,11 @@ def _assemble(dest: str, results: list[dict], info: TokenizerInfo, config: Build
                 # whole documents), so memory does not grow with a unit's or a document's size.
                 with open(tok_path, "rb") as fh:
                     if config.packing == "packed":
-                        doc_starts = pos + np.concatenate(([0], ends[:-1]))
+                        doc_starts = packer.pos + np.concatenate(([0], ends[:-1]))
                         t, total = 0, int(ends[-1])
                         while t < total:
                             ids = _read_ids(fh, dtype, min(ASSEMBLY_TOKENS, total - t), tok_path)
-                            a, b = np.searchsorted(doc_starts, [pos, pos + len(ids)])
-                            written = writer.num_chunks * L
-                            chunks, carry = packed_chunks(carry, ids, L)
-                            all_starts = np.concatenate((pending_starts, doc_starts[a:b])) - written
-                            cut = np.searchsorted(all_starts, len(chunks) * L)
-                            writer.write(chunks, doc_starts=all_starts[:cut])
-                            pending_starts = all_starts[cut:] + written
-                            pos += len(ids)
+                            packer.add(ids, doc_starts)
                             t += len(ids)
                     else:
                         d0 = 0
@@ -515,7 +506,7 @@ def _assemble(dest: str, results: list[dict], info: TokenizerInfo, config: Build
             writer.abort()
             raise
         if config.packing == "packed":
-            counts.dropped_tokens = len(carry)  # only the final remainder (< seq_len) is lost
+            counts.dropped_tokens = len(packer.carry)  # only the final remainder (< seq_len) is lost
         counts.chunks = writer.num_chunks
         out_splits[split] = {
             "num_chunks": writer.num_chunks, "num_tokens": writer.num_chunks * L,

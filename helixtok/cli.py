@@ -291,6 +291,33 @@ def export_megatron_cmd(out, prefix, split):
                f"(.bin {r['bin']})")
 
 
+@main.group("import")
+def import_():
+    """Make a helixtok dataset from data in another tool's format."""
+
+
+@import_.command("megatron")
+@click.argument("prefix")
+@click.argument("out")
+@click.option("--tokenizer", "-t", required=True, help="The tokenizer.json the Megatron dataset was made with.")
+@click.option("--seq-len", "-L", type=click.IntRange(min=1), default=2048, show_default=True, help="Tokens per chunk.")
+@click.option("--shard-size", callback=parse_size, default="1GiB", show_default=True, help="Target bytes per shard.")
+@handle_errors
+def import_megatron_cmd(prefix, out, tokenizer, seq_len, shard_size):
+    """Make a packed helixtok dataset in OUT from a Megatron-LM indexed dataset PREFIX.bin / PREFIX.idx.
+
+    \b
+    Example:
+      helixtok import megatron data/my_corpus_text_document out/ -t tokenizer.json -L 2048
+    """
+    from .megatron import import_megatron
+
+    m = import_megatron(prefix, out, tokenizer, seq_len=seq_len, shard_bytes=shard_size)
+    t = m["totals"]
+    click.echo(f"{out}: {t['chunks']:,} chunks x {seq_len} from {t['documents']:,} documents, {t['tokens']:,} tokens "
+               f"({t['dropped_tokens']:,} in the last partial chunk dropped)")
+
+
 @main.command("bench-read")
 @click.argument("out")
 @click.option("--split", default="train", show_default=True, help="Which split to read.")

@@ -117,3 +117,75 @@ def read_index(prefix: str) -> tuple[type, np.ndarray, np.ndarray, np.ndarray]:
     pointers = np.frombuffer(raw, dtype="<i8", count=n, offset=34 + 4 * n)
     docs = np.frombuffer(raw, dtype="<i8", count=d, offset=34 + 12 * n)
     return CODES[code], lengths, pointers, docs
+
+
+def import_megatron(prefix: str, out: str, tokenizer: str, *, seq_len: int, shard_bytes: int) -> dict:
+    """Write a helixtok packed dataset in `out` from PREFIX.bin/.idx: the documents' stream
+    (sequences grouped by Megatron's document indices) cut into seq_len chunks, with .docs
+    sidecars, so stats, ChunkSampler and MemmapChunkDataset work on it.  Ids are checked
+    against the tokenizer's vocabulary; the manifest is written last."""
+    from . import __version__
+    from .manifest import FORMAT_VERSION, MANIFEST, write_json_atomic
+    from .pack import StreamPacker
+    from .shards import ShardWriter
+    from .tokenizer import inspect_tokenizer
+
+    info = inspect_tokenizer(tokenizer)
+    mdtype, lengths, pointers, docs = read_index(prefix)
+    item = np.dtype(mdtype).itemsize
+    binp = prefix + ".bin"
+    total = int(lengths.sum())
+    size = os.path.getsize(binp) if os.path.isfile(binp) else -1
+    if size != total * item:
+        raise InputError(f"{binp}: {size} bytes, its index says {total} tokens x {item} bytes; copy it again")
+    if len(lengths) and (pointers != np.concatenate(([0], np.cumsum(lengths[:-1]))) * item).any():
+        raise InputError(f"{prefix}.idx: sequences are not stored back to back; not a dataset helixtok can import")
+    if len(docs) == 0 or docs[0] != 0 or docs[-1] != len(lengths) or (np.diff(docs) < 0).any():
+        raise InputError(f"{prefix}.idx: document indices do not cover the sequences in order")
+    if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
+        raise ConfigError(f"{out}: exists and is not an empty folder; give a new path")
+    if total < seq_len:
+        raise ConfigError(f"{prefix}: {total} tokens, not one chunk of --seq-len {seq_len}")
+    created = not os.path.exists(out)
+    os.makedirs(out, exist_ok=True)
+    seq_starts = np.concatenate(([0], np.cumsum(lengths)))
+    doc_starts = seq_starts[docs[:-1]]
+    doc_starts = doc_starts[np.concatenate(([True], np.diff(doc_starts) > 0))]  # empty documents: no start
+    L = seq_len
+    writer = ShardWriter(out, "train", info.dtype, L, max(1, shard_bytes // (L * info.dtype.itemsize)), "docs")
+    packer = StreamPacker(writer, L, info.dtype)
+    try:
+        ids_all = np.memmap(binp, dtype=np.dtype(mdtype).newbyteorder("<"), mode="r") if total else np.empty(0)
+        for a in range(0, total, SLICE):
+            ids = np.asarray(ids_all[a: a + SLICE])
+            if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= info.vocab_size):
+                bad = int(ids[(ids < 0) | (ids >= info.vocab_size)][0])
+                raise InputError(f"{binp}: token id {bad} is outside the vocabulary of {info.path} "
+                                 f"({info.vocab_size} ids); give the tokenizer this dataset was made with")
+            packer.add(ids.astype(info.dtype), doc_starts)
+        del ids_all
+        shards = writer.finish()
+    except BaseException:
+        writer.abort()
+        if created:  # it was not there (or empty) before: leave nothing behind
+            shutil.rmtree(out, ignore_errors=True)
+        raise
+    shutil.copyfile(info.path, os.path.join(out, "tokenizer.json"))
+    n = writer.num_chunks
+    split = {"num_chunks": n, "num_tokens": n * L, "documents": len(doc_starts), "tokens": total,
+             "pad_tokens": 0, "dropped_tokens": len(packer.carry), "dropped_documents": 0, "shards": shards}
+    manifest = {
+        "format_version": FORMAT_VERSION, "helixtok_version": __version__,
+        "dtype": "uint16" if info.dtype.itemsize == 2 else "uint32", "seq_len": L, "packing": "packed",
+        "min_tail_len": None,
+        "tokenizer": {**info.to_json(), "backend": "megatron-import", "backend_version": None,
+                      "file": "tokenizer.json"},
+        "options": {"shard_bytes": shard_bytes},
+        "inputs": {"megatron_prefix": os.path.abspath(prefix), "bytes": size, "files": 2, "units": 0, "list": []},
+        "splits": {"train": split},
+        "totals": {"documents": len(doc_starts), "tokens": total, "pad_tokens": 0,
+                   "dropped_tokens": len(packer.carry), "dropped_documents": 0, "chunks": n, "stored_tokens": n * L},
+        "skipped": {}, "warnings": {},
+    }
+    write_json_atomic(os.path.join(out, MANIFEST), manifest)
+    return manifest

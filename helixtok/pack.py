@@ -31,6 +31,29 @@ def packed_chunks(carry: np.ndarray, ids: np.ndarray, seq_len: int) -> tuple[np.
     return stream[: k * seq_len].reshape(k, seq_len), stream[k * seq_len:].copy()
 
 
+class StreamPacker:
+    """Feeds one split's token stream, slice by slice, to a ShardWriter as full chunks, each
+    with the document starts inside it; `carry` is what has not filled a chunk yet."""
+
+    def __init__(self, writer, seq_len: int, dtype):
+        self.writer, self.seq_len = writer, seq_len
+        self.carry = np.empty(0, dtype)
+        self.pending = np.empty(0, np.int64)  # document starts in the carry, stream positions
+        self.pos = 0  # tokens of the stream seen so far
+
+    def add(self, ids: np.ndarray, starts: np.ndarray) -> None:
+        """ids: the next slice of the stream; starts: sorted stream positions of document starts
+        (only those inside this slice are used)."""
+        a, b = np.searchsorted(starts, [self.pos, self.pos + len(ids)])
+        written = self.writer.num_chunks * self.seq_len
+        chunks, self.carry = packed_chunks(self.carry, ids, self.seq_len)
+        all_starts = np.concatenate((self.pending, starts[a:b])) - written
+        cut = np.searchsorted(all_starts, len(chunks) * self.seq_len)
+        self.writer.write(chunks, doc_starts=all_starts[:cut])
+        self.pending = all_starts[cut:] + written
+        self.pos += len(ids)
+
+
 def document_chunks(ids: np.ndarray, lens: np.ndarray, seq_len: int, min_tail: int, pad_id: int
                     ) -> tuple[np.ndarray, np.ndarray, PackCounts]:
     """Chunk each document on its own (lens include the trailing EOS).

@@ -123,3 +123,46 @@ def _read_txt_ids(dev_corpus, tokenizer_path):
         text = p.read_text()
         if text.strip():
             yield tok.encode(text, add_special_tokens=False).ids
+
+
+def test_megatron_import_round_trips_and_reads_megatron_cores_own_files(tmp_path, dev_packed, tokenizer_path, small_tok):
+    _megatron_reader()
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    from helixtok import MemmapChunkDataset
+
+    prefix = str(tmp_path / "mg" / "c")
+    assert CliRunner().invoke(main, ["export", "megatron", dev_packed, prefix]).exit_code == 0
+    r = CliRunner().invoke(main, ["import", "megatron", prefix, str(tmp_path / "back"), "-t", tokenizer_path,
+                                  "-L", "512", "--shard-size", "1MiB"])
+    assert r.exit_code == 0, r.output
+    # Export then import gives back the very shards and document sidecars.
+    for f in sorted(os.listdir(dev_packed)):
+        if f.endswith((".bin", ".docs")):
+            assert (tmp_path / "back" / f).read_bytes() == open(os.path.join(dev_packed, f), "rb").read(), f
+    assert CliRunner().invoke(main, ["verify", str(tmp_path / "back")]).exit_code == 0
+    assert len(MemmapChunkDataset(str(tmp_path / "back"), tokenizer=tokenizer_path)) == \
+        json.load(open(os.path.join(dev_packed, "manifest.json")))["splits"]["train"]["num_chunks"]
+    # A dataset written by megatron-core itself: two documents of two sentences each, one of one.
+    seqs = [[5, 6, 7], [8, 9], [10], [11, 12, 13, 14], [15, 16]]
+    b = IndexedDatasetBuilder(str(tmp_path / "own.bin"), dtype=np.uint16)
+    for k, sq in enumerate(seqs):
+        b.add_item(__import__("torch").tensor(sq))
+        if k in (1, 3, 4):
+            b.end_document()
+    b.finalize(str(tmp_path / "own.idx"))
+    assert CliRunner().invoke(main, ["import", "megatron", str(tmp_path / "own"), str(tmp_path / "o2"), "-t",
+                                     small_tok, "-L", "4"]).exit_code == 0
+    m = json.load(open(tmp_path / "o2" / "manifest.json"))
+    stream = np.fromfile(tmp_path / "o2" / "train-00000.bin", dtype="<u2").tolist()
+    assert stream == [i for sq in seqs for i in sq][:12] and m["totals"]["documents"] == 3
+    assert np.fromfile(tmp_path / "o2" / "train-00000.docs", dtype="<u8").tolist() == [0, 5, 10]
+    # Ids outside the tokenizer's vocabulary: one line, nothing written.
+    b = IndexedDatasetBuilder(str(tmp_path / "bad.bin"), dtype=np.uint16)
+    b.add_item(__import__("torch").tensor([1, 2, 60000, 3, 4]))
+    b.end_document()
+    b.finalize(str(tmp_path / "bad.idx"))
+    r = CliRunner().invoke(main, ["import", "megatron", str(tmp_path / "bad"), str(tmp_path / "o3"), "-t",
+                                  small_tok, "-L", "2"])
+    assert r.exit_code == 1 and "token id 60000 is outside the vocabulary" in r.output
+    assert not (tmp_path / "o3").exists()  # the folder it made is gone again
