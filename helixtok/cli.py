@@ -291,6 +291,24 @@ def export_megatron_cmd(out, prefix, split):
                f"(.bin {r['bin']})")
 
 
+@export.command("llmc")
+@click.argument("out")
+@click.argument("dest")
+@click.option("--split", default="train", show_default=True, help="Which split to export.")
+@handle_errors
+def export_llmc_cmd(out, dest, split):
+    """Write OUT's split as one llm.c token file DEST (256-int32 header, then the ids).
+
+    \b
+    Example:
+      helixtok export llmc out/ fineweb_train_000001.bin
+    """
+    from .llmc import export_llmc
+
+    r = export_llmc(out, dest, split=split)
+    click.echo(f"{dest}: {r['tokens']:,} {r['dtype']} tokens, header magic {r['magic']} version {r['version']}")
+
+
 @main.group("import")
 def import_():
     """Make a helixtok dataset from data in another tool's format."""

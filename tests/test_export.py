@@ -166,3 +166,20 @@ def test_megatron_import_round_trips_and_reads_megatron_cores_own_files(tmp_path
                                   small_tok, "-L", "2"])
     assert r.exit_code == 1 and "token id 60000 is outside the vocabulary" in r.output
     assert not (tmp_path / "o3").exists()  # the folder it made is gone again
+
+
+def test_llmc_file_is_what_llm_c_and_nanogpt_read(tmp_path, dev_packed):
+    r = CliRunner().invoke(main, ["export", "llmc", dev_packed, str(tmp_path / "train.bin")])
+    assert r.exit_code == 0, r.output
+    data = (tmp_path / "train.bin").read_bytes()
+    header = np.frombuffer(data[:1024], dtype="<i4")  # llm.c's dataloader: 256 int32, then uint16 ids
+    assert (header[0], header[1]) == (20240520, 1) and header[3:].tolist() == [0] * 253
+    ids = np.frombuffer(data[1024:], dtype="<u2")
+    assert len(ids) == header[2]
+    m = json.load(open(os.path.join(dev_packed, "manifest.json")))
+    # The stream is the shards in order: what nanoGPT's np.memmap(train.bin, uint16) reads from the shards themselves.
+    shards = np.concatenate([np.memmap(os.path.join(dev_packed, e["path"]), dtype="<u2", mode="r")
+                             for e in m["splits"]["train"]["shards"]])
+    assert header[2] == m["splits"]["train"]["num_tokens"] and np.array_equal(ids, shards)
+    r = CliRunner().invoke(main, ["export", "llmc", dev_packed, str(tmp_path / "train.bin")])
+    assert r.exit_code == 1 and "exists; give a new file name" in r.output

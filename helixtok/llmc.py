@@ -1,0 +1,39 @@
+"""llm.c's token file (a 256-int32 header, then the ids) from a packed build's stream."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import numpy as np
+
+from .errors import ConfigError
+from .manifest import load_manifest, split_entry
+
+# llm.c dev/data/data_common.py HEADERS_INFO: (magic, version) per token width.
+HEADERS = {"uint16": (20240520, 1), "uint32": (20240801, 7)}
+
+
+def export_llmc(src: str, dest: str, *, split: str = "train") -> dict:
+    """Write `dest`: header[0] = magic, header[1] = version, header[2] = token count, 256
+    int32 in all, then the split's token stream (every chunk, in order) as llm.c reads it."""
+    m = load_manifest(src)
+    s = split_entry(m, split, src)
+    if m["packing"] != "packed":
+        raise ConfigError(f"{src}: llm.c reads one token stream; this build is {m['packing']}-packed")
+    n = int(s["num_tokens"])
+    if n >= 2**31:
+        raise ConfigError(f"{src}: {n} tokens; llm.c's header counts at most 2**31 - 1: export fewer shards")
+    if os.path.exists(dest):
+        raise ConfigError(f"{dest}: exists; give a new file name")
+    magic, version = HEADERS[m["dtype"]]
+    header = np.zeros(256, dtype="<i4")
+    header[:3] = magic, version, n
+    tmp = dest + ".tmp"
+    with open(tmp, "wb") as out:
+        out.write(header.tobytes())
+        for e in s["shards"]:
+            with open(os.path.join(src, e["path"]), "rb") as fh:
+                shutil.copyfileobj(fh, out, 1 << 24)
+    os.replace(tmp, dest)
+    return {"tokens": n, "dtype": m["dtype"], "magic": magic, "version": version}
