@@ -170,3 +170,4 @@ def small_corpus(tmp_path, dev_corpus) -> Path:
     for name, src in zip("abcdefg", srcs):
         (c / f"{name}.txt").write_text(src.read_text()[:6000])
     return c
+

@@ -3,6 +3,8 @@
 import hashlib
 import json
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -75,19 +77,42 @@ def test_helixlm_export_refuses_what_the_store_cannot_hold(tmp_path, helix_build
     assert r.exit_code == 1 and "Traceback" not in r.output
 
 
-def _megatron_reader():
-    import warnings
+# megatron-core runs in a child process: importing it costs ~130 MB that pytest would keep.
+MEGATRON = """
+import json, sys, warnings
+warnings.simplefilter("ignore")  # Transformer Engine / Apex are not installed
+import numpy as np, torch
+from megatron.core.datasets.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
+cmd, prefix, arg = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+if cmd == "read":
+    ds = IndexedDataset(prefix)
+    print(json.dumps({"len": len(ds), "document_indices": ds.document_indices.tolist(),
+                      "dtype": str(ds[0].dtype), "tokens": int(ds.sequence_lengths.sum()),
+                      "docs": {str(i % len(ds)): ds[i % len(ds)].tolist() for i in arg}}))
+else:  # write: arg = [sequences, indices of the sequences that end a document]
+    b = IndexedDatasetBuilder(prefix + ".bin", dtype=np.uint16)
+    for k, sq in enumerate(arg[0]):
+        b.add_item(torch.tensor(sq))
+        if k in arg[1]:
+            b.end_document()
+    b.finalize(prefix + ".idx")
+"""
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # megatron-core warns that Transformer Engine / Apex are missing
-        mod = pytest.importorskip("megatron.core.datasets.indexed_dataset")
-    return mod.IndexedDataset
+
+def megatron_core(cmd, prefix, arg):
+    import importlib.util
+
+    if importlib.util.find_spec("megatron") is None:  # not imported here: only looked up
+        pytest.skip("megatron-core is not installed (it is in the [test] extra)")
+    r = subprocess.run([sys.executable, "-c", MEGATRON, cmd, str(prefix), json.dumps(arg)], capture_output=True,
+                       text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout) if cmd == "read" else None
 
 
 @pytest.mark.parametrize("shards", ["several", "one"])
 def test_megatron_export_reads_back_with_megatron_core(tmp_path, dev_corpus, tokenizer_path, dev_packed, dev_ids,
                                                        shards):
-    IndexedDataset = _megatron_reader()
     src = dev_packed
     if shards == "one":
         src = str(tmp_path / "one")
@@ -97,7 +122,6 @@ def test_megatron_export_reads_back_with_megatron_core(tmp_path, dev_corpus, tok
         docs = dev_ids
     r = CliRunner().invoke(main, ["export", "megatron", src, str(tmp_path / "mg" / "corpus_text_document")])
     assert r.exit_code == 0, r.output
-    ds = IndexedDataset(str(tmp_path / "mg" / "corpus_text_document"))
     m = json.load(open(os.path.join(src, "manifest.json")))
     eos = m["tokenizer"]["eos_id"]
     # Independent recount: each document's ids + EOS, the stream cut where the last full chunk ends.
@@ -108,10 +132,10 @@ def test_megatron_export_reads_back_with_megatron_core(tmp_path, dev_corpus, tok
         left -= len(seq)
         if not left:
             break
-    assert len(ds) == len(want) and ds.document_indices.tolist() == list(range(len(want) + 1))
-    for i in (0, 1, len(want) // 2, len(want) - 1):
-        assert ds[i].tolist() == want[i]
-    assert ds[0].dtype == np.uint16 and int(ds.sequence_lengths.sum()) == m["splits"]["train"]["num_tokens"]
+    got = megatron_core("read", tmp_path / "mg" / "corpus_text_document", [0, 1, len(want) // 2, -1])
+    assert got["len"] == len(want) and got["document_indices"] == list(range(len(want) + 1))
+    assert all(got["docs"][str(i % len(want))] == want[i] for i in (0, 1, len(want) // 2, -1))
+    assert got["dtype"] == "uint16" and got["tokens"] == m["splits"]["train"]["num_tokens"]
     linked = os.stat(tmp_path / "mg" / "corpus_text_document.bin").st_ino == os.stat(
         os.path.join(src, "train-00000.bin")).st_ino
     assert linked == (shards == "one") and ("(.bin linked)" in r.output) == linked
@@ -126,9 +150,6 @@ def _read_txt_ids(dev_corpus, tokenizer_path):
 
 
 def test_megatron_import_round_trips_and_reads_megatron_cores_own_files(tmp_path, dev_packed, tokenizer_path, small_tok):
-    _megatron_reader()
-    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
-
     from helixtok import MemmapChunkDataset
 
     prefix = str(tmp_path / "mg" / "c")
@@ -145,12 +166,7 @@ def test_megatron_import_round_trips_and_reads_megatron_cores_own_files(tmp_path
         json.load(open(os.path.join(dev_packed, "manifest.json")))["splits"]["train"]["num_chunks"]
     # A dataset written by megatron-core itself: two documents of two sentences each, one of one.
     seqs = [[5, 6, 7], [8, 9], [10], [11, 12, 13, 14], [15, 16]]
-    b = IndexedDatasetBuilder(str(tmp_path / "own.bin"), dtype=np.uint16)
-    for k, sq in enumerate(seqs):
-        b.add_item(__import__("torch").tensor(sq))
-        if k in (1, 3, 4):
-            b.end_document()
-    b.finalize(str(tmp_path / "own.idx"))
+    megatron_core("write", tmp_path / "own", [seqs, [1, 3, 4]])
     assert CliRunner().invoke(main, ["import", "megatron", str(tmp_path / "own"), str(tmp_path / "o2"), "-t",
                                      small_tok, "-L", "4"]).exit_code == 0
     m = json.load(open(tmp_path / "o2" / "manifest.json"))
@@ -158,10 +174,7 @@ def test_megatron_import_round_trips_and_reads_megatron_cores_own_files(tmp_path
     assert stream == [i for sq in seqs for i in sq][:12] and m["totals"]["documents"] == 3
     assert np.fromfile(tmp_path / "o2" / "train-00000.docs", dtype="<u8").tolist() == [0, 5, 10]
     # Ids outside the tokenizer's vocabulary: one line, nothing written.
-    b = IndexedDatasetBuilder(str(tmp_path / "bad.bin"), dtype=np.uint16)
-    b.add_item(__import__("torch").tensor([1, 2, 60000, 3, 4]))
-    b.end_document()
-    b.finalize(str(tmp_path / "bad.idx"))
+    megatron_core("write", tmp_path / "bad", [[[1, 2, 60000, 3, 4]], [0]])
     r = CliRunner().invoke(main, ["import", "megatron", str(tmp_path / "bad"), str(tmp_path / "o3"), "-t",
                                   small_tok, "-L", "2"])
     assert r.exit_code == 1 and "token id 60000 is outside the vocabulary" in r.output
