@@ -369,6 +369,7 @@ def _run_units(units: list[Unit], pending: list[Unit], info: TokenizerInfo, conf
             futures = {pool.submit(run_unit, u): u for u in order}
             # The worker processes (all started by now): once the pool breaks it forgets them.
             procs = list(getattr(pool, "_processes", {}).values())
+            first_dead = _watch_deaths(procs)
             remaining = set(futures)
             last, last_change = None, time.monotonic()
             bad: tuple[int, InputError] | None = None  # the first bad input in corpus order
@@ -378,7 +379,7 @@ def _run_units(units: list[Unit], pending: list[Unit], info: TokenizerInfo, conf
                     raise KeyboardInterrupt
                 for f in sorted(finished, key=lambda f: futures[f].index):
                     try:
-                        results.append(_result(f, futures[f], procs, slots, units))
+                        results.append(_result(f, futures[f], procs, first_dead, slots, units))
                     except InputError as e:
                         if bad is None or futures[f].index < bad[0]:
                             bad = (futures[f].index, e)
@@ -416,7 +417,24 @@ def _run_units(units: list[Unit], pending: list[Unit], info: TokenizerInfo, conf
     return results
 
 
-def _result(f, u: Unit, procs: list, slots, units: list[Unit]) -> dict:
+def _watch_deaths(procs: list) -> list[int]:
+    """A list that receives the pids of the first worker(s) to exit: the pool SIGTERMs the others
+    only after it has seen one die, so when this thread wakes on its own the first is alone."""
+    import threading
+    from multiprocessing.connection import wait as wait_any
+
+    first: list[int] = []
+
+    def watch() -> None:
+        with contextlib.suppress(OSError, ValueError):  # sentinels closed at shutdown
+            ready = wait_any([p.sentinel for p in procs])
+            first.extend(p.pid for p in procs if p.sentinel in ready)
+
+    threading.Thread(target=watch, daemon=True).start()
+    return first
+
+
+def _result(f, u: Unit, procs: list, first_dead: list[int], slots, units: list[Unit]) -> dict:
     """A finished future's journal entry, or one clear error naming the unit that failed."""
     try:
         return f.result()
@@ -428,6 +446,8 @@ def _result(f, u: Unit, procs: list, slots, units: list[Unit]) -> dict:
         while not (exited := [p for p in procs if p.exitcode is not None]) and time.monotonic() < deadline:
             time.sleep(0.01)
         dead = {p.pid for p in ([p for p in exited if p.exitcode != -signal.SIGTERM] or exited)}
+        if len(first_dead) == 1:  # the watcher saw it die alone: that settles it
+            dead = set(first_dead)
         by_index = {x.index: x for x in units}
         for i in range(0, len(slots), 2):
             if slots[i] in dead and slots[i + 1] in by_index:
