@@ -31,7 +31,10 @@ SUFFIXES = {
     ".jsonl.zst": "jsonl.zst",
     ".jsonl.zstd": "jsonl.zst",
     ".parquet": "parquet",
+    ".arrow": "arrow",  # Arrow IPC (stream or file): HF datasets' save_to_disk folders and cache
 }
+# Metadata that HF datasets writes beside its .arrow files: part of the dataset, not text.
+HF_DATASETS_METADATA = {"state.json", "dataset_info.json", "dataset_dict.json"}
 SUPPORTED = ", ".join(SUFFIXES)
 MAX_EXAMPLES = 5  # locations kept per skip reason, for the summary and the manifest
 _GLOB_CHARS = set("*?[")
@@ -114,6 +117,8 @@ def discover(paths: list[str], *, exclude: str | None = None) -> tuple[list[Inpu
 
     def add_file(p: str, st: os.stat_result, explicit: bool) -> None:
         kind = file_kind(p)
+        if kind is None and not explicit and os.path.basename(p) in HF_DATASETS_METADATA:
+            return
         if kind is None:
             if explicit:
                 hint = ""
@@ -271,6 +276,9 @@ def plan_units(files: list[InputFile], *, unit_bytes: int, text_field: str) -> t
         elif f.kind == "parquet":
             for start, stop, row, nbytes in _row_group_cuts(f, unit_bytes, text_field):
                 units.append(Unit(len(units), "parquet", (f.path,), (f.name,), start, stop, row, nbytes))
+        elif f.kind == "arrow":
+            for start, stop, row, nbytes in _batch_cuts(f, unit_bytes, text_field):
+                units.append(Unit(len(units), "arrow", (f.path,), (f.name,), start, stop, row, nbytes))
     flush_text()
     return units, warnings
 
@@ -387,6 +395,49 @@ def _check_jsonl_head(f: InputFile, text_field: str) -> None:
                          "pass --text-field with the name of the text field")
 
 
+def _check_text_column(path: str, schema, text_field: str) -> None:
+    import pyarrow as pa
+
+    if text_field not in schema.names:
+        raise InputError(f"{path}: no column {text_field!r} (columns: {', '.join(schema.names)}); "
+                         "pass --text-field with the name of the text column")
+    typ = schema.field(text_field).type
+    if not (pa.types.is_string(typ) or pa.types.is_large_string(typ) or pa.types.is_string_view(typ)):
+        raise InputError(f"{path}: column {text_field!r} has type {typ}, expected string; pass --text-field")
+
+
+def _arrow_batches(path: str):
+    """The record batches of an Arrow IPC file (stream format, as HF datasets writes, or file
+    format), memory-mapped: reading them copies nothing."""
+    import pyarrow as pa
+
+    try:
+        src = pa.memory_map(path)
+        try:
+            reader = pa.ipc.open_stream(src)
+            return reader.schema, iter(reader)
+        except pa.ArrowInvalid:
+            f = pa.ipc.open_file(pa.memory_map(path))
+            return f.schema, (f.get_batch(i) for i in range(f.num_record_batches))
+    except (pa.ArrowException, OSError) as e:
+        raise InputError(f"{path}: not a readable Arrow IPC file ({e}); re-create it or leave it out") from e
+
+
+def _batch_cuts(f: InputFile, unit_bytes: int, text_field: str) -> Iterator[tuple[int, int, int, int]]:
+    """(first batch, end batch, first row, bytes) of about unit_bytes of an Arrow file."""
+    schema, batches = _arrow_batches(f.path)
+    _check_text_column(f.path, schema, text_field)
+    start = row = acc = first_row = n = 0
+    for n, b in enumerate(batches, 1):
+        acc += b.nbytes
+        row += b.num_rows
+        if acc >= unit_bytes:
+            yield start, n, first_row, acc
+            start, acc, first_row = n, 0, row
+    if start < n:
+        yield start, n, first_row, acc
+
+
 def _row_group_cuts(f: InputFile, unit_bytes: int, text_field: str) -> Iterator[tuple[int, int, int, int]]:
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -395,13 +446,7 @@ def _row_group_cuts(f: InputFile, unit_bytes: int, text_field: str) -> Iterator[
         meta = pq.ParquetFile(f.path).metadata
     except (pa.ArrowException, OSError) as e:
         raise InputError(f"{f.path}: not a readable parquet file ({e}); re-create it or leave it out") from e
-    schema = meta.schema.to_arrow_schema()
-    if text_field not in schema.names:
-        raise InputError(f"{f.path}: no column {text_field!r} (columns: {', '.join(schema.names)}); "
-                         "pass --text-field with the name of the text column")
-    typ = schema.field(text_field).type
-    if not (pa.types.is_string(typ) or pa.types.is_large_string(typ) or pa.types.is_string_view(typ)):
-        raise InputError(f"{f.path}: column {text_field!r} has type {typ}, expected string; pass --text-field")
+    _check_text_column(f.path, meta.schema.to_arrow_schema(), text_field)
     start, row, acc, first_row = 0, 0, 0, 0
     for rg in range(meta.num_row_groups):
         acc += meta.row_group(rg).total_byte_size
@@ -441,6 +486,8 @@ class UnitReader:
             yield from self._text()
         elif kind == "parquet":
             yield from self._parquet()
+        elif kind == "arrow":
+            yield from self._arrow()
         else:
             yield from self._jsonl()
 
@@ -553,21 +600,38 @@ class UnitReader:
         parsed = parse_long_line(line, where, self.tally)
         return None if parsed is None else self._field(parsed[0], where, parsed[1])
 
+    def _column(self, column, row: int) -> Iterator[str]:
+        """The texts of one Arrow column chunk; nulls are counted, with their row."""
+        name = self.unit.names[0]
+        for text in column.to_pylist():
+            if text is None:
+                self.tally.add("null_text", f"{name} row {row}")
+            else:
+                self._loc = (name, row, " row ")
+                yield text
+            row += 1
+
+    def _arrow(self) -> Iterator[str]:
+        u = self.unit
+        row = u.first_line
+        _, batches = _arrow_batches(u.files[0])
+        for i, b in enumerate(batches):
+            if i >= u.stop:
+                break
+            if i >= u.start:
+                yield from self._column(b.column(self.text_field), row)
+                row += b.num_rows
+                self.consumed += b.nbytes
+
     def _parquet(self) -> Iterator[str]:
         import pyarrow.parquet as pq
 
         u = self.unit
-        name = u.names[0]
         pf = pq.ParquetFile(u.files[0])
         row = u.first_line
         for rg in range(u.start, u.stop):
             meta = pf.metadata.row_group(rg)
             table = pf.read_row_group(rg, columns=[self.text_field])
-            for text in table.column(0).to_pylist():
-                if text is None:
-                    self.tally.add("null_text", f"{name} row {row}")
-                else:
-                    self._loc = (name, row, " row ")
-                    yield text
-                row += 1
+            yield from self._column(table.column(0), row)
+            row += meta.num_rows
             self.consumed += meta.total_byte_size

@@ -177,3 +177,38 @@ def test_jsonl_units_cover_every_line_once(tmp_path_factory, lines, unit):
             where.append(r.where())
     assert got == lines
     assert where == [f"x.jsonl:{i}" for i in range(1, len(lines) + 1)]
+
+
+def test_hf_datasets_save_to_disk_folder_builds_like_the_same_jsonl(tmp_path, small_tok, dev_docs):
+    """A folder as datasets' save_to_disk writes it: Arrow IPC stream files + state.json and
+    dataset_info.json (metadata, read silently); record batches become work units."""
+    docs = dev_docs[:300]
+    d = tmp_path / "hf"
+    d.mkdir()
+    halves = [docs[:150], docs[150:] + [None]]
+    for k, part in enumerate(halves):
+        t = pa.table({"id": list(range(len(part))), "text": part})
+        with pa.OSFile(str(d / f"data-{k:05d}-of-00002.arrow"), "wb") as sink:
+            with pa.ipc.new_stream(sink, t.schema) as w:
+                w.write_table(t, max_chunksize=40)
+    (d / "state.json").write_text(json.dumps({"_data_files": [{"filename": f"data-{k:05d}-of-00002.arrow"}
+                                                              for k in range(2)], "_split": "train"}))
+    (d / "dataset_info.json").write_text(json.dumps({"features": {"text": {"dtype": "string"}}}))
+    j = tmp_path / "j"
+    j.mkdir()
+    (j / "a.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in docs))
+    m1, o1 = do_build(tmp_path / "b1", small_tok, d, seq_len=64, unit_bytes=20_000)
+    m2, o2 = do_build(tmp_path / "b2", small_tok, j, seq_len=64)
+    assert m1["inputs"]["units"] > 2 and m1["warnings"] == {}
+    assert m1["skipped"] == {"null_text": {"count": 1, "examples": ["data-00001-of-00002.arrow row 150"]}}
+    assert stream(o1) == stream(o2) and m1["totals"]["documents"] == 300
+    # The IPC file format (what pa.ipc.new_file writes) reads the same way; a wrong column fails.
+    f = tmp_path / "f"
+    f.mkdir()
+    with pa.OSFile(str(f / "x.arrow"), "wb") as sink:
+        with pa.ipc.new_file(sink, pa.schema([("body", pa.string())])) as w:
+            w.write_table(pa.table({"body": docs[:5]}))
+    with pytest.raises(InputError, match=r"x.arrow: no column 'text' \(columns: body\)"):
+        do_build(tmp_path / "b3", small_tok, f, seq_len=8)
+    m3, o3 = do_build(tmp_path / "b4", small_tok, f, seq_len=8, text_field="body")
+    assert m3["totals"]["documents"] == 5
