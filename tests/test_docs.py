@@ -136,3 +136,24 @@ def test_training_md_document_masking_snippet(workdir, monkeypatch):
     b = ns["batch"]
     assert ns["mask"].shape == (8, 1, 256, 256) and torch.equal(ns["mask"], block_causal_mask(b["document_ids"]))
     assert b["cu_seqlens"][-1] == 8 * 256 and b["max_seqlen"] <= 256
+
+
+def test_hf_trainer_recipe_runs_the_steps_stats_predicts(workdir, tmp_path):
+    """scripts/recipe_hf_trainer.py: transformers.Trainer with ChunkSampler; 3 does not divide the
+    batches, so the epoch-end partial accumulation window counts (as stats assumes)."""
+    import importlib.util
+    import subprocess
+    import sys
+
+    if importlib.util.find_spec("transformers") is None or importlib.util.find_spec("accelerate") is None:
+        pytest.skip("transformers/accelerate are not installed (they are in the [test] extra)")
+    from helixtok.stats import stats_for
+
+    B = next(b for b in (32, 24, 40) if stats_for(str(workdir / "out"), batch_size=b).batches_per_epoch % 3)
+    st = stats_for(str(workdir / "out"), batch_size=B, grad_accum=3)  # a partial window at the epoch end
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "recipe_hf_trainer.py"), str(workdir / "out"),
+                        "--batch-size", str(B), "--grad-accum", "3", "--output-dir", str(tmp_path)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"optimizer steps: Trainer ran {st.total_optimizer_steps}, helixtok stats said " \
+           f"{st.total_optimizer_steps}" in r.stdout
