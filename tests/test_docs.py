@@ -55,6 +55,17 @@ def workdir(tmp_path_factory, dev_corpus, tokenizer_path):
     return d
 
 
+@pytest.fixture(scope="module")
+def recipe_out(tmp_path_factory, dev_corpus, tokenizer_path) -> str:
+    """A few hundred chunks: enough for partial accumulation windows and a resume, quick to train on."""
+    from helixtok.build import build
+    from helixtok.config import BuildConfig
+
+    out = tmp_path_factory.mktemp("recipes") / "out"
+    build([str(dev_corpus / "jsonl" / "part0.jsonl.gz")], str(out), tokenizer_path, BuildConfig(seq_len=128, workers=1))
+    return str(out)
+
+
 def run(code: str, where: Path, monkeypatch, **names) -> dict:
     monkeypatch.chdir(where)
     ns = dict(names)
@@ -138,7 +149,7 @@ def test_training_md_document_masking_snippet(workdir, monkeypatch):
     assert b["cu_seqlens"][-1] == 8 * 256 and b["max_seqlen"] <= 256
 
 
-def test_hf_trainer_recipe_runs_the_steps_stats_predicts(workdir, tmp_path):
+def test_hf_trainer_recipe_runs_the_steps_stats_predicts(recipe_out, tmp_path):
     """scripts/recipe_hf_trainer.py: transformers.Trainer with ChunkSampler; 3 does not divide the
     batches, so the epoch-end partial accumulation window counts (as stats assumes)."""
     import importlib.util
@@ -149,11 +160,43 @@ def test_hf_trainer_recipe_runs_the_steps_stats_predicts(workdir, tmp_path):
         pytest.skip("transformers/accelerate are not installed (they are in the [test] extra)")
     from helixtok.stats import stats_for
 
-    B = next(b for b in (32, 24, 40) if stats_for(str(workdir / "out"), batch_size=b).batches_per_epoch % 3)
-    st = stats_for(str(workdir / "out"), batch_size=B, grad_accum=3)  # a partial window at the epoch end
-    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "recipe_hf_trainer.py"), str(workdir / "out"),
+    B = next(b for b in (32, 24, 40) if stats_for(recipe_out, batch_size=b).batches_per_epoch % 3)
+    st = stats_for(recipe_out, batch_size=B, grad_accum=3)  # a partial window at the epoch end
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "recipe_hf_trainer.py"), recipe_out,
                         "--batch-size", str(B), "--grad-accum", "3", "--output-dir", str(tmp_path)],
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-3000:]
     assert f"optimizer steps: Trainer ran {st.total_optimizer_steps}, helixtok stats said " \
            f"{st.total_optimizer_steps}" in r.stdout
+
+
+def test_lightning_recipe_steps_equal_stats_and_resume_is_exact(recipe_out, tmp_path):
+    """scripts/recipe_lightning.py: use_distributed_sampler=False with ChunkSampler; stopped after 5
+    optimizer steps and resumed from the Lightning checkpoint, it trains on exactly the samples
+    (in order) of the uninterrupted run."""
+    import importlib.util
+    import json
+    import subprocess
+    import sys
+
+    if importlib.util.find_spec("lightning") is None:
+        pytest.skip("lightning is not installed (it is in the [test] extra)")
+    from helixtok.stats import stats_for
+
+    out = recipe_out
+    B = next(b for b in (32, 24, 40) if stats_for(out, batch_size=b).batches_per_epoch % 3)
+    st = stats_for(out, batch_size=B, grad_accum=3)
+
+    def recipe(*extra):
+        r = subprocess.run([sys.executable, str(ROOT / "scripts" / "recipe_lightning.py"), out, "--batch-size",
+                            str(B), "--grad-accum", "3", *map(str, extra)], capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr[-3000:]
+        return r.stdout
+
+    full = recipe("--seen", tmp_path / "full.json")
+    assert f"Lightning ran {st.total_optimizer_steps}, helixtok stats said {st.total_optimizer_steps}" in full
+    recipe("--stop-after", 5, "--ckpt", tmp_path / "c.ckpt", "--seen", tmp_path / "a.json")
+    resumed = recipe("--resume", tmp_path / "c.ckpt", "--seen", tmp_path / "b.json")
+    assert f"Lightning ran {st.total_optimizer_steps}," in resumed
+    f, a, b = (json.load(open(tmp_path / n)) for n in ("full.json", "a.json", "b.json"))
+    assert len(a) == 5 * 3 * B and a + b == f
