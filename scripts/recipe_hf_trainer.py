@@ -35,6 +35,9 @@ def main() -> int:
     ap.add_argument("--grad-accum", type=int, default=2)
     ap.add_argument("--epochs", type=int, default=1)
     ap.add_argument("--output-dir", default=None)
+    ap.add_argument("--own-sampler", action="store_true",
+                    help="keep the Trainer's own RandomSampler (same len, so the same step count; no exact resume)")
+    ap.add_argument("--max-steps", action="store_true", help="pass max_steps = stats' total_optimizer_steps")
     a = ap.parse_args()
     ds = MemmapChunkDataset(a.out)
     st = stats_for(a.out, batch_size=a.batch_size, grad_accum=a.grad_accum, epochs=a.epochs)
@@ -42,10 +45,12 @@ def main() -> int:
     model = GPT2LMHeadModel(GPT2Config(vocab_size=vocab, n_positions=ds.seq_len, n_embd=32, n_layer=1, n_head=2))
     args = TrainingArguments(output_dir=a.output_dir or os.path.join(a.out, "..", "hf-trainer-run"),
                              per_device_train_batch_size=a.batch_size, gradient_accumulation_steps=a.grad_accum,
-                             num_train_epochs=a.epochs, learning_rate=1e-3, warmup_steps=st.warmup_steps,
+                             num_train_epochs=a.epochs, max_steps=st.total_optimizer_steps if a.max_steps else -1,
+                             learning_rate=1e-3, warmup_steps=st.warmup_steps,
                              logging_steps=10, save_strategy="no", report_to=[], use_cpu=True,
                              dataloader_num_workers=0, seed=0, disable_tqdm=True)
-    trainer = ChunkTrainer(model=model, args=args, train_dataset=ds, data_collator=ds.collate)
+    trainer = (Trainer if a.own_sampler else ChunkTrainer)(model=model, args=args, train_dataset=ds,
+                                                           data_collator=ds.collate)
     trainer.train()
     print(f"optimizer steps: Trainer ran {trainer.state.global_step}, helixtok stats said {st.total_optimizer_steps}")
     return 0 if trainer.state.global_step == st.total_optimizer_steps else 1
