@@ -127,30 +127,47 @@ def test_document_masking_needs_packed_data(dev_document):
         MemmapChunkDataset(dev_document, document_masking=True)
 
 
-@torch.no_grad()
-def test_hf_transformers_packed_path_keeps_documents_apart(dev_packed):
+HF_PACKED = """
+import sys, torch
+from transformers import LlamaConfig, LlamaForCausalLM
+ids, pos, cu, L = torch.load(sys.argv[1])
+out = {}
+with torch.no_grad():
+    for impl in ("sdpa", "eager"):
+        torch.manual_seed(0)
+        cfg = LlamaConfig(vocab_size=int(ids.max()) + 1, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=L,
+                          attn_implementation=impl)
+        model = LlamaForCausalLM(cfg).double().eval()
+        packed = model(input_ids=ids, position_ids=pos, use_cache=False).logits[0]  # training setup: no cache
+        alone = [model(input_ids=ids[:, a:z], position_ids=torch.arange(z - a)[None]).logits[0]
+                 for a, z in zip(cu[:-1], cu[1:])]
+        plain = model(input_ids=ids, position_ids=torch.arange(ids.shape[1])[None]).logits[0]
+        out[impl] = (packed, alone, plain)
+torch.save(out, sys.argv[2])
+"""
+
+
+def test_hf_transformers_packed_path_keeps_documents_apart(dev_packed, tmp_path):
     """The HF way: the batch flattened to (1, B x L) with position_ids and no attention_mask; a
-    tiny Llama (transformers, CPU, sdpa and eager) then gives each document its logits alone."""
+    tiny Llama (transformers, CPU, sdpa and eager) then gives each document its logits alone.
+    Runs in a child process: importing transformers would cost pytest ~150 MB it keeps."""
     import importlib.util
+    import subprocess
+    import sys
 
     if importlib.util.find_spec("transformers") is None:
         pytest.skip("transformers is not installed (it is in the [test] extra)")
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     ds = MemmapChunkDataset(dev_packed, document_masking=True)
     idx = [i for i in range(len(ds)) if len(ds.document_starts(i)) >= 2][:2]
     batch = ds.collate(ds.__getitems__(idx))
-    flat_ids, flat_pos = batch["input_ids"].reshape(1, -1), batch["position_ids"].reshape(1, -1)
     cu = batch["cu_seqlens"].tolist()
-    for impl in ("sdpa", "eager"):
-        torch.manual_seed(0)
-        cfg = LlamaConfig(vocab_size=int(flat_ids.max()) + 1, hidden_size=32, intermediate_size=64,
-                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                          max_position_embeddings=ds.seq_len, attn_implementation=impl)
-        model = LlamaForCausalLM(cfg).double().eval()
-        packed = model(input_ids=flat_ids, position_ids=flat_pos, use_cache=False).logits[0]  # training setup
-        for a, z in zip(cu[:-1], cu[1:]):
-            alone = model(input_ids=flat_ids[:, a:z], position_ids=torch.arange(z - a)[None]).logits[0]
-            assert torch.allclose(packed[a:z], alone, atol=1e-9), (impl, a, z)
-        crossed = model(input_ids=flat_ids, position_ids=torch.arange(flat_ids.shape[1])[None]).logits[0]
-        assert not torch.allclose(crossed[cu[1]:cu[2]], packed[cu[1]:cu[2]], atol=1e-6)  # the mask mattered
+    torch.save((batch["input_ids"].reshape(1, -1), batch["position_ids"].reshape(1, -1), cu, ds.seq_len),
+               tmp_path / "in.pt")
+    r = subprocess.run([sys.executable, "-c", HF_PACKED, str(tmp_path / "in.pt"), str(tmp_path / "out.pt")],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    for impl, (packed, alone, plain) in torch.load(tmp_path / "out.pt").items():
+        for (a, z), lone in zip(zip(cu[:-1], cu[1:]), alone):
+            assert torch.allclose(packed[a:z], lone, atol=1e-9), (impl, a, z)
+        assert not torch.allclose(plain[cu[1]:cu[2]], packed[cu[1]:cu[2]], atol=1e-6)  # the mask mattered
