@@ -191,11 +191,18 @@ def _run_unit(unit: Unit) -> dict:
             pieces = (lambda: stripped(text.pieces())) if cfg.strip else text.pieces
             s = splits[_split_of_pieces(pieces(), cfg.val_fraction, cfg.split_seed)]
             flush()  # the documents before it go first
-            n = enc.encode_stream(pieces(), lambda ids: files[s][0].write(ids.data))
+            nbytes = [0]
+
+            def counted(ps):  # the text's UTF-8 size, taken in the encoding pass, not a third read
+                for p in ps:
+                    nbytes[0] += utf8_len(p)
+                    yield p
+
+            n = enc.encode_stream(counted(pieces()), lambda ids: files[s][0].write(ids.data))
             files[s][1].write(np.array([n], dtype="<i8").data)
             docs[s] += 1
             tokens[s] += n
-            text_bytes[s] += sum(map(utf8_len, pieces()))
+            text_bytes[s] += nbytes[0]
             _bump(counters, reader.consumed - last_consumed, 1, n)
             last_consumed = reader.consumed
             continue
@@ -560,12 +567,12 @@ def _choose_backend(info: TokenizerInfo, units: list[Unit], config: BuildConfig)
     """Pick the backend: the fastest library that gives tokenizers' ids on a sample of this
     corpus and the hostile sets (checked here, recorded in the manifest); else tokenizers."""
     import dataclasses
+    from importlib.metadata import version
 
     from .backends import FAST, flat_encoder, hf_tokenizer, long_parity, parity
     from .errors import TokenizerError
 
-    _, hf_version, _ = flat_encoder("hf", info.path, info.special_tokens, None)
-    hf = dataclasses.replace(info, backend="hf", backend_version=hf_version)
+    hf = dataclasses.replace(info, backend="hf", backend_version=f"tokenizers {version('tokenizers')}")
     if config.backend == "hf":
         return hf, {"chosen": "hf", "reason": "--backend hf"}
     tok = hf_tokenizer(info.path, info.special_tokens)

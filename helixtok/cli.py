@@ -249,11 +249,16 @@ def export():
     """Write a built dataset in another tool's format."""
 
 
-@export.command("helixlm")
-@click.argument("out")
-@click.argument("dest")
-@click.option("--split", default="train", show_default=True, help="Which split to export.")
-@handle_errors
+def _export_command(name: str, dest: str):
+    """`helixtok export NAME OUT DEST [--split]`: the arguments every export takes."""
+    def wrap(fn):
+        fn = click.option("--split", default="train", show_default=True, help="Which split to export.")(
+            handle_errors(fn))
+        return export.command(name)(click.argument("out")(click.argument(dest)(fn)))
+    return wrap
+
+
+@_export_command("helixlm", "dest")
 def export_helixlm_cmd(out, dest, split):
     """Write OUT's split as HelixLM's pretraining store (helix.pretrain.samples.v1) in DEST.
 
@@ -272,11 +277,7 @@ def export_helixlm_cmd(out, dest, split):
                f"({st['source']['shards']}), {st['encoded_tokens']:,} tokens from {st['source_rows']:,} rows")
 
 
-@export.command("megatron")
-@click.argument("out")
-@click.argument("prefix")
-@click.option("--split", default="train", show_default=True, help="Which split to export.")
-@handle_errors
+@_export_command("megatron", "prefix")
 def export_megatron_cmd(out, prefix, split):
     """Write OUT's split as a Megatron-LM indexed dataset PREFIX.bin / PREFIX.idx (one sequence per document).
 
@@ -291,11 +292,7 @@ def export_megatron_cmd(out, prefix, split):
                f"(.bin {r['bin']})")
 
 
-@export.command("llmc")
-@click.argument("out")
-@click.argument("dest")
-@click.option("--split", default="train", show_default=True, help="Which split to export.")
-@handle_errors
+@_export_command("llmc", "dest")
 def export_llmc_cmd(out, dest, split):
     """Write OUT's split as one llm.c token file DEST (256-int32 header, then the ids).
 
