@@ -28,6 +28,7 @@ from .config import BuildConfig
 from .errors import ConfigError, HelixtokError, InputError
 from .longdoc import LongText, stripped, utf8_len
 from .manifest import DOC_SKIPS, FORMAT_VERSION, MANIFEST, REPAIRS, write_json_atomic
+from .objstore import current, expired, is_url
 from .outdir import PUBLISH, STATE, OutLock, refuse_foreign, remove_owned
 from .pack import PackCounts, StreamPacker, document_chunks
 from .shards import ShardWriter, fsync_dir
@@ -141,7 +142,12 @@ def run_unit(unit: Unit) -> dict:
         _W["slots"][_W["slot"] + 1] = unit.index
     try:
         return _run_unit(unit)
-    except (HelixtokError, OSError, KeyboardInterrupt, SystemExit):
+    except OSError as e:
+        if expired(e):
+            raise InputError(f"{_where(unit)}: changed while the build read it; rerun when the corpus is "
+                             "stable") from None
+        raise
+    except (HelixtokError, KeyboardInterrupt, SystemExit):
         raise
     except MemoryError:
         raise HelixtokError(f"out of memory while tokenizing {_where(unit)}; use fewer --workers or "
@@ -598,12 +604,16 @@ def _choose_backend(info: TokenizerInfo, units: list[Unit], config: BuildConfig)
 
 
 def build(inputs: list[str], out: str, tokenizer: str, config: BuildConfig, *, overwrite: bool = False,
-          on_progress: Callable[[Progress], None] | None = None, task: tuple[int, int] | None = None) -> dict:
-    """Build a dataset in `out` from corpus paths; returns the manifest (also written to out/manifest.json).
+          on_progress: Callable[[Progress], None] | None = None, task: tuple[int, int] | None = None,
+          staging: str | None = None) -> dict:
+    """Build a dataset in `out` from corpus paths or URLs; returns the manifest (also written to out/manifest.json).
 
     task=(k, n) builds only the k-th of n contiguous partitions of the work units (see merge.py).
-    Holds an exclusive lock on `out` throughout: a second build into it fails at once.
+    Holds an exclusive lock on `out` throughout: a second build into it fails at once.  An `out`
+    URL is built in a local staging folder first, then uploaded, its manifest last (publish.py).
     """
+    if is_url(out):
+        return _build_to_url(inputs, out, tokenizer, config, overwrite, on_progress, task, staging)
     info = inspect_tokenizer(tokenizer, eos_token=config.eos_token, bos_token=config.bos_token,
                              pad_token=config.pad_token, add_bos=config.add_bos, special_tokens=config.special_tokens)
     if os.path.exists(out) and not os.path.isdir(out):
@@ -635,6 +645,24 @@ def build(inputs: list[str], out: str, tokenizer: str, config: BuildConfig, *, o
                 os.rmdir(out)  # only if the build left nothing: a failed first build leaves no trace
 
 
+def _build_to_url(inputs, url, tokenizer, config, overwrite, on_progress, task, staging) -> dict:
+    from .publish import check_target, staging_dir, upload
+
+    if task is not None:
+        raise ConfigError(f"{url}: partitioned builds write local parts; merge them, then `helixtok push` the result")
+    check_target(url, overwrite)  # before any work: the command would fail at the end anyway
+    stage = staging_dir(url, staging)
+    # Our own staging folder may hold a finished build whose upload failed: build again (resume
+    # only covers unfinished builds); a --staging folder the user named is only replaced with --overwrite.
+    finished = os.path.isfile(os.path.join(stage, MANIFEST))
+    build(inputs, stage, tokenizer, config, overwrite=overwrite or (finished and staging is None),
+          on_progress=on_progress)
+    remote = upload(stage, url, overwrite=overwrite)
+    if staging is None:
+        shutil.rmtree(stage, ignore_errors=True)
+    return remote
+
+
 def _build_locked(inputs: list[str], out: str, info: TokenizerInfo, config: BuildConfig, overwrite: bool,
                   on_progress: Callable[[Progress], None] | None, task: tuple[int, int] | None) -> dict:
     files, warnings = discover(inputs, exclude=out)
@@ -660,7 +688,7 @@ def _build_locked(inputs: list[str], out: str, info: TokenizerInfo, config: Buil
         "helixtok": __version__, "format_version": FORMAT_VERSION, "config": config.identity(),
         # Every resolved choice that changes bytes: special ids, vocabulary, backend and its version.
         "tokenizer": info.to_json(),
-        "files": [[f.name, f.size, f.mtime_ns] for f in files],
+        "files": [[f.name, f.size, f.stamp] for f in files],
         "units": [u.to_json() for u in units],
     }
     resume = _prepare_out(out, plan, overwrite, protect=[f.path for f in files] + [info.path])
@@ -729,11 +757,15 @@ def _build_locked(inputs: list[str], out: str, info: TokenizerInfo, config: Buil
 def _check_unchanged(files) -> None:
     """An input modified while it was read would give a dataset matching neither version."""
     for f in files:
-        try:
-            st = os.stat(f.path)
-        except OSError:
-            st = None
-        if st is None or (st.st_size, st.st_mtime_ns) != (f.size, f.mtime_ns):
+        if is_url(f.path):
+            now = current(f.path)
+        else:
+            try:
+                st = os.stat(f.path)
+                now = (st.st_size, st.st_mtime_ns)
+            except OSError:
+                now = None
+        if now != (f.size, f.stamp):
             raise InputError(f"{f.path}: changed while the build read it; rerun when the corpus is stable")
 
 

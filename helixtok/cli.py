@@ -105,6 +105,9 @@ def main():
 @click.option("--backend", type=click.Choice(list(BACKENDS)), default="auto", show_default=True,
               help="auto: the fastest of fastokens, gigatoken, tiktoken that gives tokenizers' ids on a corpus "
                    "sample and hostile texts, else hf (tokenizers).")
+@click.option("--staging", type=click.Path(file_okay=False), default=None,
+              help="With a URL as OUT: build here, then upload [default: a folder in $HELIXTOK_STAGING or the "
+                   "temp dir, removed after the upload].")
 @click.option("--num-tasks", type=click.IntRange(min=1), default=None,
               help="Build one of N partitions into OUT/part-KKKKK (then `helixtok merge`).")
 @click.option("--task-index", type=click.IntRange(min=0), default=None,
@@ -112,13 +115,14 @@ def main():
 @handle_errors
 def build(corpus, out, tokenizer, seq_len, packing, min_tail_len, text_field, bos, eos_token, bos_token,
           pad_token, val_fraction, split_seed, shard_size, unit_size, workers, overwrite, strict, quiet, as_json,
-          stall_timeout, special_tokens, strip, backend, num_tasks, task_index):
+          stall_timeout, special_tokens, strip, backend, staging, num_tasks, task_index):
     """Tokenize CORPUS (files, folders, globs) into fixed-length token shards in OUT.
 
     \b
     Example:
       helixtok build data/*.jsonl.gz out/ -t tokenizer.json -L 1024 --val-fraction 0.01
     """
+    import functools
     import os
 
     from .build import build as run_build
@@ -134,6 +138,7 @@ def build(corpus, out, tokenizer, seq_len, packing, min_tail_len, text_field, bo
     if task:
         out = os.path.join(out, f"part-{task[0]:05d}")
     con = _console(quiet)
+    run_build = functools.partial(run_build, staging=staging)
     if quiet:
         m = run_build(list(corpus), out, tokenizer, cfg, overwrite=overwrite, task=task)
     else:
@@ -397,6 +402,43 @@ def verify(out, sample, as_json):
         click.echo("verified: all shards intact" if rep.ok else "verification FAILED")
     if not rep.ok:
         sys.exit(1)
+
+
+@main.command()
+@click.argument("out")
+@click.argument("url")
+@click.option("--overwrite", is_flag=True, help="Replace the dataset at URL (only files its manifest names).")
+@handle_errors
+def push(out, url, overwrite):
+    """Upload the finished dataset OUT to URL (s3://..., any fsspec URL), the manifest last.
+
+    \b
+    Example:
+      helixtok push out/ s3://bucket/datasets/web-2048
+    """
+    from .objstore import redact
+    from .publish import upload
+
+    m = upload(out, url, overwrite=overwrite)
+    click.echo(f"pushed {m['totals']['chunks']:,} chunks to {redact(url)}")
+
+
+@main.command()
+@click.argument("url")
+@click.argument("dest")
+@handle_errors
+def pull(url, dest):
+    """Copy the dataset at URL to the local folder DEST (sha256 checked on arrival, manifest last).
+
+    \b
+    Example:
+      helixtok pull s3://bucket/datasets/web-2048 /local/web-2048 && helixtok verify /local/web-2048
+    """
+    from .objstore import redact
+    from .publish import pull as run_pull
+
+    m = run_pull(url, dest)
+    click.echo(f"pulled {m['totals']['chunks']:,} chunks from {redact(url)} to {dest}")
 
 
 @main.command()

@@ -14,6 +14,7 @@ from torch.utils.data import Dataset  # noqa: E402
 
 from .errors import DatasetError
 from .manifest import DTYPES, MANIFEST, load_manifest, split_entry
+from .objstore import is_url, redact
 from .shards import DOCS_DTYPE, VALID_DTYPE
 
 IGNORE_INDEX = -100  # what torch's cross_entropy ignores by default
@@ -80,6 +81,9 @@ class MemmapChunkDataset(Dataset):
                  shifted: bool = False, position_ids: bool = False, document_masking: bool = False):
         self.path = os.fspath(path)
         self.split = split
+        if is_url(self.path):
+            raise DatasetError(f"{redact(self.path)}: memory-mapping needs the shards on local disk; copy them "
+                               f"first: helixtok pull {redact(self.path)} /local/dir (docs/scale.md)")
         try:
             before = _identity(os.stat(os.path.join(self.path, MANIFEST)))
         except OSError:

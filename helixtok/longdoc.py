@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Callable, Iterator
 
+from .objstore import open_input
+
 LONG_DOC_BYTES = 8 << 20  # documents larger than this are read and tokenized in pieces
 PIECE_BYTES = 1 << 20
 
@@ -86,7 +88,7 @@ def _blank(pieces: Iterator[str]) -> bool:
 def _file_pieces(path: str, errors: str) -> Iterator[str]:
     dec = codecs.getincrementaldecoder("utf-8")(errors)
     first = True
-    with open(path, "rb") as fh:
+    with open_input(path) as fh:
         while block := fh.read(PIECE_BYTES):
             s = dec.decode(block)
             if first:

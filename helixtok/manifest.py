@@ -6,6 +6,7 @@ import json
 import os
 
 from .errors import DatasetError
+from .objstore import filesystem, is_url, redact, reports_storage_errors
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -25,18 +26,33 @@ def write_json_atomic(path: str, obj: dict) -> None:
     os.replace(tmp, path)
 
 
-def load_manifest(out_dir: str) -> dict:
-    """Load and check a finished dataset's manifest; refuse unfinished or unknown-version data."""
-    path = os.path.join(out_dir, MANIFEST)
-    if not os.path.isdir(out_dir):
-        raise DatasetError(f"{out_dir}: no such dataset folder")
-    if not os.path.isfile(path):
-        hint = (" (the build is unfinished: rerun the same `helixtok build` to complete it)"
-                if os.path.isdir(os.path.join(out_dir, ".helixtok-partial")) else "")
-        raise DatasetError(f"{out_dir}: no {MANIFEST}; not a helixtok dataset{hint}")
+@reports_storage_errors
+def _read_remote(url: str) -> tuple[str, bytes]:
+    fs, root = filesystem(url)
+    path = f"{redact(url).rstrip('/')}/{MANIFEST}"
     try:
-        with open(path) as fh:
-            m = json.load(fh)
+        return path, fs.cat_file(f"{root.rstrip('/')}/{MANIFEST}")
+    except FileNotFoundError:
+        raise DatasetError(f"{redact(url)}: no {MANIFEST}; not a helixtok dataset (or its upload is unfinished: "
+                           "rerun the same `helixtok build`)") from None
+
+
+def load_manifest(out_dir: str) -> dict:
+    """Load and check a finished dataset's manifest (a folder or a URL); refuse unfinished or unknown-version data."""
+    if is_url(out_dir):
+        path, raw = _read_remote(out_dir)
+    else:
+        path = os.path.join(out_dir, MANIFEST)
+        if not os.path.isdir(out_dir):
+            raise DatasetError(f"{out_dir}: no such dataset folder")
+        if not os.path.isfile(path):
+            hint = (" (the build is unfinished: rerun the same `helixtok build` to complete it)"
+                    if os.path.isdir(os.path.join(out_dir, ".helixtok-partial")) else "")
+            raise DatasetError(f"{out_dir}: no {MANIFEST}; not a helixtok dataset{hint}")
+        with open(path, "rb") as fh:
+            raw = fh.read()
+    try:
+        m = json.loads(raw)
     except ValueError as e:
         raise DatasetError(f"{path}: not valid JSON ({e}); rebuild the dataset") from e
     if not isinstance(m, dict):
@@ -49,6 +65,18 @@ def load_manifest(out_dir: str) -> dict:
     if problems:
         raise DatasetError(f"{path}: invalid manifest; rebuild the dataset:\n" + "\n".join(f"  {p}" for p in problems))
     return m
+
+
+def manifest_files(m: dict) -> dict[str, str]:
+    """Every file a (validated) manifest names, relative path -> sha256: tokenizer, shards, sidecars."""
+    files = {m["tokenizer"]["file"]: m["tokenizer"]["sha256"]}
+    for s in m["splits"].values():
+        for e in s["shards"]:
+            files[e["path"]] = e["sha256"]
+            for side in ("docs", "valid"):
+                if side in e:
+                    files[e[side]["path"]] = e[side]["sha256"]
+    return files
 
 
 def _int(v) -> bool:

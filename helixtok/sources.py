@@ -7,6 +7,7 @@ import gzip
 import io
 import json
 import os
+import posixpath
 import stat
 import zlib
 from dataclasses import dataclass, field
@@ -21,6 +22,16 @@ from .longdoc import (
     parse_long_line,
     repair_surrogates,
     skeleton,
+)
+from .objstore import (
+    expired,
+    filesystem,
+    is_url,
+    open_input,
+    redact,
+    reports_storage_errors,
+    size_of,
+    stamp,
 )
 
 SUFFIXES = {
@@ -88,11 +99,11 @@ class Tally:
 
 @dataclass(frozen=True)
 class InputFile:
-    path: str  # as found, used to open the file and in error messages
+    path: str  # as found (a local path or a URL), used to open the file and in error messages
     name: str  # relative to the common root of all inputs: what the manifest records
     kind: str
     size: int
-    mtime_ns: int
+    stamp: int | str  # changes when the content does: mtime_ns locally, the ETag (or like) of an object
 
 
 # --------------------------------------------------------------------------- discovery
@@ -106,6 +117,12 @@ def discover(paths: list[str], *, exclude: str | None = None) -> tuple[list[Inpu
     is read once (by device and inode), a directory link that leads outside the folders given
     is not followed, and a file reached twice (hard or symbolic link) is read once.
     """
+    urls = [p for p in paths if is_url(p)]
+    if urls:
+        if len(urls) != len(paths):
+            raise InputError(f"{urls[0]}: local paths and URLs in one build; build each separately "
+                             "(docs/scale.md shows how to merge builds)")
+        return _discover_urls(urls)
     warnings = Tally()
     found: dict[tuple[int, int], str] = {}  # (dev, inode) -> path as found
     visited: set[tuple[int, int]] = set()
@@ -211,12 +228,69 @@ def discover(paths: list[str], *, exclude: str | None = None) -> tuple[list[Inpu
         if not os.access(p, os.R_OK):
             raise InputError(f"{p}: permission denied; make it readable or leave it out")
         st = os.stat(p)
-        files.append(InputFile(p, os.path.relpath(os.path.abspath(p), root), file_kind(p), st.st_size, st.st_mtime_ns))
+        files.append(InputFile(p, os.path.relpath(os.path.abspath(p), root), file_kind(p), st.st_size,
+                               st.st_mtime_ns))
     # The manifest keeps warning locations relative to the corpus root, never host paths.
     top = os.path.commonpath([root] + [os.path.abspath(a) for a in paths if os.path.isdir(a)])
     prefix = top.rstrip(os.sep) + os.sep
     for reason, ex in warnings.examples.items():
         warnings.examples[reason] = [x.replace(prefix, "") for x in ex]
+    return files, warnings
+
+
+@reports_storage_errors
+def _discover_urls(urls: list[str]) -> tuple[list[InputFile], Tally]:
+    """discover() for object storage: prefixes (every object below), globs and single objects.
+
+    Names are relative to the common prefix of the objects found, as local names are to the
+    common folder; an object's stamp is its ETag (or the like), checked again before publishing.
+    """
+    warnings = Tally()
+    found: dict[str, dict] = {}  # fs path -> info
+    fs = None
+    for url in urls:
+        fs_u, path = filesystem(url)
+        fs_u.invalidate_cache()  # listings are cached per process: a rerun must see objects as they are now
+        if fs is None:
+            fs = fs_u
+        elif type(fs_u) is not type(fs):
+            raise InputError(f"{redact(url)}: inputs on two kinds of storage; build each separately")
+        try:
+            if _GLOB_CHARS & set(path):
+                matches = fs.glob(path, detail=True)
+                if not matches:
+                    raise InputError(f"{redact(url)}: pattern matched no objects")
+                entries = {}
+                for p, info in matches.items():
+                    entries.update(fs.find(p, detail=True) if info.get("type") == "directory" else {p: info})
+                explicit = False
+            elif fs.isdir(path):
+                entries, explicit = fs.find(path, detail=True), False
+            else:
+                entries, explicit = {path: fs.info(path)}, True
+        except FileNotFoundError as e:
+            raise InputError(f"{redact(url)}: no such object or prefix") from e
+        except PermissionError as e:
+            raise InputError(f"{redact(url)}: access denied ({e}); check the credentials in the environment") from e
+        for p, info in sorted(entries.items()):
+            if info.get("type") == "directory":
+                continue
+            kind = file_kind(p)
+            if kind is None:
+                if explicit:
+                    raise InputError(f"{redact(url)}: unsupported file type; supported: {SUPPORTED}")
+                if posixpath.basename(p) not in HF_DATASETS_METADATA:
+                    warnings.add("unsupported_file", p)
+                continue
+            found[p] = info
+    if not found:
+        raise InputError(f"no corpus files found in {' '.join(map(redact, urls))} (supported: {SUPPORTED})")
+    ordered = sorted(found)
+    root = posixpath.commonpath([posixpath.dirname(p) for p in ordered])
+    files = [InputFile(redact(fs.unstrip_protocol(p)), posixpath.relpath(p, root), file_kind(p),
+                       int(found[p].get("size") or 0), stamp(found[p])) for p in ordered]
+    for reason, ex in warnings.examples.items():
+        warnings.examples[reason] = [posixpath.relpath(x, root) if x.startswith(root) else x for x in ex]
     return files, warnings
 
 
@@ -286,7 +360,7 @@ def plan_units(files: list[InputFile], *, unit_bytes: int, text_field: str) -> t
 def _line_aligned_cuts(path: str, unit_bytes: int) -> Iterator[tuple[int, int, int]]:
     """Yield (start, stop, first_line) byte ranges of about unit_bytes that end after a newline."""
     start, line, pos, lines_before = 0, 1, 0, 0
-    with open(path, "rb") as fh:
+    with open_input(path) as fh:
         while True:
             block = fh.read(8 << 20)
             if not block:
@@ -365,7 +439,7 @@ def _complete_lines(path: str, kind: str) -> int:
     """Newlines readable before a compressed stream breaks (slow path, for the error message only):
     the buffered reader fails on the block holding the damage, before the lines ahead of it."""
     n = 0
-    with open(path, "rb") as raw:
+    with open_input(path) as raw:
         stream = gzip.GzipFile(fileobj=raw) if kind == "jsonl.gz" else _ZstdRaw(raw) if kind == "jsonl.zst" else raw
         try:
             # read1: one decompression step at a time, so no block is lost when the next one fails
@@ -380,7 +454,7 @@ def _check_jsonl_head(f: InputFile, text_field: str) -> None:
     """Fail fast when the first record lacks the text field: that is a wrong --text-field, not bad data."""
     first = None
     try:
-        with open(f.path, "rb") as raw:
+        with open_input(f.path) as raw:
             for lineno, line in enumerate(_open_stream(f.path, f.kind, raw), 1):
                 if line.strip():
                     if len(line) > LONG_DOC_BYTES:  # its field names suffice: do not parse a huge text
@@ -411,13 +485,15 @@ def _arrow_batches(path: str):
     format), memory-mapped: reading them copies nothing."""
     import pyarrow as pa
 
+    def source():
+        return open_input(path) if is_url(path) else pa.memory_map(path)
+
     try:
-        src = pa.memory_map(path)
         try:
-            reader = pa.ipc.open_stream(src)
+            reader = pa.ipc.open_stream(source())
             return reader.schema, iter(reader)
         except pa.ArrowInvalid:
-            f = pa.ipc.open_file(pa.memory_map(path))
+            f = pa.ipc.open_file(source())
             return f.schema, (f.get_batch(i) for i in range(f.num_record_batches))
     except (pa.ArrowException, OSError) as e:
         raise InputError(f"{path}: not a readable Arrow IPC file ({e}); re-create it or leave it out") from e
@@ -438,12 +514,16 @@ def _batch_cuts(f: InputFile, unit_bytes: int, text_field: str) -> Iterator[tupl
         yield start, n, first_row, acc
 
 
+def _parquet_source(path: str):
+    return open_input(path) if is_url(path) else path
+
+
 def _row_group_cuts(f: InputFile, unit_bytes: int, text_field: str) -> Iterator[tuple[int, int, int, int]]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     try:
-        meta = pq.ParquetFile(f.path).metadata
+        meta = pq.ParquetFile(_parquet_source(f.path)).metadata
     except (pa.ArrowException, OSError) as e:
         raise InputError(f"{f.path}: not a readable parquet file ({e}); re-create it or leave it out") from e
     _check_text_column(f.path, meta.schema.to_arrow_schema(), text_field)
@@ -493,13 +573,11 @@ class UnitReader:
 
     def _text(self) -> Iterator[str]:
         for path, name in zip(self.unit.files, self.unit.names):
-            with open(path, "rb") as fh:
-                if self.long_bytes is not None and os.fstat(fh.fileno()).st_size > self.long_bytes:
-                    data = None
-                else:
-                    data = fh.read()
+            with open_input(path) as fh:
+                size = size_of(fh)
+                data = None if self.long_bytes is not None and size > self.long_bytes else fh.read()
             if data is None:
-                self.consumed += os.path.getsize(path)
+                self.consumed += size
                 self._loc = (name, None, "")
                 yield long_text_file(path, name, self.tally)
                 continue
@@ -519,7 +597,7 @@ class UnitReader:
         u = self.unit
         path, name = u.files[0], u.names[0]
         lineno = u.first_line - 1
-        with open(path, "rb") as raw:
+        with open_input(path) as raw:
             stream = _open_stream(path, u.kind, raw)
             if u.kind == "jsonl":
                 raw.seek(u.start)
@@ -567,6 +645,8 @@ class UnitReader:
                     self._loc = (name, lineno, ":")
                     yield text
             except (EOFError, OSError, zlib.error) as e:
+                if expired(e):
+                    raise
                 raise InputError(f"{path}: truncated or corrupt after line {_complete_lines(path, u.kind)}, "
                                  f"its last complete line ({e}); re-create the file or leave it out") from e
             except Exception as e:
@@ -627,7 +707,7 @@ class UnitReader:
         import pyarrow.parquet as pq
 
         u = self.unit
-        pf = pq.ParquetFile(u.files[0])
+        pf = pq.ParquetFile(_parquet_source(u.files[0]))
         row = u.first_line
         for rg in range(u.start, u.stop):
             meta = pf.metadata.row_group(rg)

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import hashlib
-import os
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from .manifest import DTYPES, load_manifest
 from .shards import DOCS_DTYPE, VALID_DTYPE
-from .tokenizer import sha256_file
+from .objstore import Folder, reports_storage_errors
 
 BLOCK = 1 << 24  # elements per read: memory stays flat on large shards
 
@@ -39,10 +38,10 @@ class VerifyReport:
                 "shards": [s.__dict__ for s in self.shards]}
 
 
-def _hash_and_max(path: str, dtype: np.dtype) -> tuple[str, int]:
+def _hash_and_max(fh, dtype: np.dtype) -> tuple[str, int]:
     h = hashlib.sha256()
     mx = -1
-    with open(path, "rb") as fh:
+    with fh:
         while True:
             buf = fh.read(BLOCK * dtype.itemsize)
             if not buf:
@@ -54,17 +53,20 @@ def _hash_and_max(path: str, dtype: np.dtype) -> tuple[str, int]:
     return h.hexdigest(), mx
 
 
+@reports_storage_errors
 def verify(out: str, *, sample: int = 0, seed: int = 0) -> VerifyReport:
+    """Check every file against the manifest (a local folder or a URL: then read over the network)."""
     m = load_manifest(out)
+    d = Folder(out)
     dtype = np.dtype(DTYPES[m["dtype"]])
     L = m["seq_len"]
     vocab = m["tokenizer"]["vocab_size"]
     reports, problems = [], []
     pad_seen = 0
-    tok = os.path.join(out, m["tokenizer"]["file"])
-    if not os.path.isfile(tok):
-        problems.append(f"{m['tokenizer']['file']}: missing (the tokenizer copy the data was built with)")
-    elif sha256_file(tok) != m["tokenizer"]["sha256"]:
+    tok = m["tokenizer"]["file"]
+    if d.size(tok) is None:
+        problems.append(f"{tok}: missing (the tokenizer copy the data was built with)")
+    elif _sha256(d.open(tok)) != m["tokenizer"]["sha256"]:
         problems.append(f"{m['tokenizer']['file']}: sha256 differs from the manifest's tokenizer.sha256 "
                         "(replaced or modified)")
     for split, s in m["splits"].items():
@@ -82,18 +84,17 @@ def verify(out: str, *, sample: int = 0, seed: int = 0) -> VerifyReport:
             problems.append(f"{split}: .docs sidecars hold {starts} document starts for {s['documents']} documents "
                             f"and {s['dropped_tokens']} dropped tokens")
         for e in s["shards"]:
-            p = os.path.join(out, e["path"])
             r = ShardReport(split, e["path"], True)
             reports.append(r)
-            if not os.path.isfile(p):
+            size = d.size(e["path"])
+            if size is None:
                 r.problems.append("missing")
             else:
                 want = e["num_chunks"] * L * dtype.itemsize
-                size = os.path.getsize(p)
                 if size != want:
                     r.problems.append(f"size {size} bytes, expected {want}")
                 else:
-                    sha, r.max_id = _hash_and_max(p, dtype)
+                    sha, r.max_id = _hash_and_max(d.open(e["path"]), dtype)
                     if sha != e["sha256"]:
                         r.problems.append("sha256 mismatch (corrupt or modified)")
                     if r.max_id >= vocab:
@@ -101,36 +102,47 @@ def verify(out: str, *, sample: int = 0, seed: int = 0) -> VerifyReport:
             for side in ("valid", "docs"):
                 if side not in e:
                     continue
-                sp = os.path.join(out, e[side]["path"])
-                if not os.path.isfile(sp):
-                    r.problems.append(f"{e[side]['path']} missing")
+                sp = e[side]["path"]
+                if d.size(sp) is None:
+                    r.problems.append(f"{sp} missing")
                     continue
-                if sha256_file(sp) != e[side]["sha256"]:
-                    r.problems.append(f"{e[side]['path']}: sha256 mismatch")
+                with d.open(sp) as fh:
+                    raw = fh.read()
+                if hashlib.sha256(raw).hexdigest() != e[side]["sha256"]:
+                    r.problems.append(f"{sp}: sha256 mismatch")
                     continue
                 if side == "valid":
-                    v = np.fromfile(sp, dtype=VALID_DTYPE)
+                    v = np.frombuffer(raw, dtype=VALID_DTYPE)
                     if len(v) != e["num_chunks"] or (len(v) and (v.min() < 1 or v.max() > L)):
                         r.problems.append(f"{e[side]['path']}: valid lengths out of range")
                     pad_seen += int((L - v.astype(np.int64)).sum())
                 else:
-                    d = np.fromfile(sp, dtype=DOCS_DTYPE)
-                    if len(d) != e[side]["count"] or (len(d) and (np.any(np.diff(d.astype(np.int64)) <= 0)
-                                                                   or d.max() >= e["num_chunks"] * L)):
+                    ds = np.frombuffer(raw, dtype=DOCS_DTYPE)
+                    if len(ds) != e[side]["count"] or (len(ds) and (np.any(np.diff(ds.astype(np.int64)) <= 0)
+                                                                     or ds.max() >= e["num_chunks"] * L)):
                         r.problems.append(f"{e[side]['path']}: document offsets not sorted or out of range")
             r.ok = not r.problems
     if m["packing"] == "document" and all(x.ok for x in reports):
         if pad_seen != m["totals"]["pad_tokens"]:
             problems.append(f"padding in .valid files sums to {pad_seen}, totals.pad_tokens is "
                             f"{m['totals']['pad_tokens']}")
-    samples = _samples(out, m, dtype, sample, seed) if sample and all(x.ok for x in reports) else []
+    samples = _samples(d, m, dtype, sample, seed) if sample and all(x.ok for x in reports) else []
     return VerifyReport(reports, problems, samples)
 
 
-def _samples(out: str, m: dict, dtype: np.dtype, n: int, seed: int) -> list[dict]:
-    from .tokenizer import load_tokenizer
+def _sha256(fh) -> str:
+    h = hashlib.sha256()
+    with fh:
+        while block := fh.read(1 << 20):
+            h.update(block)
+    return h.hexdigest()
 
-    tok = load_tokenizer(os.path.join(out, m["tokenizer"]["file"]))
+
+def _samples(d: Folder, m: dict, dtype: np.dtype, n: int, seed: int) -> list[dict]:
+    from tokenizers import Tokenizer
+
+    with d.open(m["tokenizer"]["file"]) as fh:
+        tok = Tokenizer.from_str(fh.read().decode())
     rng = np.random.default_rng(seed)
     s = m["splits"]["train"]
     L = m["seq_len"]
@@ -138,7 +150,8 @@ def _samples(out: str, m: dict, dtype: np.dtype, n: int, seed: int) -> list[dict
     picked = []
     for i in sorted(rng.choice(s["num_chunks"], size=min(n, s["num_chunks"]), replace=False).tolist()):
         k = int(np.searchsorted(starts, i, side="right") - 1)
-        mm = np.memmap(os.path.join(out, s["shards"][k]["path"]), dtype=dtype, mode="r").reshape(-1, L)
-        ids = mm[i - starts[k]].tolist()
+        with d.open(s["shards"][k]["path"]) as fh:
+            fh.seek(int(i - starts[k]) * L * dtype.itemsize)
+            ids = np.frombuffer(fh.read(L * dtype.itemsize), dtype=dtype).tolist()
         picked.append({"chunk": i, "text": tok.decode(ids, skip_special_tokens=False)[:200]})
     return picked

@@ -1,0 +1,160 @@
+"""Object storage through fsspec (s3://, gs://, hf://, any fsspec URL): recognise, open and stamp objects."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import re
+
+from .errors import ConfigError, HelixtokError, InputError
+
+READ_BLOCK = 8 << 20  # bytes per ranged GET when streaming an object
+_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+# Metadata fields that change when an object's content does, in order of preference:
+# S3 and compatible servers (ETag), GCS (generation, etag), HF Hub (blob id), then time.
+_STAMP_KEYS = ("ETag", "etag", "generation", "blob_id", "md5Hash", "mtime", "LastModified", "last_modified",
+               "updated", "created")
+
+
+def is_url(path: str) -> bool:
+    """A remote location (a protocol other than file://); plain paths and file:// stay local."""
+    return isinstance(path, str) and bool(_URL.match(path)) and not path.startswith("file://")
+
+
+def redact(url: str) -> str:
+    """The URL without user:password@: messages and manifests never carry credentials."""
+    return re.sub(r"^([A-Za-z][A-Za-z0-9+.-]*://)[^/@]*@", r"\1", url)
+
+
+def filesystem(url: str):
+    """(fsspec filesystem, path without protocol) for a URL; one clear line when its driver is missing."""
+    try:
+        import fsspec
+    except ImportError as e:  # pragma: no cover - fsspec is a dependency
+        raise ConfigError("object storage needs fsspec: pip install fsspec") from e
+    try:
+        return fsspec.core.url_to_fs(url)
+    except ImportError as e:
+        proto = url.split("://", 1)[0]
+        pkg = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs", "abfs": "adlfs",
+               "hf": "huggingface_hub"}.get(proto, f"the fsspec driver for {proto}://")
+        raise ConfigError(f"{redact(url)}: reading {proto}:// needs {pkg}: pip install {pkg}") from e
+    except ValueError as e:
+        raise ConfigError(f"{redact(url)}: not a usable URL ({e})") from e
+
+
+_DRIVERS = ("botocore", "aiobotocore", "aiohttp", "s3fs", "gcsfs", "google", "huggingface_hub", "adlfs", "azure",
+            "requests", "urllib3")
+
+
+@contextlib.contextmanager
+def storage_errors(url: str):
+    """A storage driver's own exceptions (no credentials, endpoint unreachable, access denied) as one line."""
+    try:
+        yield
+    except HelixtokError:
+        raise
+    except Exception as e:
+        if not any(type(c).__module__.split(".")[0] in _DRIVERS for c in _chain(e)) and not isinstance(
+                e, PermissionError):
+            raise
+        name = type(e).__name__
+        msg = (str(e).splitlines() or [""])[0][:200]
+        if name == "NoCredentialsError" or "credentials" in msg.lower():
+            fix = "set credentials the usual way for this storage (for S3: AWS_ACCESS_KEY_ID and " \
+                  "AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or an instance role)"
+        elif isinstance(e, PermissionError) or "denied" in msg.lower() or "forbidden" in msg.lower():
+            fix = "check that these credentials may read (and, for OUT, write) there"
+        else:
+            fix = "check the URL, the endpoint (AWS_ENDPOINT_URL) and the network, then rerun"
+        raise ConfigError(f"{redact(url)}: {name}: {msg}; {fix}") from None
+
+
+def reports_storage_errors(fn):
+    """Run fn under storage_errors() for the first URL among its arguments (or a list of them)."""
+
+    @functools.wraps(fn)
+    def wrapper(*a, **kw):
+        urls = [x for x in a if isinstance(x, str) and is_url(x)]
+        urls += [x[0] for x in a if isinstance(x, list) and x and is_url(x[0])]
+        if not urls:
+            return fn(*a, **kw)
+        with storage_errors(urls[0]):
+            return fn(*a, **kw)
+
+    return wrapper
+
+
+def _chain(e: BaseException):
+    while e is not None:
+        yield e
+        e = e.__cause__ or e.__context__
+
+
+def open_input(path: str):
+    """A binary reader for a local path or a URL (streamed in READ_BLOCK ranged reads)."""
+    if not is_url(path):
+        return open(path, "rb")
+    fs, p = filesystem(path)
+    try:
+        return fs.open(p, "rb", block_size=READ_BLOCK)
+    except FileNotFoundError as e:
+        raise InputError(f"{redact(path)}: object not found (deleted during the build?); rerun") from e
+
+
+def expired(e: BaseException) -> bool:
+    """The object changed while it was being read (s3fs reads every range If-Match its first ETag)."""
+    return type(e).__name__ == "FileExpired"
+
+
+def size_of(fh) -> int:
+    """Size of an open input (local file or fsspec file)."""
+    size = getattr(fh, "size", None)
+    return size if isinstance(size, int) else os.fstat(fh.fileno()).st_size
+
+
+def stamp(info: dict) -> str:
+    """A value that changes when the object does (ETag, generation, ...), from fsspec's info()."""
+    for k in _STAMP_KEYS:
+        v = info.get(k)
+        if v:
+            return str(v)
+    return ""
+
+
+@reports_storage_errors
+def current(url: str) -> tuple[int, str] | None:
+    """(size, stamp) of an object as the server has it now, bypassing fsspec's listing cache."""
+    fs, p = filesystem(url)
+    fs.invalidate_cache(p)
+    try:
+        info = fs.info(p)
+    except FileNotFoundError:
+        return None
+    return int(info.get("size") or 0), stamp(info)
+
+
+class Folder:
+    """Files under a local folder or a URL prefix, by relative path (what verify reads)."""
+
+    def __init__(self, root: str):
+        self.root = root
+        self.fs, self.base = filesystem(root) if is_url(root) else (None, root)
+
+    def _path(self, rel: str) -> str:
+        return f"{self.base.rstrip('/')}/{rel}" if self.fs else os.path.join(self.base, rel)
+
+    def size(self, rel: str) -> int | None:
+        """Bytes in the file, or None when it is missing."""
+        p = self._path(rel)
+        if self.fs is None:
+            return os.path.getsize(p) if os.path.isfile(p) else None
+        try:
+            return int(self.fs.info(p)["size"])
+        except FileNotFoundError:
+            return None
+
+    def open(self, rel: str):
+        return open(self._path(rel), "rb") if self.fs is None else self.fs.open(self._path(rel), "rb",
+                                                                                 block_size=READ_BLOCK)

@@ -1,0 +1,178 @@
+"""Datasets in object storage: publish a finished build (files first, manifest last) and pull one to local disk.
+
+A remote dataset is `URL/manifest.json` plus a folder `URL/data-<digest>/` holding the files it
+names, where the digest is that of the local manifest: the same inputs and options give the same
+keys and bytes.  A PUT of one object is atomic, so a reader sees the old manifest or the new one,
+each naming only files that were uploaded before it; a build that dies, or a second build into the
+same URL, can never make a manifest point at missing or foreign bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import posixpath
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+
+from .errors import ConfigError, DatasetError
+from .manifest import MANIFEST, load_manifest, manifest_files, write_json_atomic
+from .objstore import filesystem, redact, reports_storage_errors
+from .outdir import OutLock
+from .shards import fsync_dir
+from .tokenizer import sha256_file
+
+UPLOAD_THREADS = 4  # objects in flight; each large one is itself a multipart upload
+COPY_BLOCK = 8 << 20
+
+
+def staging_dir(url: str, staging: str | None) -> str:
+    """Where a build for `url` runs first: --staging, else a folder under the temp dir named for
+    the URL, so rerunning the same command resumes an interrupted build."""
+    if staging:
+        return staging
+    tag = hashlib.sha256(redact(url).encode()).hexdigest()[:16]
+    return os.path.join(os.environ.get("HELIXTOK_STAGING") or tempfile.gettempdir(), f"helixtok-staging-{tag}")
+
+
+def _remote_manifest(fs, root: str, url: str) -> dict | None:
+    try:
+        raw = fs.cat_file(posixpath.join(root, MANIFEST))
+    except FileNotFoundError:
+        return None
+    try:
+        m = json.loads(raw)
+    except ValueError:
+        m = None
+    if not isinstance(m, dict) or "format_version" not in m or "splits" not in m:
+        raise ConfigError(f"{redact(url)}/{MANIFEST}: exists and is not a helixtok manifest; choose another URL "
+                          "(helixtok never replaces files it did not write)")
+    return m
+
+
+@reports_storage_errors
+def check_target(url: str, overwrite: bool) -> None:
+    """Before any work: refuse a URL that already holds a dataset (without --overwrite) or a foreign manifest."""
+    fs, root = filesystem(url)
+    if _remote_manifest(fs, root, url) is not None and not overwrite:
+        raise ConfigError(f"{redact(url)}: already holds a finished dataset; pass --overwrite to replace it")
+    probe = posixpath.join(root, ".helixtok-write-check")  # a missing bucket or no write access fails now, not
+    fs.pipe_file(probe, b"")                                # after hours of tokenizing
+    fs.rm_file(probe)
+
+
+@reports_storage_errors
+def upload(local: str, url: str, *, overwrite: bool) -> dict:
+    """Upload the finished dataset in `local` to `url`, the manifest last; returns the remote manifest."""
+    m = load_manifest(local)
+    with open(os.path.join(local, MANIFEST), "rb") as fh:
+        folder = "data-" + hashlib.sha256(fh.read()).hexdigest()[:16]
+    paths = list(manifest_files(m))
+    if any(p.startswith("..") or os.path.isabs(p) for p in map(os.path.normpath, paths)):
+        raise ConfigError(f"{local}: names files outside its folder (a merge of parts elsewhere); "
+                          "merge into one folder first")
+    fs, root = filesystem(url)
+    old = _remote_manifest(fs, root, url)
+    if old is not None and not overwrite:
+        raise ConfigError(f"{redact(url)}: already holds a finished dataset; pass --overwrite to replace it")
+    base = posixpath.join(root, folder)
+    ours = {posixpath.join(base, p) for p in paths}
+    try:
+        there = set(fs.find(base))
+    except FileNotFoundError:
+        there = set()
+    foreign = sorted(there - ours)
+    if foreign:
+        raise ConfigError(f"{redact(url)}: {fs.unstrip_protocol(foreign[0])} was not written by this build; "
+                          "remove it or choose another URL")
+
+    def put(p: str) -> None:
+        src, dst = os.path.join(local, p), posixpath.join(base, p)
+        fs.put_file(src, dst)  # multipart above the driver's part size (s3fs: 50 MiB)
+        fs.invalidate_cache(dst)
+        size = fs.info(dst)["size"]
+        if size != os.path.getsize(src):
+            raise DatasetError(f"{redact(url)}: {p} has {size} bytes after upload, {os.path.getsize(src)} "
+                               "were sent; rerun the same command")
+
+    with ThreadPoolExecutor(UPLOAD_THREADS) as pool:
+        list(pool.map(put, sorted(paths, key=lambda p: -os.path.getsize(os.path.join(local, p)))))
+    remote = _prefixed(m, folder)
+    fs.pipe_file(posixpath.join(root, MANIFEST), (json.dumps(remote, indent=2) + "\n").encode())
+    if old is not None:
+        _remove_replaced(fs, root, url, old)
+    return remote
+
+
+def _prefixed(m: dict, folder: str) -> dict:
+    """The manifest with every file path moved under `folder` (as a merged manifest's are under parts)."""
+    r = json.loads(json.dumps(m))
+    r["tokenizer"]["file"] = f"{folder}/{m['tokenizer']['file']}"
+    for s in r["splits"].values():
+        for e in s["shards"]:
+            e["path"] = f"{folder}/{e['path']}"
+            for side in ("docs", "valid"):
+                if side in e:
+                    e[side]["path"] = f"{folder}/{e[side]['path']}"
+    return r
+
+
+def _remove_replaced(fs, root: str, url: str, old: dict) -> None:
+    """Delete what the replaced manifest named and the current one does not (read again just now:
+    another build may have published since), and nothing else."""
+    current = _remote_manifest(fs, root, url)
+    keep = set(manifest_files(current)) if current else set()
+    gone = [posixpath.join(root, p) for p in manifest_files(old) if p not in keep and ".." not in p.split("/")]
+    for p in gone:
+        try:
+            fs.rm_file(p)
+        except FileNotFoundError:
+            pass
+
+
+@reports_storage_errors
+def pull(url: str, dest: str) -> dict:
+    """Copy the dataset at `url` to the local folder `dest`, checking each file's sha256 as it arrives;
+    the manifest is written last, so `dest` is a dataset only once every file is complete."""
+    m = load_manifest(url)
+    paths = list(manifest_files(m))
+    bad = [p for p in paths if ".." in p.split("/") or os.path.isabs(p)]
+    if bad:
+        raise DatasetError(f"{redact(url)}: manifest names {bad[0]!r}, outside the dataset; refusing to copy it")
+    want = manifest_files(m)
+    fs, root = filesystem(url)
+    os.makedirs(dest, exist_ok=True)
+    with OutLock(dest):
+        if os.path.isfile(os.path.join(dest, MANIFEST)):
+            raise ConfigError(f"{dest}: already holds a dataset; pull into an empty or new folder")
+        _refuse_others(dest, {p.split("/")[0] for p in paths})
+        for p in paths:
+            target = os.path.join(dest, *p.split("/"))
+            if os.path.isfile(target) and sha256_file(target) == want[p]:
+                continue  # a rerun after an interrupted pull keeps what already arrived intact
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            tmp = target + ".part"
+            h = hashlib.sha256()
+            with fs.open(posixpath.join(root, p), "rb", block_size=COPY_BLOCK) as src, open(tmp, "wb") as out:
+                while block := src.read(COPY_BLOCK):
+                    h.update(block)
+                    out.write(block)
+                out.flush()
+                os.fsync(out.fileno())
+            if h.hexdigest() != want[p]:
+                os.unlink(tmp)
+                raise DatasetError(f"{redact(url)}: {p} arrived with another sha256 than the manifest's "
+                                   "(changed or corrupt at the source); nothing was published")
+            os.replace(tmp, target)
+            fsync_dir(os.path.dirname(target))
+        write_json_atomic(os.path.join(dest, MANIFEST), m)
+    return m
+
+
+def _refuse_others(dest: str, tops: set[str]) -> None:
+    """pull writes the dataset's own top-level names only; anything else in `dest` is the user's."""
+    others = sorted(e for e in os.listdir(dest) if e not in tops and not e.startswith(".helixtok"))
+    if others:
+        raise ConfigError(f"{dest}: holds {others[0]!r}, which is not part of this dataset; pull into an empty "
+                          "or new folder (helixtok never touches files it did not write)")
