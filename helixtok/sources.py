@@ -46,6 +46,12 @@ SUFFIXES = {
 }
 # Metadata that HF datasets writes beside its .arrow files: part of the dataset, not text.
 HF_DATASETS_METADATA = {"state.json", "dataset_info.json", "dataset_dict.json"}
+
+
+def _hf_metadata(path: str) -> bool:
+    """Files HF datasets keeps beside its Arrow data (info, state, and its cache's .lock files)."""
+    name = posixpath.basename(path)
+    return name in HF_DATASETS_METADATA or name.endswith(".lock")
 SUPPORTED = ", ".join(SUFFIXES)
 MAX_EXAMPLES = 5  # locations kept per skip reason, for the summary and the manifest
 _GLOB_CHARS = set("*?[")
@@ -134,7 +140,7 @@ def discover(paths: list[str], *, exclude: str | None = None) -> tuple[list[Inpu
 
     def add_file(p: str, st: os.stat_result, explicit: bool) -> None:
         kind = file_kind(p)
-        if kind is None and not explicit and os.path.basename(p) in HF_DATASETS_METADATA:
+        if kind is None and not explicit and _hf_metadata(p):
             return
         if kind is None:
             if explicit:
@@ -279,7 +285,7 @@ def _discover_urls(urls: list[str]) -> tuple[list[InputFile], Tally]:
             if kind is None:
                 if explicit:
                     raise InputError(f"{redact(url)}: unsupported file type; supported: {SUPPORTED}")
-                if posixpath.basename(p) not in HF_DATASETS_METADATA:
+                if not _hf_metadata(p):
                     warnings.add("unsupported_file", p)
                 continue
             found[p] = info

@@ -3,6 +3,8 @@
 import gzip
 import json
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pyarrow as pa
@@ -212,3 +214,27 @@ def test_hf_datasets_save_to_disk_folder_builds_like_the_same_jsonl(tmp_path, sm
         do_build(tmp_path / "b3", small_tok, f, seq_len=8)
     m3, o3 = do_build(tmp_path / "b4", small_tok, f, seq_len=8, text_field="body")
     assert m3["totals"]["documents"] == 5
+
+
+def test_the_real_datasets_library_save_to_disk_folder_and_its_cache(tmp_path, small_tok, dev_docs):
+    """What `datasets` itself writes (run in a child process: importing it costs pytest ~200 MB):
+    a save_to_disk folder with two shards, and the cache folder load_dataset fills, both offline."""
+    pytest.importorskip("datasets")
+    docs = dev_docs[:200]
+    j = tmp_path / "j"
+    j.mkdir()
+    (j / "a.jsonl").write_text("".join(json.dumps({"text": t, "n": i}) + "\n" for i, t in enumerate(docs)))
+    code = (
+        "import sys, datasets\n"
+        "ds = datasets.load_dataset('json', data_files=sys.argv[1], cache_dir=sys.argv[2], split='train')\n"
+        "ds.save_to_disk(sys.argv[3], num_shards=2)\n")
+    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+    r = subprocess.run([sys.executable, "-c", code, str(j / "a.jsonl"), str(tmp_path / "cache"),
+                        str(tmp_path / "saved")], capture_output=True, text=True, env=env)
+    assert r.returncode == 0, r.stderr
+    assert len(list((tmp_path / "saved").glob("*.arrow"))) == 2 and (tmp_path / "saved" / "state.json").exists()
+    m0, o0 = do_build(tmp_path / "b0", small_tok, j, seq_len=64)
+    for src in ("saved", "cache"):
+        m, o = do_build(tmp_path / f"b-{src}", small_tok, tmp_path / src, seq_len=64)
+        assert stream(o) == stream(o0) and m["totals"]["documents"] == 200, src
+        assert m["warnings"] == {}, src  # dataset_info.json, state.json and the cache's .lock files are metadata
