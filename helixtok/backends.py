@@ -195,9 +195,9 @@ def long_parity(name: str, version: str, path: str, special: str, tok, encode) -
     from .tokenizer import sha256_file
 
     key = hashlib.sha256(f"{name}|{version}|{sha256_file(path)}|{special}|{LONG_HOSTILE_VERSION}".encode())
-    root = os.environ.get("HELIXTOK_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "helixtok")
-    cached = os.path.join(root, "parity", key.hexdigest() + ".json")
+    from .config import cache_root  # config imports this module
+
+    cached = os.path.join(cache_root(), "parity", key.hexdigest() + ".json")
     with contextlib.suppress(OSError, ValueError):
         with open(cached) as fh:
             got = json.load(fh)

@@ -9,6 +9,12 @@ from .backends import SPECIAL_POLICIES
 from .errors import ConfigError
 from .longdoc import LONG_DOC_BYTES
 
+def cache_root() -> str:
+    """Per-user cache of derived facts (backend parity verdicts, gzip seek indexes): $HELIXTOK_CACHE."""
+    return os.environ.get("HELIXTOK_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "helixtok")
+
+
 PACKINGS = ("packed", "document")
 BACKENDS = ("auto", "hf", "fastokens", "gigatoken", "tiktoken")
 DEFAULT_SHARD_BYTES = 1 << 30

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import glob
 import gzip
+import hashlib
 import io
 import json
 import os
@@ -308,7 +309,8 @@ class Unit:
     """A piece of the corpus that one worker reads and tokenizes; a function of the input alone.
 
     text: files[] are whole documents.  jsonl: bytes [start, stop) of one file, cut at line
-    ends, first_line its 1-based number.  jsonl.gz/.zst: one whole file (streams cannot seek).
+    ends, first_line its 1-based number.  jsonl.gz: a large file is cut the same way in its
+    decompressed bytes (read through a seek index, `aux`); stop == 0: the whole file, as .zst.
     parquet: row groups [start, stop), first_line the index of its first row.
     """
 
@@ -320,6 +322,7 @@ class Unit:
     stop: int = 0
     first_line: int = 1
     est_bytes: int = 0  # input text bytes, for scheduling and progress
+    aux: str = ""  # jsonl.gz line ranges: the seek index file (a cache, not part of the plan)
 
     def to_json(self) -> dict:
         return {"kind": self.kind, "files": list(self.names), "start": self.start, "stop": self.stop}
@@ -328,6 +331,11 @@ class Unit:
 def plan_units(files: list[InputFile], *, unit_bytes: int, text_field: str) -> tuple[list[Unit], Tally]:
     units: list[Unit] = []
     warnings = Tally()
+    # A .gz file is split into line ranges when it is large in absolute terms and relative to the
+    # corpus (a corpus of many .gz files is already parallel; splitting costs one serial scan each).
+    # Both are functions of the input alone: the units, hence the bytes, do not depend on --workers.
+    gz_total = sum(f.size for f in files if f.kind == "jsonl.gz")
+    split_gz = max(GZ_SPLIT_BYTES, gz_total // GZ_SPLIT_SHARE)
     batch: list[InputFile] = []
 
     def flush_text() -> None:
@@ -352,7 +360,13 @@ def plan_units(files: list[InputFile], *, unit_bytes: int, text_field: str) -> t
                 units.append(Unit(len(units), "jsonl", (f.path,), (f.name,), start, stop, line, stop - start))
         elif f.kind in ("jsonl.gz", "jsonl.zst"):
             _check_jsonl_head(f, text_field)
-            units.append(Unit(len(units), f.kind, (f.path,), (f.name,), est_bytes=f.size * 4))
+            if f.kind == "jsonl.gz" and f.size >= split_gz:
+                index, cuts = _gzip_cuts(f, max(unit_bytes, GZ_MIN_UNIT_BYTES))
+                for start, stop, line in cuts:
+                    units.append(Unit(len(units), f.kind, (f.path,), (f.name,), start, stop, line, stop - start,
+                                      aux=index))
+            else:
+                units.append(Unit(len(units), f.kind, (f.path,), (f.name,), est_bytes=f.size * 4))
         elif f.kind == "parquet":
             for start, stop, row, nbytes in _row_group_cuts(f, unit_bytes, text_field):
                 units.append(Unit(len(units), "parquet", (f.path,), (f.name,), start, stop, row, nbytes))
@@ -363,29 +377,69 @@ def plan_units(files: list[InputFile], *, unit_bytes: int, text_field: str) -> t
     return units, warnings
 
 
+GZ_SPLIT_BYTES = 32 << 20  # compressed bytes from which one .gz file is read by several workers
+GZ_SPLIT_SHARE = 64  # ... and a file must also hold at least 1/64 of the corpus's .gz bytes
+GZ_MIN_UNIT_BYTES = 32 << 20  # decompressed bytes per range of a split .gz file
+GZ_INDEX_SPACING = 4 << 20  # decompressed bytes between seek points: what a worker decompresses to skip
+
+
+def _gzip_cuts(f: InputFile, unit_bytes: int) -> tuple[str, list[tuple[int, int, int]]]:
+    """Line-aligned ranges of a large .gz file's decompressed bytes, and a seek index (cached by
+    name, size and stamp) that lets each worker start at its range.
+
+    The ranges come from Python's gzip, which checks every member's CRC and length: indexed_gzip
+    alone returns a stream cut short, without an error, for a file truncated mid-deflate.
+    """
+    import indexed_gzip
+
+    from .config import cache_root
+
+    key = hashlib.sha256(f"{f.path}|{f.size}|{f.stamp}|{GZ_INDEX_SPACING}".encode()).hexdigest()
+    index = os.path.join(cache_root(), "gzindex", key + ".idx")
+    try:
+        with open_input(f.path) as raw:
+            cuts = list(_cuts_of(gzip.GzipFile(fileobj=raw), unit_bytes))
+        if not os.path.isfile(index):
+            with open_input(f.path) as raw:
+                gz = indexed_gzip.IndexedGzipFile(fileobj=raw, spacing=GZ_INDEX_SPACING, readbuf_size=1 << 20)
+                gz.build_full_index()
+                os.makedirs(os.path.dirname(index), exist_ok=True)
+                tmp = f"{index}.{os.getpid()}.tmp"
+                gz.export_index(tmp)
+                os.replace(tmp, index)
+    except (EOFError, OSError, zlib.error, indexed_gzip.ZranError) as e:
+        raise InputError(f"{f.path}: truncated or corrupt after line {_complete_lines(f.path, f.kind)}, "
+                         f"its last complete line ({e}); re-create the file or leave it out") from e
+    return index, cuts
+
+
 def _line_aligned_cuts(path: str, unit_bytes: int) -> Iterator[tuple[int, int, int]]:
     """Yield (start, stop, first_line) byte ranges of about unit_bytes that end after a newline."""
-    start, line, pos, lines_before = 0, 1, 0, 0
     with open_input(path) as fh:
+        yield from _cuts_of(fh, unit_bytes)
+
+
+def _cuts_of(fh, unit_bytes: int) -> Iterator[tuple[int, int, int]]:
+    start, line, pos, lines_before = 0, 1, 0, 0
+    while True:
+        block = fh.read(8 << 20)
+        if not block:
+            break
+        i = 0
         while True:
-            block = fh.read(8 << 20)
-            if not block:
+            target = start + unit_bytes - pos  # index in block where this unit is full
+            if target >= len(block):
+                lines_before += block.count(b"\n", i)
                 break
-            i = 0
-            while True:
-                target = start + unit_bytes - pos  # index in block where this unit is full
-                if target >= len(block):
-                    lines_before += block.count(b"\n", i)
-                    break
-                nl = block.find(b"\n", max(target, i))
-                if nl < 0:
-                    lines_before += block.count(b"\n", i)
-                    break
-                lines_before += block.count(b"\n", i, nl + 1)
-                stop = pos + nl + 1
-                yield start, stop, line
-                start, line, i = stop, lines_before + 1, nl + 1
-            pos += len(block)
+            nl = block.find(b"\n", max(target, i))
+            if nl < 0:
+                lines_before += block.count(b"\n", i)
+                break
+            lines_before += block.count(b"\n", i, nl + 1)
+            stop = pos + nl + 1
+            yield start, stop, line
+            start, line, i = stop, lines_before + 1, nl + 1
+        pos += len(block)
     if pos > start:
         yield start, pos, line
 
@@ -604,12 +658,18 @@ class UnitReader:
         path, name = u.files[0], u.names[0]
         lineno = u.first_line - 1
         with open_input(path) as raw:
-            stream = _open_stream(path, u.kind, raw)
+            if u.aux:  # a line range of a large .gz file: start at the seek point before it
+                import indexed_gzip
+
+                stream = indexed_gzip.IndexedGzipFile(fileobj=raw, readbuf_size=1 << 20)
+                stream.import_index(u.aux)
+                stream.seek(u.start)
+                stream = io.BufferedReader(stream, 1 << 20)
+            else:
+                stream = _open_stream(path, u.kind, raw)
             if u.kind == "jsonl":
                 raw.seek(u.start)
-                remaining = u.stop - u.start
-            else:
-                remaining = -1
+            remaining = u.stop - u.start if u.kind == "jsonl" or u.aux else -1
             try:
                 for line in stream:
                     lineno += 1

@@ -238,3 +238,34 @@ def test_the_real_datasets_library_save_to_disk_folder_and_its_cache(tmp_path, s
         m, o = do_build(tmp_path / f"b-{src}", small_tok, tmp_path / src, seq_len=64)
         assert stream(o) == stream(o0) and m["totals"]["documents"] == 200, src
         assert m["warnings"] == {}, src  # dataset_info.json, state.json and the cache's .lock files are metadata
+
+
+def test_a_large_jsonl_gz_is_read_by_several_workers_with_the_same_bytes(tmp_path, small_tok, dev_docs, monkeypatch):
+    """One .jsonl.gz cut into decompressed line ranges (a seek index per file): several units,
+    byte-identical output to reading it whole, exact line numbers in warnings; damage still fails."""
+    import filecmp
+
+    import helixtok.sources as hs
+
+    lines = [json.dumps({"text": t}) + "\n" for t in dev_docs[:300]]
+    lines[237] = "{not json\n"
+    c = tmp_path / "c"
+    c.mkdir()
+    data = "".join(lines).encode()
+    (c / "big.jsonl.gz").write_bytes(gzip.compress(data))
+    whole, ow = do_build(tmp_path / "whole", small_tok, c, seq_len=64, workers=2)
+    monkeypatch.setattr(hs, "GZ_SPLIT_BYTES", 1)
+    monkeypatch.setattr(hs, "GZ_MIN_UNIT_BYTES", 1)
+    monkeypatch.setattr(hs, "GZ_INDEX_SPACING", 64 << 10)
+    split, osp = do_build(tmp_path / "split", small_tok, c, seq_len=64, workers=2, unit_bytes=len(data) // 7)
+    assert whole["inputs"]["units"] == 1 and split["inputs"]["units"] >= 6
+    assert split["skipped"]["malformed_json"]["examples"] == ["big.jsonl.gz:238 (Expecting property name "
+                                                              "enclosed in double quotes at column 2)"]
+    for m in (whole, split):  # what differs: the unit plan, and the backend check's corpus sample drawn from it
+        m.pop("inputs"), m.pop("options"), m["tokenizer"].pop("backend_check")
+    assert whole == split
+    for n in set(os.listdir(ow)) - {"manifest.json"}:
+        assert filecmp.cmp(os.path.join(ow, n), os.path.join(osp, n), shallow=False), n
+    (c / "big.jsonl.gz").write_bytes(gzip.compress(data)[:-5000])
+    with pytest.raises(InputError, match=r"big\.jsonl\.gz: truncated or corrupt after line \d+"):
+        do_build(tmp_path / "bad", small_tok, c, seq_len=64)
