@@ -100,20 +100,22 @@ def tokenizer_path(tmp_path_factory, dev_corpus) -> str:
     return train_bpe(texts, tmp_path_factory.mktemp("tok") / "tokenizer.json", vocab_size=2048)
 
 
-def read_dev_docs(root: Path) -> list[str]:
+def iter_dev_docs(root: Path):
     """The dev corpus in helixtok's documented order, read without helixtok: files sorted by path."""
     import pyarrow.parquet as pq
 
-    docs = []
     for p in sorted(glob.glob(str(root / "**" / "*"), recursive=True)):
         if p.endswith(".txt"):
-            docs.append(Path(p).read_text(encoding="utf-8"))
+            yield Path(p).read_text(encoding="utf-8")
         elif p.endswith((".jsonl.gz", ".jsonl")):
             with (gzip.open(p, "rt", encoding="utf-8") if p.endswith(".gz") else open(p, encoding="utf-8")) as fh:
-                docs.extend(json.loads(line)["text"] for line in fh)
+                yield from (json.loads(line)["text"] for line in fh)
         elif p.endswith(".parquet"):
-            docs.extend(pq.read_table(p, columns=["text"]).column(0).to_pylist())
-    return docs
+            yield from pq.read_table(p, columns=["text"]).column(0).to_pylist()
+
+
+def read_dev_docs(root: Path) -> list[str]:
+    return list(iter_dev_docs(root))
 
 
 @pytest.fixture(scope="session")
