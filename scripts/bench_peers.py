@@ -38,10 +38,10 @@ import sys
 from datatrove.executor import LocalPipelineExecutor
 from datatrove.pipeline.readers import JsonlReader
 from datatrove.pipeline.tokens import DocumentTokenizer
-src, tok, out, n, eos, size = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5], int(sys.argv[6])
+src, tok, out, n, eos = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5]
 LocalPipelineExecutor(pipeline=[
     JsonlReader(src, glob_pattern="*.jsonl", doc_progress=False),
-    DocumentTokenizer(output_folder=out + "/tok", tokenizer_name_or_path=tok, eos_token=eos, token_size=size,
+    DocumentTokenizer(output_folder=out + "/tok", tokenizer_name_or_path=tok, eos_token=eos,
                       shuffle_documents=False, save_filename="dt"),
 ], tasks=n, workers=n, logging_dir=out + "/logs", skip_completed=False).run()
 '''
@@ -133,8 +133,7 @@ def main() -> None:
                                                           "--backend", b]))
             if args.datatrove_python:
                 jobs.append((f"datatrove DocumentTokenizer, {w} tasks", "datatrove", w,
-                             lambda out, w=w: [args.datatrove_python, dt_script, src, args.tokenizer, out, str(w),
-                                                   eos, str(isz)]))
+                             lambda out, w=w: [args.datatrove_python, dt_script, src, args.tokenizer, out, str(w), eos]))
             if args.megatron:
                 for tool in ("preprocess_data.py", "preprocess_data_fast.py"):
                     extra = ["--workers", str(w)] if tool == "preprocess_data.py" else []
