@@ -757,15 +757,7 @@ def _build_locked(inputs: list[str], out: str, info: TokenizerInfo, config: Buil
 def _check_unchanged(files) -> None:
     """An input modified while it was read would give a dataset matching neither version."""
     for f in files:
-        if is_url(f.path):
-            now = current(f.path)
-        else:
-            try:
-                st = os.stat(f.path)
-                now = (st.st_size, st.st_mtime_ns)
-            except OSError:
-                now = None
-        if now != (f.size, f.stamp):
+        if current(f.path) != (f.size, f.stamp):
             raise InputError(f"{f.path}: changed while the build read it; rerun when the corpus is stable")
 
 

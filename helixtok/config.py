@@ -9,6 +9,7 @@ from .backends import SPECIAL_POLICIES
 from .errors import ConfigError
 from .longdoc import LONG_DOC_BYTES
 
+
 def cache_root() -> str:
     """Per-user cache of derived facts (backend parity verdicts, gzip seek indexes): $HELIXTOK_CACHE."""
     return os.environ.get("HELIXTOK_CACHE") or os.path.join(

@@ -124,9 +124,16 @@ def stamp(info: dict) -> str:
 
 
 @reports_storage_errors
-def current(url: str) -> tuple[int, str] | None:
-    """(size, stamp) of an object as the server has it now, bypassing fsspec's listing cache."""
-    fs, p = filesystem(url)
+def current(path: str) -> tuple[int, int | str] | None:
+    """(size, stamp) of a file or object as it is now (None if gone): what discovery recorded, read
+    again.  Locally the stamp is mtime_ns; an object's bypasses fsspec's listing cache."""
+    if not is_url(path):
+        try:
+            st = os.stat(path)
+        except OSError:
+            return None
+        return st.st_size, st.st_mtime_ns
+    fs, p = filesystem(path)
     fs.invalidate_cache(p)
     try:
         info = fs.info(p)
@@ -140,10 +147,10 @@ class Folder:
 
     def __init__(self, root: str):
         self.root = root
-        self.fs, self.base = filesystem(root) if is_url(root) else (None, root)
+        self.fs = filesystem(root)[0] if is_url(root) else None
 
     def _path(self, rel: str) -> str:
-        return f"{self.base.rstrip('/')}/{rel}" if self.fs else os.path.join(self.base, rel)
+        return f"{self.root.rstrip('/')}/{rel}" if self.fs else os.path.join(self.root, rel)
 
     def size(self, rel: str) -> int | None:
         """Bytes in the file, or None when it is missing."""
@@ -156,5 +163,4 @@ class Folder:
             return None
 
     def open(self, rel: str):
-        return open(self._path(rel), "rb") if self.fs is None else self.fs.open(self._path(rel), "rb",
-                                                                                 block_size=READ_BLOCK)
+        return open_input(self._path(rel))

@@ -91,10 +91,10 @@ def upload(local: str, url: str, *, overwrite: bool) -> dict:
         src, dst = os.path.join(local, p), posixpath.join(base, p)
         fs.put_file(src, dst)  # multipart above the driver's part size (s3fs: 50 MiB)
         fs.invalidate_cache(dst)
-        size = fs.info(dst)["size"]
-        if size != os.path.getsize(src):
-            raise DatasetError(f"{redact(url)}: {p} has {size} bytes after upload, {os.path.getsize(src)} "
-                               "were sent; rerun the same command")
+        got, sent = fs.info(dst)["size"], os.path.getsize(src)
+        if got != sent:
+            raise DatasetError(f"{redact(url)}: {p} has {got} bytes after upload, {sent} were sent; "
+                               "rerun the same command")
 
     with ThreadPoolExecutor(UPLOAD_THREADS) as pool:
         list(pool.map(put, sorted(paths, key=lambda p: -os.path.getsize(os.path.join(local, p)))))
@@ -136,18 +136,17 @@ def pull(url: str, dest: str) -> dict:
     """Copy the dataset at `url` to the local folder `dest`, checking each file's sha256 as it arrives;
     the manifest is written last, so `dest` is a dataset only once every file is complete."""
     m = load_manifest(url)
-    paths = list(manifest_files(m))
-    bad = [p for p in paths if ".." in p.split("/") or os.path.isabs(p)]
+    want = manifest_files(m)  # relative path -> sha256
+    bad = [p for p in want if ".." in p.split("/") or os.path.isabs(p)]
     if bad:
         raise DatasetError(f"{redact(url)}: manifest names {bad[0]!r}, outside the dataset; refusing to copy it")
-    want = manifest_files(m)
     fs, root = filesystem(url)
     os.makedirs(dest, exist_ok=True)
     with OutLock(dest):
         if os.path.isfile(os.path.join(dest, MANIFEST)):
             raise ConfigError(f"{dest}: already holds a dataset; pull into an empty or new folder")
-        _refuse_others(dest, {p.split("/")[0] for p in paths})
-        for p in paths:
+        _refuse_others(dest, {p.split("/")[0] for p in want})
+        for p in want:
             target = os.path.join(dest, *p.split("/"))
             if os.path.isfile(target) and sha256_file(target) == want[p]:
                 continue  # a rerun after an interrupted pull keeps what already arrived intact

@@ -408,8 +408,7 @@ def _gzip_cuts(f: InputFile, unit_bytes: int) -> tuple[str, list[tuple[int, int,
                 gz.export_index(tmp)
                 os.replace(tmp, index)
     except (EOFError, OSError, zlib.error, indexed_gzip.ZranError) as e:
-        raise InputError(f"{f.path}: truncated or corrupt after line {_complete_lines(f.path, f.kind)}, "
-                         f"its last complete line ({e}); re-create the file or leave it out") from e
+        raise _damaged(f.path, f.kind, e, "truncated or corrupt") from e
     return index, cuts
 
 
@@ -508,6 +507,11 @@ def _complete_lines(path: str, kind: str) -> int:
         except Exception:  # noqa: BLE001 - the damage we are locating
             pass
     return n
+
+
+def _damaged(path: str, kind: str, e: BaseException, what: str) -> InputError:
+    return InputError(f"{path}: {what} after line {_complete_lines(path, kind)}, its last complete line ({e}); "
+                      "re-create the file or leave it out")
 
 
 def _check_jsonl_head(f: InputFile, text_field: str) -> None:
@@ -713,12 +717,10 @@ class UnitReader:
             except (EOFError, OSError, zlib.error) as e:
                 if expired(e):
                     raise
-                raise InputError(f"{path}: truncated or corrupt after line {_complete_lines(path, u.kind)}, "
-                                 f"its last complete line ({e}); re-create the file or leave it out") from e
+                raise _damaged(path, u.kind, e, "truncated or corrupt") from e
             except Exception as e:
                 if type(e).__name__ == "ZstdError":
-                    raise InputError(f"{path}: corrupt zstd stream after line {_complete_lines(path, u.kind)}, "
-                                     f"its last complete line ({e}); re-create the file or leave it out") from e
+                    raise _damaged(path, u.kind, e, "corrupt zstd stream") from e
                 raise
 
     def _field(self, obj, where: str, resolve=None) -> str | LongText | None:

@@ -66,9 +66,14 @@ def _from_hf_cache(repo_id: str) -> str | None:
 
 
 def sha256_file(path: str) -> str:
+    return sha256_stream(open(path, "rb"))
+
+
+def sha256_stream(fh) -> str:
+    """sha256 of what an open binary reader (local file or object) holds; closes it."""
     h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
+    with fh:
+        while block := fh.read(1 << 20):
             h.update(block)
     return h.hexdigest()
 

@@ -10,6 +10,7 @@ import numpy as np
 from .manifest import DTYPES, load_manifest
 from .shards import DOCS_DTYPE, VALID_DTYPE
 from .objstore import Folder, reports_storage_errors
+from .tokenizer import sha256_stream
 
 BLOCK = 1 << 24  # elements per read: memory stays flat on large shards
 
@@ -66,7 +67,7 @@ def verify(out: str, *, sample: int = 0, seed: int = 0) -> VerifyReport:
     tok = m["tokenizer"]["file"]
     if d.size(tok) is None:
         problems.append(f"{tok}: missing (the tokenizer copy the data was built with)")
-    elif _sha256(d.open(tok)) != m["tokenizer"]["sha256"]:
+    elif sha256_stream(d.open(tok)) != m["tokenizer"]["sha256"]:
         problems.append(f"{m['tokenizer']['file']}: sha256 differs from the manifest's tokenizer.sha256 "
                         "(replaced or modified)")
     for split, s in m["splits"].items():
@@ -128,14 +129,6 @@ def verify(out: str, *, sample: int = 0, seed: int = 0) -> VerifyReport:
                             f"{m['totals']['pad_tokens']}")
     samples = _samples(d, m, dtype, sample, seed) if sample and all(x.ok for x in reports) else []
     return VerifyReport(reports, problems, samples)
-
-
-def _sha256(fh) -> str:
-    h = hashlib.sha256()
-    with fh:
-        while block := fh.read(1 << 20):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _samples(d: Folder, m: dict, dtype: np.dtype, n: int, seed: int) -> list[dict]:

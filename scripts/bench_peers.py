@@ -150,7 +150,8 @@ def main() -> None:
             lim = min(lim or (t, n, chosen), (t, n, chosen))
             for name, kind, w, cmd in jobs:
                 out = os.path.join(tmp, "out")
-                os.makedirs(out) if kind != "helixtok" else None
+                if kind != "helixtok":  # helixtok makes OUT itself
+                    os.makedirs(out)
                 try:
                     dt, rss, _ = run_measured(cmd(out))
                 except SystemExit as e:
