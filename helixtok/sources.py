@@ -14,7 +14,7 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Iterator
 
-from .errors import InputError
+from .errors import ConfigError, InputError
 from .longdoc import (
     LONG_DOC_BYTES,
     SURROGATE,
@@ -399,16 +399,21 @@ def _gzip_cuts(f: InputFile, unit_bytes: int) -> tuple[str, list[tuple[int, int,
     try:
         with open_input(f.path) as raw:
             cuts = list(_cuts_of(gzip.GzipFile(fileobj=raw), unit_bytes))
-        if not os.path.isfile(index):
-            with open_input(f.path) as raw:
-                gz = indexed_gzip.IndexedGzipFile(fileobj=raw, spacing=GZ_INDEX_SPACING, readbuf_size=1 << 20)
-                gz.build_full_index()
-                os.makedirs(os.path.dirname(index), exist_ok=True)
-                tmp = f"{index}.{os.getpid()}.tmp"
-                gz.export_index(tmp)
-                os.replace(tmp, index)
+        if os.path.isfile(index):
+            return index, cuts
+        with open_input(f.path) as raw:
+            gz = indexed_gzip.IndexedGzipFile(fileobj=raw, spacing=GZ_INDEX_SPACING, readbuf_size=1 << 20)
+            gz.build_full_index()
     except (EOFError, OSError, zlib.error, indexed_gzip.ZranError) as e:
         raise _damaged(f.path, f.kind, e, "truncated or corrupt") from e
+    try:  # a cache that cannot be written is a setup problem, not a damaged input
+        os.makedirs(os.path.dirname(index), exist_ok=True)
+        tmp = f"{index}.{os.getpid()}.tmp"
+        gz.export_index(tmp)
+        os.replace(tmp, index)
+    except OSError as e:
+        raise ConfigError(f"cannot write the seek index for {f.path} to {index} ({e.strerror or e}); set "
+                          "HELIXTOK_CACHE to a writable folder") from e
     return index, cuts
 
 

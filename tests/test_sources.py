@@ -16,7 +16,7 @@ from tokenizers import Tokenizer
 
 from helixtok.build import build
 from helixtok.config import BuildConfig
-from helixtok.errors import InputError
+from helixtok.errors import ConfigError, InputError
 from helixtok.sources import Tally, UnitReader, discover, plan_units
 
 
@@ -266,6 +266,14 @@ def test_a_large_jsonl_gz_is_read_by_several_workers_with_the_same_bytes(tmp_pat
     assert whole == split
     for n in set(os.listdir(ow)) - {"manifest.json"}:
         assert filecmp.cmp(os.path.join(ow, n), os.path.join(osp, n), shallow=False), n
+    # A cache folder that cannot be written is named as such, not as damage to the input.
+    (tmp_path / "afile").write_text("x")
+    cache = os.environ["HELIXTOK_CACHE"]
+    monkeypatch.setenv("HELIXTOK_CACHE", str(tmp_path / "afile" / "cache"))
+    (c / "big.jsonl.gz").write_bytes(gzip.compress(data, mtime=1))  # another stamp: not in any cache
+    with pytest.raises(ConfigError, match=r"cannot write the seek index for .*big\.jsonl\.gz .*HELIXTOK_CACHE"):
+        do_build(tmp_path / "nocache", small_tok, c, seq_len=64, unit_bytes=len(data) // 7)
+    monkeypatch.setenv("HELIXTOK_CACHE", cache)
     (c / "big.jsonl.gz").write_bytes(gzip.compress(data)[:-5000])
     with pytest.raises(InputError, match=r"big\.jsonl\.gz: truncated or corrupt after line \d+"):
         do_build(tmp_path / "bad", small_tok, c, seq_len=64)
