@@ -169,6 +169,9 @@ def flat_encoder(name: str, path: str, special: str, tok):
         return (lambda texts: _flat(tiktoken_ids(enc, texts, special, tok))), ver, None
     try:
         if name == "fastokens":
+            # One thread: a build runs one worker process per core (--workers), and its own
+            # thread pool would make each worker compete with the others for cores.
+            os.environ.setdefault("FASTOKENS_BPE_THREADS", "1")
             import fastokens
 
             ft = fastokens.Tokenizer.from_file(path)

@@ -24,18 +24,16 @@ from typing import Callable
 import numpy as np
 
 from . import __version__
+from .assemble import Assembler
 from .config import BuildConfig
 from .errors import ConfigError, HelixtokError, InputError
 from .longdoc import LongText, stripped, utf8_len
 from .manifest import DOC_SKIPS, FORMAT_VERSION, MANIFEST, REPAIRS, write_json_atomic
 from .objstore import current, expired, is_url
 from .outdir import PUBLISH, STATE, OutLock, refuse_foreign, remove_owned
-from .pack import PackCounts, StreamPacker, document_chunks
-from .shards import ShardWriter, fsync_dir
+from .shards import fsync_dir
 from .sources import Tally, Unit, UnitReader, discover, plan_units
 from .tokenizer import Encoder, TokenizerInfo, inspect_tokenizer
-
-ASSEMBLY_TOKENS = 1 << 22  # tokens per slice when assembling: memory stays flat (16 MiB at uint32)
 
 
 @dataclass
@@ -340,7 +338,9 @@ class _Interrupt:
 
 
 def _run_units(units: list[Unit], pending: list[Unit], info: TokenizerInfo, config: BuildConfig, state: str,
-               run_id: str, on_progress: Callable[[Progress], None] | None, done_bytes: int) -> list[dict]:
+               run_id: str, on_progress: Callable[[Progress], None] | None, done_bytes: int,
+               on_result: Callable[[dict], None]) -> list[dict]:
+    """Tokenize the pending units; each journal entry goes to `on_result` as soon as it is in."""
     total_bytes = sum(u.est_bytes for u in units)
     # Largest first, so the last unit to finish is a small one (output order does not depend on this);
     # --strict goes in corpus order, to stop at the first bad input soon.
@@ -364,6 +364,7 @@ def _run_units(units: list[Unit], pending: list[Unit], info: TokenizerInfo, conf
         _init_worker(info, config, state, run_id, counters, None, None)
         for u in order:
             results.append(run_unit(u))
+            on_result(results[-1])
             units_done += 1
             report(counters, units_done, force=True)
         return results
@@ -396,6 +397,9 @@ def _run_units(units: list[Unit], pending: list[Unit], info: TokenizerInfo, conf
                     except InputError as e:
                         if bad is None or futures[f].index < bad[0]:
                             bad = (futures[f].index, e)
+                    else:
+                        if bad is None:  # a build that will fail needs no shards
+                            on_result(results[-1])
                     units_done += 1
                 if bad is not None:
                     # Only units before the bad one can hold an earlier error: wait for those alone.
@@ -483,72 +487,6 @@ class _LocalCounters(list):
 
     def get_lock(self):
         return contextlib.nullcontext()
-
-
-def _read_ids(fh, dtype: np.dtype, n: int, path: str) -> np.ndarray:
-    ids = np.fromfile(fh, dtype=dtype, count=n)
-    if len(ids) != n:
-        raise HelixtokError(f"{path}: shorter than its journal says (changed during the build?); rerun")
-    return ids
-
-
-def _assemble(dest: str, results: list[dict], info: TokenizerInfo, config: BuildConfig, state: str) -> dict:
-    """Pack the units' spill files, in unit order, into shards in `dest` (inside STATE until published)."""
-    L = config.seq_len
-    dtype = info.dtype
-    chunks_per_shard = max(1, config.shard_bytes // (L * dtype.itemsize))
-    splits = ("train", "val") if config.val_fraction > 0 else ("train",)
-    out_splits = {}
-    for split in splits:
-        writer = ShardWriter(dest, split, dtype, L, chunks_per_shard,
-                             "valid" if config.packing == "document" else "docs")
-        counts = PackCounts()
-        produced = documents = 0
-        packer = StreamPacker(writer, L, dtype)
-        try:
-            for r in results:
-                tok_path, len_path = (os.path.join(state, n) for n, _ in r["spill"][split])
-                if os.path.getsize(len_path) == 0:
-                    continue
-                lens_all = np.fromfile(len_path, dtype="<i8")
-                ends = np.cumsum(lens_all)
-                documents += len(lens_all)
-                produced += int(ends[-1])
-                # Read in slices of ~ASSEMBLY_TOKENS (packed: any token range; document packing:
-                # whole documents), so memory does not grow with a unit's or a document's size.
-                with open(tok_path, "rb") as fh:
-                    if config.packing == "packed":
-                        doc_starts = packer.pos + np.concatenate(([0], ends[:-1]))
-                        t, total = 0, int(ends[-1])
-                        while t < total:
-                            ids = _read_ids(fh, dtype, min(ASSEMBLY_TOKENS, total - t), tok_path)
-                            packer.add(ids, doc_starts)
-                            t += len(ids)
-                    else:
-                        d0 = 0
-                        while d0 < len(lens_all):
-                            base = int(ends[d0 - 1]) if d0 else 0
-                            d1 = max(d0 + 1, int(np.searchsorted(ends, base + ASSEMBLY_TOKENS, side="right")))
-                            ids = _read_ids(fh, dtype, int(ends[d1 - 1]) - base, tok_path)
-                            chunks, valid, c = document_chunks(ids, lens_all[d0:d1], L, config.tail_len, info.pad_id)
-                            counts.add(c)
-                            writer.write(chunks, valid=valid)
-                            d0 = d1
-            shards = writer.finish()
-        except BaseException:
-            writer.abort()
-            raise
-        if config.packing == "packed":
-            counts.dropped_tokens = len(packer.carry)  # only the final remainder (< seq_len) is lost
-        counts.chunks = writer.num_chunks
-        out_splits[split] = {
-            "num_chunks": writer.num_chunks, "num_tokens": writer.num_chunks * L,
-            "documents": documents, "tokens": produced, "pad_tokens": counts.pad_tokens,
-            "text_bytes": sum(r["text_bytes"][split] for r in results),
-            "dropped_tokens": counts.dropped_tokens, "dropped_documents": counts.dropped_documents,
-            "shards": shards,
-        }
-    return out_splits
 
 
 SAMPLE_UNITS, SAMPLE_CHARS = 8, 1 << 20
@@ -701,22 +639,29 @@ def _build_locked(inputs: list[str], out: str, info: TokenizerInfo, config: Buil
     pending = [u for u in units if u.index not in trusted]
     done_bytes = sum(u.est_bytes for u in units if u.index in trusted)
     run_id = f"r{os.getpid()}x{secrets.token_hex(3)}"
-    fresh = _run_units(units, pending, info, config, state, run_id, on_progress, done_bytes)
-    by_index = {**trusted, **{r["index"]: r for r in fresh}}
-    results = [by_index[u.index] for u in units]
+    asm = os.path.join(state, "assembly")
+    shutil.rmtree(asm, ignore_errors=True)
+    os.makedirs(asm)
+    assembler = Assembler(asm, info, config, state, [u.index for u in units])
+    try:
+        for u in units:
+            if u.index in trusted:
+                assembler.add(trusted[u.index])
+        fresh = _run_units(units, pending, info, config, state, run_id, on_progress, done_bytes, assembler.add)
+        by_index = {**trusted, **{r["index"]: r for r in fresh}}
+        results = [by_index[u.index] for u in units]
+        if on_progress:
+            on_progress(Progress(sum(u.est_bytes for u in units), sum(u.est_bytes for u in units),
+                                 sum(sum(r["documents"].values()) for r in results),
+                                 sum(sum(r["tokens"].values()) for r in results), len(units), len(units), "write"))
+        splits = assembler.finish()
+    except BaseException:
+        assembler.abort()
+        raise
 
     tally = Tally()
     for r in results:
         tally.merge(Tally.from_json(r["skipped"]))
-    if on_progress:
-        on_progress(Progress(sum(u.est_bytes for u in units), sum(u.est_bytes for u in units),
-                             sum(sum(r["documents"].values()) for r in results),
-                             sum(sum(r["tokens"].values()) for r in results), len(units), len(units), "write"))
-
-    asm = os.path.join(state, "assembly")
-    shutil.rmtree(asm, ignore_errors=True)
-    os.makedirs(asm)
-    splits = _assemble(asm, results, info, config, state)
     if splits["train"]["num_chunks"] == 0 and task is None:
         raise InputError(f"the corpus gave {splits['train']['tokens']} tokens, not one chunk of "
                          f"--seq-len {config.seq_len}; lower --seq-len or add text")

@@ -14,6 +14,11 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Iterator
 
+try:
+    import orjson
+except ImportError:  # optional speed-up: the stdlib path reads every line the same way
+    orjson = None
+
 from .errors import ConfigError, InputError
 from .longdoc import (
     LONG_DOC_BYTES,
@@ -610,6 +615,21 @@ def _row_group_cuts(f: InputFile, unit_bytes: int, text_field: str) -> Iterator[
 # --------------------------------------------------------------------------- reading
 
 
+def _fast_text(line: bytes, field: str) -> str | None:
+    """The text of a well-formed record by orjson (several times faster than json), or None
+    for every other line, which then takes the exact stdlib path with its counted warnings.
+
+    Where orjson returns a record it equals json's: it refuses what json would repair (invalid
+    UTF-8, lone surrogate escapes) or read otherwise (NaN, huge numbers), and those fall back.
+    """
+    try:
+        obj = orjson.loads(line)
+    except orjson.JSONDecodeError:
+        return None
+    text = obj.get(field) if type(obj) is dict else None
+    return text if type(text) is str else None
+
+
 class UnitReader:
     """Iterate the documents of a unit; `consumed` tracks input bytes read (for progress).
 
@@ -679,6 +699,7 @@ class UnitReader:
             if u.kind == "jsonl":
                 raw.seek(u.start)
             remaining = u.stop - u.start if u.kind == "jsonl" or u.aux else -1
+            fast_field = self.text_field if orjson is not None else None
             try:
                 for line in stream:
                     lineno += 1
@@ -691,8 +712,15 @@ class UnitReader:
                         self.consumed = raw.tell()
                     if lineno == 1 and line.startswith(b"\xef\xbb\xbf"):
                         line = line[3:]
-                    if not line.strip():
+                    if not line or line.isspace():  # isspace, not strip: no copy of every line
                         continue
+                    if fast_field is not None and (self.long_bytes is None or len(line) <= self.long_bytes):
+                        text = _fast_text(line, fast_field)
+                        if text is not None:
+                            line = None
+                            self._loc = (name, lineno, ":")
+                            yield text
+                            continue
                     if self.long_bytes is not None and len(line) > self.long_bytes:
                         text = self._long_line(line, f"{name}:{lineno}")
                         line = None

@@ -181,17 +181,17 @@ def test_object_changed_between_runs_or_during_the_build_is_detected(s3, tmp_pat
     state_plan = tmp_path / "resume"
     import helixtok.build as hb
 
-    real = hb._assemble
+    real = hb._check_unchanged
 
     def die(*a, **kw):
         raise KeyboardInterrupt
 
-    hb._assemble = die
+    hb._check_unchanged = die
     try:
         with pytest.raises(KeyboardInterrupt):
             build([f"s3://{b}/c"], str(state_plan), tokenizer_path, cfg(seq_len=16))
     finally:
-        hb._assemble = real
+        hb._check_unchanged = real
     s3.pipe_file(f"{b}/c/a.jsonl", src.read_bytes() + b'{"text": "one more line"}\n')
     with pytest.raises(ConfigError, match=r"input modified: a\.jsonl"):
         build([f"s3://{b}/c"], str(state_plan), tokenizer_path, cfg(seq_len=16))

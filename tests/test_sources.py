@@ -181,6 +181,49 @@ def test_jsonl_units_cover_every_line_once(tmp_path_factory, lines, unit):
     assert where == [f"x.jsonl:{i}" for i in range(1, len(lines) + 1)]
 
 
+# Pieces of JSON lines where a fast parser and json may part: escapes, surrogates, invalid UTF-8,
+# NaN, huge numbers, duplicate keys, odd whitespace, wrong types, nesting, trailing garbage.
+_RECORD_PARTS = [b'{"text": "plain"}', b'{"text": "caf\xc3\xa9 \\u00e9"}', b'{"text": "\\ud800 lone"}',
+                 b'{"text": "\\ud83d\\ude00 pair"}', b'{"text": "\\udfff\\ud800"}', b'{"text": "bad \xff byte"}',
+                 b'{"text": "\xed\xa0\x80"}', b'{"text": "x", "n": NaN}', b'{"n": 1e400, "text": "inf"}',
+                 b'{"text": "big", "n": 123456789012345678901234567890}', b'{"text": "a", "text": "b"}',
+                 b'{"text": 12345678901234567890123}', b'{"text": null}', b'{"id": 1}', b'["text"]', b'"text"',
+                 b'{"text": "tab\there"}', b'{"text": "nul \\u0000"}', b'{"text": "x"} trailing', b'{"text": "x",}',
+                 b' \t{"text" : "spaced" } \r', b'{"te\\u0078t": "escaped key"}', b'{"text": ""}',
+                 b'{"a": ' * 40 + b'1' + b'}' * 40, b'{"text": "\\/\\b\\f"}', b'\x0c', b'{"text": "\x7f\x01"}']
+
+
+@settings(max_examples=80, deadline=None)
+@given(picks=st.lists(st.integers(0, len(_RECORD_PARTS) - 1), min_size=1, max_size=25),
+       text=st.lists(st.text(max_size=12), max_size=5))
+def test_the_orjson_fast_path_reads_every_line_as_json_does(tmp_path_factory, picks, text):
+    """With and without orjson, a unit yields the same texts, locations and counted warnings."""
+    import helixtok.sources as hs
+
+    # The first record has the field (a first record without it fails the build at once).
+    lines = [_RECORD_PARTS[0]] + [_RECORD_PARTS[i] for i in picks] + [json.dumps({"text": t}).encode() for t in text]
+    p = tmp_path_factory.mktemp("o") / "x.jsonl"
+    p.write_bytes(b"\n".join(lines) + b"\n")
+
+    def read():
+        files, _ = discover([str(p)])
+        units, _ = plan_units(files, unit_bytes=1 << 20, text_field="text")
+        tally = Tally()
+        got = []
+        for u in units:
+            r = UnitReader(u, "text", tally)
+            got += [(t, r.where()) for t in r]
+        return got, tally.to_json()
+
+    assert hs.orjson is not None  # a dependency: the test compares it with the stdlib path
+    fast = read()
+    real, hs.orjson = hs.orjson, None
+    try:
+        assert read() == fast
+    finally:
+        hs.orjson = real
+
+
 def test_hf_datasets_save_to_disk_folder_builds_like_the_same_jsonl(tmp_path, small_tok, dev_docs):
     """A folder as datasets' save_to_disk writes it: Arrow IPC stream files + state.json and
     dataset_info.json (metadata, read silently); record batches become work units."""
