@@ -32,7 +32,7 @@ from .manifest import DOC_SKIPS, FORMAT_VERSION, MANIFEST, REPAIRS, write_json_a
 from .objstore import current, expired, is_url
 from .outdir import PUBLISH, STATE, OutLock, refuse_foreign, remove_owned
 from .shards import fsync_dir
-from .sources import Tally, Unit, UnitReader, discover, plan_units
+from .sources import LineRefs, Tally, Unit, UnitReader, discover, plan_units
 from .tokenizer import Encoder, TokenizerInfo, inspect_tokenizer
 
 
@@ -95,8 +95,13 @@ def _init_worker(info: TokenizerInfo, config: BuildConfig, state_dir: str, run_i
             slot = next(i for i in range(0, len(slots), 2) if slots[i] == 0)
             slots[slot] = os.getpid()
             slots[slot + 1] = -1
+    journal = _Journal()
+    if parent is not None:  # a pool worker: finish the journal when the pool ends the process
+        from multiprocessing.util import Finalize
+
+        Finalize(journal, journal.close, exitpriority=10)
     _W.update(encoder=Encoder(info, max_piece_chars=config.max_piece_chars), config=config,
-              state=state_dir, run=run_id, counters=counters, slots=slots, slot=slot)
+              state=state_dir, run=run_id, counters=counters, slots=slots, slot=slot, journal=journal)
 
 
 def _bump(counters, b: int, d: int, t: int) -> None:
@@ -226,16 +231,56 @@ def _run_unit(unit: Unit) -> dict:
     spill = {}
     for s in splits:
         for fh in files[s]:
-            fh.flush()
-            os.fsync(fh.fileno())
             fh.close()
         for n in names[s]:
             os.replace(os.path.join(state, n + ".part"), os.path.join(state, n))
         spill[s] = [[n, os.path.getsize(os.path.join(state, n))] for n in names[s]]
     result = {"index": unit.index, "run": run, "spill": spill, "documents": docs, "tokens": tokens,
-              "text_bytes": text_bytes, "skipped": tally.to_json()}
-    write_json_atomic(done_path(state, unit.index), result)
+              "text_bytes": text_bytes, "lines": reader.lines, "skipped": tally.to_json()}
+    _W["journal"].put([os.path.join(state, n) for s in splits for n in names[s]], done_path(state, unit.index), result)
     return result
+
+
+class _Journal:
+    """Makes finished units durable off the tokenizing thread: fsync of the spill files, then
+    the journal entry, in order.  A resumed build trusts only journaled units; the build that
+    wrote them checks every entry is there before it publishes (`_check_journaled`), so a unit
+    whose fsync failed is never part of a dataset."""
+
+    def __init__(self):
+        import queue
+
+        self.queue: "queue.Queue" = queue.Queue()
+        self.thread = None
+
+    def put(self, spill: list[str], done: str, result: dict) -> None:
+        if self.thread is None:
+            import threading
+
+            # Not a daemon: a worker process that exits normally finishes its journal first.
+            self.thread = threading.Thread(target=self._run, name="helixtok-journal")
+            self.thread.start()
+        self.queue.put((spill, done, result))
+
+    def _run(self) -> None:
+        while (item := self.queue.get()) is not None:
+            spill, done, result = item
+            try:
+                for path in spill:
+                    fd = os.open(path, os.O_RDONLY)
+                    try:
+                        os.fsync(fd)
+                    finally:
+                        os.close(fd)
+                write_json_atomic(done, result)
+            except OSError:
+                pass  # no journal entry: the build fails at _check_journaled, a resume redoes the unit
+
+    def close(self) -> None:
+        if self.thread is not None:
+            self.queue.put(None)
+            self.thread.join()
+            self.thread = None
 
 
 # --------------------------------------------------------------------------- main side
@@ -303,7 +348,7 @@ def _trusted_results(state: str, units: list[Unit]) -> dict[int, dict]:
         try:
             with open(done_path(state, u.index)) as fh:
                 r = json.load(fh)
-            ok = r["index"] == u.index and "text_bytes" in r and all(
+            ok = r["index"] == u.index and "lines" in r and all(
                 os.path.getsize(os.path.join(state, n)) == size for files in r["spill"].values() for n, size in files)
         except (OSError, ValueError, KeyError, TypeError):
             ok = False
@@ -362,11 +407,14 @@ def _run_units(units: list[Unit], pending: list[Unit], info: TokenizerInfo, conf
     if n_workers == 1:  # inline: no pool, easy to debug and profile
         counters = _LocalCounters([0, 0, 0])
         _init_worker(info, config, state, run_id, counters, None, None)
-        for u in order:
-            results.append(run_unit(u))
-            on_result(results[-1])
-            units_done += 1
-            report(counters, units_done, force=True)
+        try:
+            for u in order:
+                results.append(run_unit(u))
+                on_result(results[-1])
+                units_done += 1
+                report(counters, units_done, force=True)
+        finally:
+            _W["journal"].close()
         return results
 
     import multiprocessing as mp
@@ -398,8 +446,7 @@ def _run_units(units: list[Unit], pending: list[Unit], info: TokenizerInfo, conf
                         if bad is None or futures[f].index < bad[0]:
                             bad = (futures[f].index, e)
                     else:
-                        if bad is None:  # a build that will fail needs no shards
-                            on_result(results[-1])
+                        on_result(results[-1])
                     units_done += 1
                 if bad is not None:
                     # Only units before the bad one can hold an earlier error: wait for those alone.
@@ -643,11 +690,21 @@ def _build_locked(inputs: list[str], out: str, info: TokenizerInfo, config: Buil
     shutil.rmtree(asm, ignore_errors=True)
     os.makedirs(asm)
     assembler = Assembler(asm, info, config, state, [u.index for u in units])
+    refs = LineRefs(units)
+
+    def took(r: dict) -> None:
+        refs.record(r["index"], r["lines"])
+        assembler.add(r)
+
     try:
         for u in units:
             if u.index in trusted:
-                assembler.add(trusted[u.index])
-        fresh = _run_units(units, pending, info, config, state, run_id, on_progress, done_bytes, assembler.add)
+                took(trusted[u.index])
+        try:
+            fresh = _run_units(units, pending, info, config, state, run_id, on_progress, done_bytes, took)
+        except InputError as e:  # a worker names a .jsonl line by its place in the unit
+            raise InputError(refs.resolve(str(e))) from None
+        _check_journaled(state, fresh)
         by_index = {**trusted, **{r["index"]: r for r in fresh}}
         results = [by_index[u.index] for u in units]
         if on_progress:
@@ -662,6 +719,7 @@ def _build_locked(inputs: list[str], out: str, info: TokenizerInfo, config: Buil
     tally = Tally()
     for r in results:
         tally.merge(Tally.from_json(r["skipped"]))
+    tally = refs.resolve_tally(tally)
     if splits["train"]["num_chunks"] == 0 and task is None:
         raise InputError(f"the corpus gave {splits['train']['tokens']} tokens, not one chunk of "
                          f"--seq-len {config.seq_len}; lower --seq-len or add text")
@@ -697,6 +755,20 @@ def _build_locked(inputs: list[str], out: str, info: TokenizerInfo, config: Buil
     }
     _publish(out, state, asm, splits, manifest)
     return manifest
+
+
+def _check_journaled(state: str, fresh: list[dict]) -> None:
+    """Every unit this run tokenized is durable (spill fsynced, journal written): the workers'
+    journal threads have finished, as the workers have exited."""
+    for r in fresh:
+        try:
+            with open(done_path(state, r["index"])) as fh:
+                ok = json.load(fh).get("run") == r["run"]
+        except (OSError, ValueError):
+            ok = False
+        if not ok:
+            raise HelixtokError(f"could not make the tokens of work unit {r['index']} durable in {state} (disk "
+                                "error or full?); no dataset was published. Rerun the same command to resume")
 
 
 def _check_unchanged(files) -> None:

@@ -21,16 +21,6 @@ class PackCounts:
         self.dropped_documents += other.dropped_documents
 
 
-def packed_chunks(carry: np.ndarray, ids: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
-    """Append ids to the carried tokens; return (full chunks [k, seq_len], new carry < seq_len).
-
-    Example: carry=[1], ids=[2, 3, 4, 5], seq_len=2 -> chunks [[1, 2], [3, 4]], carry [5].
-    """
-    stream = np.concatenate((carry, ids)) if len(carry) else ids
-    k = len(stream) // seq_len
-    return stream[: k * seq_len].reshape(k, seq_len), stream[k * seq_len:].copy()
-
-
 class StreamPacker:
     """Feeds one split's token stream, slice by slice, to a ShardWriter as full chunks, each
     with the document starts inside it; `carry` is what has not filled a chunk yet."""
@@ -43,15 +33,28 @@ class StreamPacker:
 
     def add(self, ids: np.ndarray, starts: np.ndarray) -> None:
         """ids: the next slice of the stream; starts: sorted stream positions of document starts
-        (only those inside this slice are used)."""
+        (only those inside this slice are used).  Full chunks go to the writer as views of
+        `ids`: only the chunk that completes the carry is copied."""
+        L, n_carry = self.seq_len, len(self.carry)
         a, b = np.searchsorted(starts, [self.pos, self.pos + len(ids)])
-        written = self.writer.num_chunks * self.seq_len
-        chunks, self.carry = packed_chunks(self.carry, ids, self.seq_len)
-        all_starts = np.concatenate((self.pending, starts[a:b])) - written
-        cut = np.searchsorted(all_starts, len(chunks) * self.seq_len)
-        self.writer.write(chunks, doc_starts=all_starts[:cut])
-        self.pending = all_starts[cut:] + written
+        written = self.writer.num_chunks * L
+        all_starts = np.concatenate((self.pending, starts[a:b])) - written  # from the carry's first token
         self.pos += len(ids)
+        full = (n_carry + len(ids)) // L
+        if full == 0:
+            self.carry = np.concatenate((self.carry, ids))
+            self.pending = all_starts + written
+            return
+        cut = np.searchsorted(all_starts, full * L)
+        done, rest = all_starts[:cut], ids
+        if n_carry:
+            head = np.concatenate((self.carry, ids[: L - n_carry])).reshape(1, L)
+            i = np.searchsorted(done, L)
+            self.writer.write(head, doc_starts=done[:i])
+            done, rest, full = done[i:] - L, ids[L - n_carry:], full - 1
+        self.writer.write(rest[: full * L].reshape(full, L), doc_starts=done)
+        self.carry = rest[full * L:].copy()
+        self.pending = all_starts[cut:] + written
 
 
 def document_chunks(ids: np.ndarray, lens: np.ndarray, seq_len: int, min_tail: int, pad_id: int

@@ -9,6 +9,7 @@ import io
 import json
 import os
 import posixpath
+import re
 import stat
 import zlib
 from dataclasses import dataclass, field
@@ -314,7 +315,8 @@ class Unit:
     """A piece of the corpus that one worker reads and tokenizes; a function of the input alone.
 
     text: files[] are whole documents.  jsonl: bytes [start, stop) of one file, cut at line
-    ends, first_line its 1-based number.  jsonl.gz: a large file is cut the same way in its
+    ends; first_line 0 (its number is only known once the units before it are read: see
+    LineRefs).  jsonl.gz: a large file is cut the same way in its
     decompressed bytes (read through a seek index, `aux`); stop == 0: the whole file, as .zst.
     parquet: row groups [start, stop), first_line the index of its first row.
     """
@@ -361,8 +363,8 @@ def plan_units(files: list[InputFile], *, unit_bytes: int, text_field: str) -> t
                 warnings.add("empty_file", f.name)
                 continue
             _check_jsonl_head(f, text_field)
-            for start, stop, line in _line_aligned_cuts(f.path, unit_bytes):
-                units.append(Unit(len(units), "jsonl", (f.path,), (f.name,), start, stop, line, stop - start))
+            for start, stop in _line_aligned_cuts(f.path, f.size, unit_bytes):
+                units.append(Unit(len(units), "jsonl", (f.path,), (f.name,), start, stop, 0, stop - start))
         elif f.kind in ("jsonl.gz", "jsonl.zst"):
             _check_jsonl_head(f, text_field)
             if f.kind == "jsonl.gz" and f.size >= split_gz:
@@ -422,10 +424,27 @@ def _gzip_cuts(f: InputFile, unit_bytes: int) -> tuple[str, list[tuple[int, int,
     return index, cuts
 
 
-def _line_aligned_cuts(path: str, unit_bytes: int) -> Iterator[tuple[int, int, int]]:
-    """Yield (start, stop, first_line) byte ranges of about unit_bytes that end after a newline."""
+def _line_aligned_cuts(path: str, size: int, unit_bytes: int) -> Iterator[tuple[int, int]]:
+    """Yield (start, stop) byte ranges that end just after the first newline at or past
+    start + unit_bytes (the same cuts as _cuts_of).  Only the bytes near each cut are read: the
+    planner does not scan the corpus; line numbers come from the workers (LineRefs)."""
+    start = 0
     with open_input(path) as fh:
-        yield from _cuts_of(fh, unit_bytes)
+        while start < size:
+            pos = start + unit_bytes
+            stop = size
+            fh.seek(pos)
+            while pos < size:
+                block = fh.read(1 << 16)
+                if not block:
+                    break
+                nl = block.find(b"\n")
+                if nl >= 0:
+                    stop = pos + nl + 1
+                    break
+                pos += len(block)
+            yield start, min(stop, size)
+            start = stop
 
 
 def _cuts_of(fh, unit_bytes: int) -> Iterator[tuple[int, int, int]]:
@@ -630,6 +649,66 @@ def _fast_text(line: bytes, field: str) -> str | None:
     return text if type(text) is str else None
 
 
+_LINE_REF = re.compile("\x00L(\\d+):(\\d+)\x00")
+
+
+class LineRefs:
+    """Line numbers of plain .jsonl units, which are cut without reading the file before them.
+
+    A worker knows a line only as the n-th of its unit and writes it as a reference
+    (`line_ref`); the main process, which learns every unit's line count from its journal,
+    turns references into the file's line numbers in warnings and errors (`resolve`).
+    """
+
+    def __init__(self, units: list["Unit"]):
+        self.units = units
+        self.lines: dict[int, int] = {}  # unit index -> lines it holds (from its journal)
+
+    def record(self, index: int, lines: int | None) -> None:
+        if lines is not None:
+            self.lines[index] = lines
+
+    def resolve(self, text: str) -> str:
+        if "\x00" not in text:
+            return text
+        first: dict[int, int | None] = {}
+
+        def line(m) -> str:
+            index, n = int(m.group(1)), int(m.group(2))
+            if index not in first:
+                first[index] = self._first_line(index)
+            f = first[index]
+            return str(f + n - 1) if f is not None else f"line {n} of bytes {self._range(index)}"
+        return _LINE_REF.sub(line, text)
+
+    def _first_line(self, index: int) -> int | None:
+        by = {u.index: u for u in self.units}
+        u, before = by.get(index), 0
+        if u is None:
+            return None
+        for v in self.units:  # the units before it in the same file
+            if v.kind == "jsonl" and v.files == u.files and v.start < u.start:
+                if v.index not in self.lines:
+                    return None
+                before += self.lines[v.index]
+        return before + 1
+
+    def _range(self, index: int) -> str:
+        u = next((u for u in self.units if u.index == index), None)
+        return f"{u.start}-{u.stop}" if u else "?"
+
+    def resolve_tally(self, tally: "Tally") -> "Tally":
+        out = Tally(first=self.resolve(tally.first) if tally.first else None)
+        out.counts = dict(tally.counts)
+        out.examples = {r: [self.resolve(x) for x in ex] for r, ex in tally.examples.items()}
+        return out
+
+
+def line_ref(unit: "Unit", n: int) -> str:
+    """Line n (1-based) of a unit: its number in the file, or a reference LineRefs resolves."""
+    return str(unit.first_line + n - 1) if unit.first_line else f"\x00L{unit.index}:{n}\x00"
+
+
 class UnitReader:
     """Iterate the documents of a unit; `consumed` tracks input bytes read (for progress).
 
@@ -642,12 +721,15 @@ class UnitReader:
         self.tally = tally
         self.long_bytes = long_bytes  # documents above this many bytes come as LongText (None: never)
         self.consumed = 0
+        self.lines = 0  # lines of a .jsonl unit read so far (all of them once it is read through)
         self._loc: tuple = ("", None, "")
 
     def where(self) -> str:
         """Location of the document last yielded: file, file:line, or file row N."""
         name, n, sep = self._loc
-        return name if n is None else f"{name}{sep}{n}"
+        if n is None:
+            return name
+        return f"{name}:{line_ref(self.unit, n)}" if sep == ":" else f"{name}{sep}{n}"
 
     def __iter__(self) -> Iterator[str | LongText]:
         kind = self.unit.kind
@@ -685,7 +767,10 @@ class UnitReader:
     def _jsonl(self) -> Iterator[str]:
         u = self.unit
         path, name = u.files[0], u.names[0]
-        lineno = u.first_line - 1
+        n = 0  # lines read in this unit
+
+        def at() -> str:  # where line n is, for a warning
+            return f"{name}:{line_ref(u, n)}"
         with open_input(path) as raw:
             if u.aux:  # a line range of a large .gz file: start at the seek point before it
                 import indexed_gzip
@@ -702,7 +787,6 @@ class UnitReader:
             fast_field = self.text_field if orjson is not None else None
             try:
                 for line in stream:
-                    lineno += 1
                     if remaining >= 0:
                         if remaining <= 0:
                             break
@@ -710,7 +794,9 @@ class UnitReader:
                         self.consumed += len(line)
                     else:
                         self.consumed = raw.tell()
-                    if lineno == 1 and line.startswith(b"\xef\xbb\xbf"):
+                    n += 1
+                    self.lines = n
+                    if n == 1 and u.start == 0 and line.startswith(b"\xef\xbb\xbf"):
                         line = line[3:]
                     if not line or line.isspace():  # isspace, not strip: no copy of every line
                         continue
@@ -718,34 +804,34 @@ class UnitReader:
                         text = _fast_text(line, fast_field)
                         if text is not None:
                             line = None
-                            self._loc = (name, lineno, ":")
+                            self._loc = (name, n, ":")
                             yield text
                             continue
                     if self.long_bytes is not None and len(line) > self.long_bytes:
-                        text = self._long_line(line, f"{name}:{lineno}")
+                        text = self._long_line(line, at())
                         line = None
                         if text is not None:
-                            self._loc = (name, lineno, ":")
+                            self._loc = (name, n, ":")
                             yield text
                         continue
                     try:
                         s = line.decode("utf-8")
                     except UnicodeDecodeError:
                         s = line.decode("utf-8", "replace")
-                        self.tally.add("invalid_utf8_repaired", f"{name}:{lineno}")
+                        self.tally.add("invalid_utf8_repaired", at())
                     line = None  # a huge line: never hold its bytes, text and parsed copy at once
                     try:
                         obj = json.loads(s)
                         s = None
                     except ValueError as e:
-                        self.tally.add("malformed_json", f"{name}:{lineno} ({getattr(e, 'msg', e)} at column "
+                        self.tally.add("malformed_json", f"{at()} ({getattr(e, 'msg', e)} at column "
                                                           f"{getattr(e, 'colno', '?')})")
                         continue
-                    text = self._field(obj, f"{name}:{lineno}")
+                    text = self._field(obj, at())
                     obj = None  # only the text stays alive while it is tokenized
                     if text is None:
                         continue
-                    self._loc = (name, lineno, ":")
+                    self._loc = (name, n, ":")
                     yield text
             except (EOFError, OSError, zlib.error) as e:
                 if expired(e):

@@ -230,7 +230,8 @@ class Encoder:
         self.info = info
         from .backends import flat_encoder, hf_tokenizer
 
-        self.tok = hf_tokenizer(info.path, info.special_tokens)
+        # The fast libraries load the file themselves; tokenizers is needed only where it encodes.
+        self.tok = hf_tokenizer(info.path, info.special_tokens) if info.backend in ("hf", "tiktoken") else None
         self.dtype = info.dtype
         self.max_piece_chars = max_piece_chars
         # encode_batch_fast (inside hf) skips offset tracking, which we never use: ~25% faster.

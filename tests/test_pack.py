@@ -4,7 +4,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from helixtok.pack import document_chunks, packed_chunks
+from helixtok.pack import StreamPacker, document_chunks
 
 
 def reference_document(docs, L, min_tail, pad):
@@ -48,20 +48,38 @@ def test_document_chunks_match_reference(docs, L, tail_frac):
     assert len(ids) + c.pad_tokens - c.dropped_tokens == c.chunks * L
 
 
+class _Recorder:
+    """The ShardWriter interface StreamPacker uses: keeps chunks and absolute document starts."""
+
+    def __init__(self, L):
+        self.L, self.num_chunks, self.rows, self.starts = L, 0, [], []
+
+    def write(self, chunks, doc_starts):
+        assert chunks.ndim == 2 and chunks.shape[1] == self.L
+        assert all(0 <= s < len(chunks) * self.L for s in doc_starts.tolist())
+        self.starts += [self.num_chunks * self.L + s for s in doc_starts.tolist()]
+        self.rows += chunks.tolist()
+        self.num_chunks += len(chunks)
+
+
 @settings(max_examples=300, deadline=None)
-@given(pieces=st.lists(st.lists(st.integers(0, 65535), max_size=50), max_size=20), L=st.integers(1, 33))
-def test_packed_chunks_concatenate_and_cut(pieces, L):
-    carry = np.empty(0, np.uint16)
-    out = []
-    for p in pieces:
-        chunks, carry = packed_chunks(carry, np.array(p, dtype=np.uint16), L)
-        assert chunks.shape[1:] == (L,)
-        out.extend(chunks.tolist())
-        assert len(carry) < L
-    stream = [t for p in pieces for t in p]
+@given(docs=st.lists(st.lists(st.integers(0, 65535), min_size=1, max_size=50), max_size=20),
+       L=st.integers(1, 33), slices=st.lists(st.integers(0, 70), max_size=40))
+def test_stream_packer_cuts_the_stream_and_keeps_document_starts(docs, L, slices):
+    """Fed in any slicing, the chunks are the stream cut every L tokens, the carry is the rest,
+    and the document starts written are exactly those inside full chunks."""
+    stream = [t for d in docs for t in d]
+    starts = np.cumsum([0] + [len(d) for d in docs[:-1]]).astype(np.int64) if docs else np.empty(0, np.int64)
+    rec = _Recorder(L)
+    packer = StreamPacker(rec, L, np.uint16)
+    arr, i = np.array(stream, dtype=np.uint16), 0
+    for n in slices + [len(stream)]:
+        packer.add(arr[i: i + n], starts)
+        i = min(len(stream), i + n)
     k = len(stream) // L
-    assert out == [stream[i * L:(i + 1) * L] for i in range(k)]
-    assert carry.tolist() == stream[k * L:]
+    assert rec.rows == [stream[j * L:(j + 1) * L] for j in range(k)]
+    assert packer.carry.tolist() == stream[k * L:]
+    assert rec.starts == [s for s in starts.tolist() if s < k * L]
 
 
 def test_document_chunks_hand_made():

@@ -17,7 +17,7 @@ from tokenizers import Tokenizer
 from helixtok.build import build
 from helixtok.config import BuildConfig
 from helixtok.errors import ConfigError, InputError
-from helixtok.sources import Tally, UnitReader, discover, plan_units
+from helixtok.sources import LineRefs, Tally, UnitReader, _cuts_of, discover, plan_units
 
 
 def do_build(tmp_path, tok, *paths, **kw):
@@ -70,6 +70,24 @@ def test_strict_turns_a_skip_into_failure(tmp_path, small_tok):
     with pytest.raises(InputError, match=r"a.jsonl:2 .*malformed json \(--strict\)"):
         do_build(tmp_path, small_tok, p, strict=True)
     assert not os.path.exists(tmp_path / "out" / "manifest.json")
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_lines_deep_in_a_split_jsonl_are_named_by_their_file_line(tmp_path, small_tok, workers):
+    """A .jsonl cut into many units (never scanned by the planner): warnings and --strict name
+    the line of the file, not of the unit, whichever worker read it."""
+    lines = [json.dumps({"text": f"doc {i} the quick brown fox"}) + "\n" for i in range(400)]
+    lines[0] = lines[0].replace("doc 0", "doc zero")
+    lines[236] = "{broken\n"
+    lines[301] = "\n"  # blank lines count as lines
+    lines[377] = '{"text": 7}\n'
+    p = jsonl(tmp_path / "a.jsonl", lines)
+    m, _ = do_build(tmp_path, small_tok, p, unit_bytes=500, workers=workers)
+    assert m["inputs"]["units"] > 20
+    assert m["skipped"]["malformed_json"]["examples"][0].startswith("a.jsonl:237 ")
+    assert m["skipped"]["non_string_text"]["examples"] == ["a.jsonl:378 (int)"]
+    with pytest.raises(InputError, match=r"^a\.jsonl:237 \(.*malformed json \(--strict\)$"):
+        do_build(tmp_path, small_tok, p, unit_bytes=500, workers=workers, strict=True)
 
 
 def test_wrong_text_field_fails_fast(tmp_path, small_tok):
@@ -171,14 +189,20 @@ def test_jsonl_units_cover_every_line_once(tmp_path_factory, lines, unit):
     p.write_text("".join(json.dumps({"text": t}) + "\n" for t in lines))
     files, _ = discover([str(p)])
     units, _ = plan_units(files, unit_bytes=unit, text_field="text")
+    # The planner seeks to each cut; the cuts are those of a scan of the whole file.
+    with open(p, "rb") as fh:
+        assert [(u.start, u.stop) for u in units] == [(a, b) for a, b, _ in _cuts_of(fh, unit)]
     got, where = [], []
+    refs = LineRefs(units)
     for u in units:
         r = UnitReader(u, "text", Tally())
         for t in r:
             got.append(t)
             where.append(r.where())
+        refs.record(u.index, r.lines)
     assert got == lines
-    assert where == [f"x.jsonl:{i}" for i in range(1, len(lines) + 1)]
+    # Workers name lines by their place in the unit; the line counts turn that into file lines.
+    assert [refs.resolve(w) for w in where] == [f"x.jsonl:{i}" for i in range(1, len(lines) + 1)]
 
 
 # Pieces of JSON lines where a fast parser and json may part: escapes, surrogates, invalid UTF-8,
