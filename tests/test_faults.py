@@ -213,6 +213,29 @@ def test_disk_full_is_a_clear_error_and_publishes_nothing(tmp_path, small_tok, m
     assert not glob.glob(str(tmp_path / "out" / "*.bin"))
 
 
+def test_a_unit_whose_spill_cannot_be_made_durable_is_never_published(tmp_path, small_corpus, small_tok,
+                                                                      monkeypatch):
+    """fsync of a spill file fails (EIO: the kernel may have dropped the data): the build fails
+    before publishing; the rerun redoes that unit and gives the dataset of an undisturbed build."""
+    real = os.fsync
+
+    def eio_on_spill(fd):
+        if ".tok" in os.readlink(f"/proc/self/fd/{fd}"):
+            raise OSError(errno.EIO, "Input/output error")
+        return real(fd)
+
+    args = ["build", str(small_corpus), str(tmp_path / "out"), "-t", small_tok, "-L", "4", "-j", "1", "-q"]
+    monkeypatch.setattr(os, "fsync", eio_on_spill)
+    r = CliRunner().invoke(main, args)
+    assert r.exit_code == 1 and "Traceback" not in r.output
+    assert "could not make the tokens of work unit 0 durable" in r.output and "no dataset was published" in r.output
+    assert not (tmp_path / "out" / "manifest.json").exists()
+    monkeypatch.setattr(os, "fsync", real)
+    assert CliRunner().invoke(main, args).exit_code == 0
+    assert CliRunner().invoke(main, [*args[:2], str(tmp_path / "ref"), *args[3:]]).exit_code == 0
+    same_folder(tmp_path / "out", tmp_path / "ref")
+
+
 def test_too_many_open_files_is_one_line_with_the_fix(tmp_path, small_corpus, small_tok, monkeypatch):
     from helixtok.sources import UnitReader
 
