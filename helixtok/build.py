@@ -80,8 +80,7 @@ def _die_with_parent(parent: int) -> None:
         threading.Thread(target=watch, daemon=True).start()
 
 
-def _init_worker(info: TokenizerInfo, config: BuildConfig, state_dir: str, run_id: str, counters,
-                 slots, parent: int | None) -> None:
+def _init_worker(config: BuildConfig, state_dir: str, run_id: str, counters, slots, parent: int | None) -> None:
     if parent is not None:
         # The parent handles Ctrl-C and stops us; a KeyboardInterrupt traceback per worker helps nobody.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -100,8 +99,23 @@ def _init_worker(info: TokenizerInfo, config: BuildConfig, state_dir: str, run_i
         from multiprocessing.util import Finalize
 
         Finalize(journal, journal.close, exitpriority=10)
-    _W.update(encoder=Encoder(info, max_piece_chars=config.max_piece_chars), config=config,
-              state=state_dir, run=run_id, counters=counters, slots=slots, slot=slot, journal=journal)
+    _W.update(config=config, state=state_dir, run=run_id, counters=counters, slots=slots, slot=slot,
+              journal=journal)
+
+
+def _warm() -> None:
+    """A pool's first task: import what tokenizing needs while the main process checks backends."""
+    from . import backends, tokenizer  # noqa: F401
+    with contextlib.suppress(ImportError):
+        import fastokens  # noqa: F401
+
+
+def _encoder(info: TokenizerInfo) -> Encoder:
+    """This process's Encoder for `info` (the backend is chosen after the workers start)."""
+    if _W.get("encoder_info") != info:
+        _W["encoder"] = Encoder(info, max_piece_chars=_W["config"].max_piece_chars)
+        _W["encoder_info"] = info
+    return _W["encoder"]
 
 
 def _bump(counters, b: int, d: int, t: int) -> None:
@@ -135,7 +149,7 @@ def done_path(state: str, index: int) -> str:
     return os.path.join(state, f"u{index:06d}.done.json")
 
 
-def run_unit(unit: Unit) -> dict:
+def run_unit(unit: Unit, info: TokenizerInfo) -> dict:
     """Tokenize one unit into spill files named for this run; returns (and journals) where they are.
 
     Every failure leaves as a HelixtokError naming the unit: a Rust panic or MemoryError could
@@ -144,7 +158,7 @@ def run_unit(unit: Unit) -> dict:
     if _W.get("slots") is not None:
         _W["slots"][_W["slot"] + 1] = unit.index
     try:
-        return _run_unit(unit)
+        return _run_unit(unit, info)
     except OSError as e:
         if expired(e):
             raise InputError(f"{_where(unit)}: changed while the build read it; rerun when the corpus is "
@@ -160,8 +174,8 @@ def run_unit(unit: Unit) -> dict:
         raise HelixtokError(f"tokenizing {_where(unit)} failed: {type(e).__name__}: {msg}") from None
 
 
-def _run_unit(unit: Unit) -> dict:
-    enc: Encoder = _W["encoder"]
+def _run_unit(unit: Unit, info: TokenizerInfo) -> dict:
+    enc = _encoder(info)
     cfg: BuildConfig = _W["config"]
     state, counters, run = _W["state"], _W["counters"], _W["run"]
     splits = ("train", "val") if cfg.val_fraction > 0 else ("train",)
@@ -382,16 +396,43 @@ class _Interrupt:
             signal.signal(signal.SIGINT, self._old)
 
 
+class _Pool:
+    """The worker processes, started before the backend check so that their start-up overlaps it."""
+
+    def __init__(self, n: int, config: BuildConfig, state: str, run_id: str):
+        import multiprocessing as mp
+
+        ctx = mp.get_context("spawn")  # never fork a process that may hold tokenizer threads
+        self.counters = ctx.Array("q", 3)
+        self.slots = ctx.Array("q", 2 * n)  # (pid, unit index) per worker process
+        self.executor = ProcessPoolExecutor(n, mp_context=ctx, initializer=_init_worker,
+                                            initargs=(config, state, run_id, self.counters, self.slots, os.getpid()))
+        try:
+            for _ in range(n):  # a spawn-context pool starts one process per task it cannot hand to an idle one
+                self.executor.submit(_warm)
+        except BrokenProcessPool as e:
+            self.kill()
+            raise _broke_starting(e) from None
+        # The worker processes: once the pool breaks it forgets them.
+        self.procs = list((getattr(self.executor, "_processes", None) or {}).values())
+
+    def kill(self) -> None:
+        """Stop now rather than after the current units (Ctrl-C, a failed or hung unit); SIGKILL
+        also ends a stopped process, which SIGTERM would not."""
+        for p in list((getattr(self.executor, "_processes", None) or {}).values()):  # None once shut down
+            p.kill()
+        self.executor.shutdown(wait=True, cancel_futures=True)
+
+
 def _run_units(units: list[Unit], pending: list[Unit], info: TokenizerInfo, config: BuildConfig, state: str,
                run_id: str, on_progress: Callable[[Progress], None] | None, done_bytes: int,
-               on_result: Callable[[dict], None]) -> list[dict]:
+               on_result: Callable[[dict], None], workers: _Pool | None) -> list[dict]:
     """Tokenize the pending units; each journal entry goes to `on_result` as soon as it is in."""
     total_bytes = sum(u.est_bytes for u in units)
     # Largest first, so the last unit to finish is a small one (output order does not depend on this);
     # --strict goes in corpus order, to stop at the first bad input soon.
     order = sorted(pending, key=lambda u: (0 if config.strict else
                                            -u.est_bytes * (4 if u.kind in ("jsonl.gz", "jsonl.zst") else 1), u.index))
-    n_workers = min(config.num_workers, max(1, len(order)))
     units_done = len(units) - len(pending)
     t_last = 0.0
     results = []
@@ -404,12 +445,12 @@ def _run_units(units: list[Unit], pending: list[Unit], info: TokenizerInfo, conf
             on_progress(Progress(done_bytes + counters[0], total_bytes, counters[1], counters[2],
                                  units_done, len(units), "tokenize"))
 
-    if n_workers == 1:  # inline: no pool, easy to debug and profile
+    if workers is None:  # inline: no pool, easy to debug and profile
         counters = _LocalCounters([0, 0, 0])
-        _init_worker(info, config, state, run_id, counters, None, None)
+        _init_worker(config, state, run_id, counters, None, None)
         try:
             for u in order:
-                results.append(run_unit(u))
+                results.append(run_unit(u, info))
                 on_result(results[-1])
                 units_done += 1
                 report(counters, units_done, force=True)
@@ -417,20 +458,11 @@ def _run_units(units: list[Unit], pending: list[Unit], info: TokenizerInfo, conf
             _W["journal"].close()
         return results
 
-    import multiprocessing as mp
-
-    ctx = mp.get_context("spawn")  # never fork a process that may hold tokenizer threads
-    counters = ctx.Array("q", 3)
-    slots = ctx.Array("q", 2 * n_workers)  # (pid, unit index) per worker process
+    counters, slots, procs = workers.counters, workers.slots, workers.procs
     futures = {}
-    pool = None
     try:
         with _Interrupt() as interrupt:
-            pool = ProcessPoolExecutor(n_workers, mp_context=ctx, initializer=_init_worker,
-                                       initargs=(info, config, state, run_id, counters, slots, os.getpid()))
-            futures = {pool.submit(run_unit, u): u for u in order}
-            # The worker processes (all started by now): once the pool breaks it forgets them.
-            procs = list(getattr(pool, "_processes", {}).values())
+            futures = {workers.executor.submit(run_unit, u, info): u for u in order}
             first_dead = _watch_deaths(procs)
             remaining = set(futures)
             last, last_change = None, time.monotonic()
@@ -467,18 +499,16 @@ def _run_units(units: list[Unit], pending: list[Unit], info: TokenizerInfo, conf
     except BaseException as e:
         for f in futures:
             f.cancel()
-        # Stop workers now rather than after their current unit (Ctrl-C, a failed or hung unit);
-        # SIGKILL also ends a stopped process, which SIGTERM would not.
-        if pool is not None:
-            for p in list(getattr(pool, "_processes", {}).values()):
-                p.kill()
-            pool.shutdown(wait=True, cancel_futures=True)
+        workers.kill()
         if isinstance(e, BrokenProcessPool):  # the pool broke while starting (submit raised)
-            raise HelixtokError(f"a worker process died while starting ({e}); "
-                                "rerun the same command to resume") from None
+            raise _broke_starting(e) from None
         raise
-    pool.shutdown(wait=True)
+    workers.executor.shutdown(wait=True)  # the workers exit after finishing their journals
     return results
+
+
+def _broke_starting(e: BrokenProcessPool) -> HelixtokError:
+    return HelixtokError(f"a worker process died while starting ({e}); rerun the same command to resume")
 
 
 def _watch_deaths(procs: list) -> list[int]:
@@ -657,6 +687,22 @@ def _build_locked(inputs: list[str], out: str, info: TokenizerInfo, config: Buil
         raise InputError(f"{warnings.first} (--strict)")
     if not units:
         raise InputError(f"no documents to read in {' '.join(inputs)}")
+    state = os.path.join(out, STATE)
+    run_id = f"r{os.getpid()}x{secrets.token_hex(3)}"
+    n_workers = min(config.num_workers, len(units))
+    workers = _Pool(n_workers, config, state, run_id) if n_workers > 1 else None
+    try:
+        return _build_started(out, info, config, overwrite, on_progress, task, files, units, warnings, state,
+                              run_id, workers)
+    except BaseException:
+        if workers is not None:
+            workers.kill()
+        raise
+
+
+def _build_started(out, info, config, overwrite, on_progress, task, files, units, warnings, state, run_id,
+                   workers) -> dict:
+    """_build_locked once the work units are planned and the worker processes are starting."""
     info, backend_check = _choose_backend(info, units, config)
     partition_info = None
     if task is not None:
@@ -677,7 +723,6 @@ def _build_locked(inputs: list[str], out: str, info: TokenizerInfo, config: Buil
         "units": [u.to_json() for u in units],
     }
     resume = _prepare_out(out, plan, overwrite, protect=[f.path for f in files] + [info.path])
-    state = os.path.join(out, STATE)
     os.makedirs(state, exist_ok=True)
     if not resume:
         write_json_atomic(os.path.join(state, "plan.json"), plan)
@@ -685,7 +730,6 @@ def _build_locked(inputs: list[str], out: str, info: TokenizerInfo, config: Buil
     trusted = _trusted_results(state, units) if resume else {}
     pending = [u for u in units if u.index not in trusted]
     done_bytes = sum(u.est_bytes for u in units if u.index in trusted)
-    run_id = f"r{os.getpid()}x{secrets.token_hex(3)}"
     asm = os.path.join(state, "assembly")
     shutil.rmtree(asm, ignore_errors=True)
     os.makedirs(asm)
@@ -701,7 +745,7 @@ def _build_locked(inputs: list[str], out: str, info: TokenizerInfo, config: Buil
             if u.index in trusted:
                 took(trusted[u.index])
         try:
-            fresh = _run_units(units, pending, info, config, state, run_id, on_progress, done_bytes, took)
+            fresh = _run_units(units, pending, info, config, state, run_id, on_progress, done_bytes, took, workers)
         except InputError as e:  # a worker names a .jsonl line by its place in the unit
             raise InputError(refs.resolve(str(e))) from None
         _check_journaled(state, fresh)

@@ -39,11 +39,12 @@ from datatrove.executor import LocalPipelineExecutor
 from datatrove.pipeline.readers import JsonlReader
 from datatrove.pipeline.tokens import DocumentTokenizer
 src, tok, out, n, eos = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5]
-LocalPipelineExecutor(pipeline=[
-    JsonlReader(src, glob_pattern="*.jsonl", doc_progress=False),
-    DocumentTokenizer(output_folder=out + "/tok", tokenizer_name_or_path=tok, eos_token=eos,
-                      shuffle_documents=False, save_filename="dt"),
-], tasks=n, workers=n, logging_dir=out + "/logs", skip_completed=False).run()
+if __name__ == "__main__":  # its workers are new processes that import this file
+    LocalPipelineExecutor(pipeline=[
+        JsonlReader(src, glob_pattern="*.jsonl", doc_progress=False),
+        DocumentTokenizer(output_folder=out + "/tok", tokenizer_name_or_path=tok, eos_token=eos,
+                          shuffle_documents=False, save_filename="dt"),
+    ], tasks=n, workers=n, logging_dir=out + "/logs", skip_completed=False).run()
 '''
 
 
@@ -98,8 +99,12 @@ def main() -> None:
     ap.add_argument("--scale", type=int, default=1, help="repeat the documents this many times")
     ap.add_argument("--datatrove-python", default=None)
     ap.add_argument("--megatron", default=None, help="a Megatron-LM checkout (with tools/ and megatron/)")
+    ap.add_argument("--megatron-python", default=sys.executable,
+                    help="python of a venv with torch, triton, transformers and gigatoken for Megatron's tools")
     ap.add_argument("--repeat", type=int, default=2, help="runs per row; the best is kept (noisy machines)")
-    ap.add_argument("--skip-hf", action="store_true", help="leave out helixtok --backend hf (slow)")
+    ap.add_argument("--skip-hf", action="store_true",
+                    help="leave out the rows that encode with HF tokenizers (helixtok --backend hf, datatrove, "
+                         "Megatron's preprocess_data.py): slow on a large corpus")
     args = ap.parse_args()
     tmp = tempfile.mkdtemp(prefix="helixtok-peers-")
     try:
@@ -131,16 +136,20 @@ def main() -> None:
                              lambda out, w=w, b=backend: [sys.executable, "-m", "helixtok.cli", "build", src, out,
                                                           "-t", args.tokenizer, "-L", "2048", "-j", str(w), "-q",
                                                           "--backend", b]))
-            if args.datatrove_python:
+            if args.datatrove_python and not args.skip_hf:
                 jobs.append((f"datatrove DocumentTokenizer, {w} tasks", "datatrove", w,
                              lambda out, w=w: [args.datatrove_python, dt_script, src, args.tokenizer, out, str(w), eos]))
             if args.megatron:
-                for tool in ("preprocess_data.py", "preprocess_data_fast.py"):
-                    extra = ["--workers", str(w)] if tool == "preprocess_data.py" else []
-                    jobs.append((f"Megatron {tool}, {w} proc", "megatron", w,
-                                 lambda out, t=tool, e=extra: [
+                for tool in ("preprocess_data.py", "preprocess_data_fast.py")[1 if args.skip_hf else 0:]:
+                    # The HF tool runs --workers processes; the GigaToken one is one process whose
+                    # threads (rayon) are held to the same number of cores.
+                    extra = ["--workers", str(w)] if tool == "preprocess_data.py" else ["--use-gigatoken"]
+                    jobs.append((f"Megatron {tool}, {w} {'proc' if tool == 'preprocess_data.py' else 'threads'}",
+                                 "megatron", w,
+                                 lambda out, t=tool, e=extra, w=w: [
                                      "env", f"PYTHONPATH={args.megatron}",  # its tools import the checkout's package
-                                     sys.executable, os.path.join(args.megatron, "tools", t), "--input", one,
+                                     f"RAYON_NUM_THREADS={w}",
+                                     args.megatron_python, os.path.join(args.megatron, "tools", t), "--input", one,
                                      "--output-prefix", os.path.join(out, "m"), "--tokenizer-type",
                                      "HuggingFaceTokenizer", "--tokenizer-model", tokdir, "--append-eod", *e]))
         best: dict[str, tuple] = {}
