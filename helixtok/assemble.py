@@ -65,7 +65,7 @@ class Assembler:
     def _add_split(self, sp: _Split, r: dict, split: str) -> None:
         cfg, dtype, L = self.config, self.info.dtype, self.config.seq_len
         sp.text_bytes += r["text_bytes"][split]
-        tok_path, len_path = (os.path.join(self.state, n) for n, _ in r["spill"][split])
+        tok_path, len_path = (os.path.join(self.state, n) for n, *_ in r["spill"][split])
         if os.path.getsize(len_path) == 0:
             return
         lens_all = np.fromfile(len_path, dtype="<i8")

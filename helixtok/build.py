@@ -16,6 +16,7 @@ import secrets
 import shutil
 import signal
 import time
+import zlib
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
@@ -94,13 +95,7 @@ def _init_worker(config: BuildConfig, state_dir: str, run_id: str, counters, slo
             slot = next(i for i in range(0, len(slots), 2) if slots[i] == 0)
             slots[slot] = os.getpid()
             slots[slot + 1] = -1
-    journal = _Journal()
-    if parent is not None:  # a pool worker: finish the journal when the pool ends the process
-        from multiprocessing.util import Finalize
-
-        Finalize(journal, journal.close, exitpriority=10)
-    _W.update(config=config, state=state_dir, run=run_id, counters=counters, slots=slots, slot=slot,
-              journal=journal)
+    _W.update(config=config, state=state_dir, run=run_id, counters=counters, slots=slots, slot=slot)
 
 
 def _warm() -> None:
@@ -181,7 +176,7 @@ def _run_unit(unit: Unit, info: TokenizerInfo) -> dict:
     splits = ("train", "val") if cfg.val_fraction > 0 else ("train",)
     # Spill files carry this run's id: an orphan of an earlier run can never write into them.
     names = {s: (f"u{unit.index:06d}.{run}.{s}.tok", f"u{unit.index:06d}.{run}.{s}.len") for s in splits}
-    files = {s: [open(os.path.join(state, n + ".part"), "wb") for n in names[s]] for s in splits}
+    files = {s: [_Spill(os.path.join(state, n + ".part")) for n in names[s]] for s in splits}
     docs = {s: 0 for s in splits}
     tokens = {s: 0 for s in splits}
     text_bytes = {s: 0 for s in splits}  # UTF-8 bytes of the documents as tokenized
@@ -248,53 +243,43 @@ def _run_unit(unit: Unit, info: TokenizerInfo) -> dict:
             fh.close()
         for n in names[s]:
             os.replace(os.path.join(state, n + ".part"), os.path.join(state, n))
-        spill[s] = [[n, os.path.getsize(os.path.join(state, n))] for n in names[s]]
+        spill[s] = [[n, fh.size, fh.crc] for n, fh in zip(names[s], files[s])]
     result = {"index": unit.index, "run": run, "spill": spill, "documents": docs, "tokens": tokens,
               "text_bytes": text_bytes, "lines": reader.lines, "skipped": tally.to_json()}
-    _W["journal"].put([os.path.join(state, n) for s in splits for n in names[s]], done_path(state, unit.index), result)
+    write_json_atomic(done_path(state, unit.index), result, durable=False)
     return result
 
 
-class _Journal:
-    """Makes finished units durable off the tokenizing thread: fsync of the spill files, then
-    the journal entry, in order.  A resumed build trusts only journaled units; the build that
-    wrote them checks every entry is there before it publishes (`_check_journaled`), so a unit
-    whose fsync failed is never part of a dataset."""
+class _Spill:
+    """A unit's spill file, with the CRC-32 of what was written.
 
-    def __init__(self):
-        import queue
+    Spill files are not fsynced: they live for one build, mostly in the page cache (a kill -9
+    leaves them intact).  After a power loss a journal entry may name a spill file whose data
+    never reached the disk: a resumed build checks size and CRC before it trusts a unit.
+    """
 
-        self.queue: "queue.Queue" = queue.Queue()
-        self.thread = None
+    def __init__(self, path: str):
+        self.fh = open(path, "wb")
+        self.size = self.crc = 0
 
-    def put(self, spill: list[str], done: str, result: dict) -> None:
-        if self.thread is None:
-            import threading
-
-            # Not a daemon: a worker process that exits normally finishes its journal first.
-            self.thread = threading.Thread(target=self._run, name="helixtok-journal")
-            self.thread.start()
-        self.queue.put((spill, done, result))
-
-    def _run(self) -> None:
-        while (item := self.queue.get()) is not None:
-            spill, done, result = item
-            try:
-                for path in spill:
-                    fd = os.open(path, os.O_RDONLY)
-                    try:
-                        os.fsync(fd)
-                    finally:
-                        os.close(fd)
-                write_json_atomic(done, result)
-            except OSError:
-                pass  # no journal entry: the build fails at _check_journaled, a resume redoes the unit
+    def write(self, buf) -> None:
+        self.fh.write(buf)
+        self.crc = zlib.crc32(buf, self.crc)
+        self.size += memoryview(buf).nbytes
 
     def close(self) -> None:
-        if self.thread is not None:
-            self.queue.put(None)
-            self.thread.join()
-            self.thread = None
+        self.fh.close()
+
+
+def _spill_intact(path: str, size: int, crc: int) -> bool:
+    if os.path.getsize(path) != size:
+        return False
+    c = 0
+    with open(path, "rb") as fh:
+        while block := fh.read(8 << 20):
+            c = zlib.crc32(block, c)
+    return c == crc
+
 
 
 # --------------------------------------------------------------------------- main side
@@ -363,12 +348,12 @@ def _trusted_results(state: str, units: list[Unit]) -> dict[int, dict]:
             with open(done_path(state, u.index)) as fh:
                 r = json.load(fh)
             ok = r["index"] == u.index and "lines" in r and all(
-                os.path.getsize(os.path.join(state, n)) == size for files in r["spill"].values() for n, size in files)
+                _spill_intact(os.path.join(state, n), size, crc) for files in r["spill"].values() for n, size, crc in files)
         except (OSError, ValueError, KeyError, TypeError):
             ok = False
         if ok:
             trusted[u.index] = r
-    keep = {n for r in trusted.values() for files in r["spill"].values() for n, _ in files}
+    keep = {n for r in trusted.values() for files in r["spill"].values() for n, _, _ in files}
     for e in os.listdir(state):  # spill files of runs that did not finish their unit
         if e.startswith("u") and e not in keep and not e.endswith(".done.json"):
             with contextlib.suppress(OSError):
@@ -448,14 +433,11 @@ def _run_units(units: list[Unit], pending: list[Unit], info: TokenizerInfo, conf
     if workers is None:  # inline: no pool, easy to debug and profile
         counters = _LocalCounters([0, 0, 0])
         _init_worker(config, state, run_id, counters, None, None)
-        try:
-            for u in order:
-                results.append(run_unit(u, info))
-                on_result(results[-1])
-                units_done += 1
-                report(counters, units_done, force=True)
-        finally:
-            _W["journal"].close()
+        for u in order:
+            results.append(run_unit(u, info))
+            on_result(results[-1])
+            units_done += 1
+            report(counters, units_done, force=True)
         return results
 
     counters, slots, procs = workers.counters, workers.slots, workers.procs
@@ -503,7 +485,7 @@ def _run_units(units: list[Unit], pending: list[Unit], info: TokenizerInfo, conf
         if isinstance(e, BrokenProcessPool):  # the pool broke while starting (submit raised)
             raise _broke_starting(e) from None
         raise
-    workers.executor.shutdown(wait=True)  # the workers exit after finishing their journals
+    workers.executor.shutdown(wait=True)
     return results
 
 
@@ -748,7 +730,6 @@ def _build_started(out, info, config, overwrite, on_progress, task, files, units
             fresh = _run_units(units, pending, info, config, state, run_id, on_progress, done_bytes, took, workers)
         except InputError as e:  # a worker names a .jsonl line by its place in the unit
             raise InputError(refs.resolve(str(e))) from None
-        _check_journaled(state, fresh)
         by_index = {**trusted, **{r["index"]: r for r in fresh}}
         results = [by_index[u.index] for u in units]
         if on_progress:
@@ -799,20 +780,6 @@ def _build_started(out, info, config, overwrite, on_progress, task, files, units
     }
     _publish(out, state, asm, splits, manifest)
     return manifest
-
-
-def _check_journaled(state: str, fresh: list[dict]) -> None:
-    """Every unit this run tokenized is durable (spill fsynced, journal written): the workers'
-    journal threads have finished, as the workers have exited."""
-    for r in fresh:
-        try:
-            with open(done_path(state, r["index"])) as fh:
-                ok = json.load(fh).get("run") == r["run"]
-        except (OSError, ValueError):
-            ok = False
-        if not ok:
-            raise HelixtokError(f"could not make the tokens of work unit {r['index']} durable in {state} (disk "
-                                "error or full?); no dataset was published. Rerun the same command to resume")
 
 
 def _check_unchanged(files) -> None:

@@ -16,13 +16,15 @@ DOC_SKIPS = ("empty", "malformed_json", "not_an_object", "missing_text", "null_t
 REPAIRS = ("invalid_utf8_repaired", "lone_surrogate_repaired")
 
 
-def write_json_atomic(path: str, obj: dict) -> None:
+def write_json_atomic(path: str, obj: dict, *, durable: bool = True) -> None:
+    """Readers see the old file or the whole new one; durable: on disk before the rename."""
     tmp = os.path.join(os.path.dirname(path) or ".", "." + os.path.basename(path) + ".tmp")
     with open(tmp, "w") as fh:
         json.dump(obj, fh, indent=2, sort_keys=False)
         fh.write("\n")
-        fh.flush()
-        os.fsync(fh.fileno())
+        if durable:
+            fh.flush()
+            os.fsync(fh.fileno())
     os.replace(tmp, path)
 
 
