@@ -172,24 +172,33 @@ def flat_encoder(name: str, path: str, special: str, tok):
             # One thread: a build runs one worker process per core (--workers), and its own
             # thread pool would make each worker compete with the others for cores.
             os.environ.setdefault("FASTOKENS_BPE_THREADS", "1")
-            import fastokens
-
-            ft = fastokens.Tokenizer.from_file(path)
+            ft = _fast_tokenizer("fastokens", path, os.stat(path).st_mtime_ns)
 
             def encode(texts):
                 ids, offs = ft.encode_batch_flat(texts, add_special_tokens=False,
                                                  split_special_tokens=special == "text")
                 return np.frombuffer(ids, dtype="<u4"), np.diff(np.frombuffer(offs, dtype="<u8")).astype(np.int64)
         else:
-            import gigatoken
-
-            gt = gigatoken.Tokenizer(path)
+            gt = _fast_tokenizer("gigatoken", path, os.stat(path).st_mtime_ns)
 
             def encode(texts):
                 return _flat(gt.encode_batch_list(texts, parallel=False))
     except Exception as e:  # noqa: BLE001 - any refusal to load means: not this backend
         return None, None, f"{lib} cannot load this tokenizer ({type(e).__name__}: {str(e)[:80]})"
     return encode, ver, None
+
+
+@lru_cache(maxsize=2)
+def _fast_tokenizer(lib: str, path: str, mtime_ns: int):
+    """The fast library's tokenizer for a file, loaded once per process (the backend check and
+    an inline build's encoder use the same one; loading a 100k vocabulary takes a while)."""
+    if lib == "fastokens":
+        import fastokens
+
+        return fastokens.Tokenizer.from_file(path)
+    import gigatoken
+
+    return gigatoken.Tokenizer(path)
 
 
 def long_parity(name: str, version: str, path: str, special: str, tok, encode) -> tuple[bool, str]:

@@ -281,7 +281,6 @@ def _spill_intact(path: str, size: int, crc: int) -> bool:
     return c == crc
 
 
-
 # --------------------------------------------------------------------------- main side
 
 

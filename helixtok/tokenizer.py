@@ -118,11 +118,27 @@ class TokenizerInfo:
 def load_tokenizer(path: str):
     from tokenizers import Tokenizer
 
+    handed = _handed.pop(_file_key(path), None)
+    if handed is not None:
+        return handed
     try:
         return Tokenizer.from_file(path)
     except Exception as e:  # tokenizers raises a bare Exception on bad JSON
         raise TokenizerError(f"{path}: not a tokenizers tokenizer.json ({str(e).splitlines()[0][:200]}); "
                              "pass the tokenizer.json of a HF tokenizer") from e
+
+
+# A Tokenizer inspect_tokenizer loaded and no longer uses, for the next load of the same file
+# (the backend check): a 100k-vocabulary file takes ~0.5 s to load.  Taken once, never shared.
+_handed: dict[tuple, object] = {}
+
+
+def _file_key(path: str) -> tuple:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return (path,)
+    return (os.path.realpath(path), st.st_size, st.st_mtime_ns)
 
 
 def _config_token(tok_path: str, key: str) -> str | None:
@@ -169,12 +185,15 @@ def inspect_tokenizer(spec: str, *, eos_token: str | None = None, bos_token: str
     eos = pick(eos_token, "eos_token", EOS_CANDIDATES, "eos", True)
     bos = pick(bos_token, "bos_token", BOS_CANDIDATES, "bos", add_bos)
     pad = pick(pad_token, "pad_token", PAD_CANDIDATES, "pad", False) or eos
-    return TokenizerInfo(
+    info = TokenizerInfo(
         path=path, sha256=sha256_file(path), vocab_size=max(vocab.values()) + 1,
         eos_id=vocab[eos], eos_token=eos, pad_id=vocab[pad], pad_token=pad,
         bos_id=vocab[bos] if bos else None, bos_token=bos, add_bos=add_bos,
         splittable=_splits_exactly(tok), special_tokens=special_tokens,
     )
+    _handed.clear()
+    _handed[_file_key(path)] = tok
+    return info
 
 
 # Probe texts with a cut point: encode(a + b) must equal encode(a) + encode(b) for a

@@ -1,10 +1,12 @@
 """Build throughput beside the peer pipelines, in one run, on the same documents, tokenizer and process count.
 
 Usage: python scripts/bench_peers.py --tokenizer tok.json [--corpus ../shared/corpus/dev] [--workers 1 2]
-           [--scale 10] [--datatrove-python VENV/bin/python] [--megatron MEGATRON_LM_CHECKOUT] [--repeat 2]
+           [--scale 10] [--datatrove-python VENV/bin/python] [--megatron MEGATRON_LM_CHECKOUT]
+           [--megatron-python VENV/bin/python] [--skip-hf] [--repeat 2]
 
 Rows: the limit (one process doing only what cannot be avoided: read, decompress and parse the
-inputs, encode with the backend `--backend auto` picks); helixtok at N workers (auto and hf);
+inputs, encode with the backend `--backend auto` picks); the same work split over N processes
+started together (what N cores of this machine give); helixtok at N workers (auto and hf);
 HF datatrove's DocumentTokenizer (run with the python of a venv where datatrove is installed:
 it is not a helixtok dependency); Megatron-LM's tools/preprocess_data.py (HF tokenizers) and
 preprocess_data_fast.py (GigaToken) from a checkout passed with --megatron (fetched at bench
@@ -48,8 +50,9 @@ if __name__ == "__main__":  # its workers are new processes that import this fil
 '''
 
 
-def limit_seconds(corpus: str, tok: str) -> tuple[float, int, str]:
-    """One process: read + decompress + parse every unit, encode with the backend auto picks."""
+def limit_seconds(corpus: str, tok: str, part: tuple[int, int] = (0, 1), barrier=None) -> tuple[float, int, str]:
+    """One process: read + decompress + parse every unit (units[k::n] for part=(k, n)), encode
+    with the backend auto picks.  With a barrier, timing starts when all parts are ready."""
     from helixtok.backends import flat_encoder, hf_tokenizer
     from helixtok.build import _choose_backend
     from helixtok.config import BuildConfig
@@ -62,9 +65,11 @@ def limit_seconds(corpus: str, tok: str) -> tuple[float, int, str]:
     units, _ = plan_units(files, unit_bytes=cfg.unit_bytes, text_field="text")
     info, _ = _choose_backend(info, units, cfg)
     encode, _, _ = flat_encoder(info.backend, tok, cfg.special_tokens, hf_tokenizer(tok, cfg.special_tokens))
+    if barrier is not None:
+        barrier.wait()
     t0 = time.perf_counter()
     n = 0
-    for u in units:
+    for u in units[part[0]::part[1]]:
         batch, size = [], 0
         for text in UnitReader(u, "text", Tally()):
             batch.append(text)
@@ -75,6 +80,26 @@ def limit_seconds(corpus: str, tok: str) -> tuple[float, int, str]:
         if batch:
             n += len(encode(batch)[0]) + len(batch)
     return time.perf_counter() - t0, n, info.backend
+
+
+def _limit_part(corpus, tok, k, n, barrier, results) -> None:
+    results.put(limit_seconds(corpus, tok, (k, n), barrier)[:2])
+
+
+def parallel_limit_seconds(corpus: str, tok: str, n: int) -> tuple[float, int]:
+    """The limit's work split over n processes that start together: what this machine's cores
+    give for the unavoidable work (shared caches, memory bandwidth, vCPUs that are not cores)."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    barrier, results = ctx.Barrier(n), ctx.Queue()
+    procs = [ctx.Process(target=_limit_part, args=(corpus, tok, k, n, barrier, results)) for k in range(n)]
+    for p in procs:
+        p.start()
+    got = [results.get() for _ in procs]
+    for p in procs:
+        p.join()
+    return max(t for t, _ in got), sum(c for _, c in got)
 
 
 def write_inputs(docs: list[str], folder: str, scale: int) -> int:
@@ -154,9 +179,13 @@ def main() -> None:
                                      "HuggingFaceTokenizer", "--tokenizer-model", tokdir, "--append-eod", *e]))
         best: dict[str, tuple] = {}
         lim = None
+        par: dict[int, tuple[float, int]] = {}
         for _ in range(args.repeat):
             t, n, chosen = limit_seconds(src, args.tokenizer)
             lim = min(lim or (t, n, chosen), (t, n, chosen))
+            for w in args.workers:
+                if w > 1:
+                    par[w] = min(par.get(w, (float("inf"), 0)), parallel_limit_seconds(src, args.tokenizer, w))
             for name, kind, w, cmd in jobs:
                 out = os.path.join(tmp, "out")
                 if kind != "helixtok":  # helixtok makes OUT itself
@@ -184,6 +213,9 @@ def main() -> None:
         print(f"{'row':48} {'s':>7} {'MB/s':>7} {'Mtok/s':>7} {'peak RSS':>9} {'ratio':>6} {'tokens':>12}")
         print(f"{'limit: read+parse+encode, 1 process [' + chosen + ']':48} {t_lim:7.2f} {nbytes / t_lim / 1e6:7.1f} "
               f"{n_lim / t_lim / 1e6:7.2f} {'':>9} {1.0:6.2f} {n_lim:12,}")
+        for w, (t, n) in sorted(par.items()):
+            print(f"{f'limit split over {w} processes at once':48} {t:7.2f} {nbytes / t / 1e6:7.1f} "
+                  f"{n / t / 1e6:7.2f} {'':>9} {nbytes / t / (w * nbytes / t_lim):6.2f} {n:12,}")
         for name, kind, w, _ in jobs:
             dt, rss, n, err = best[name]
             if err:
@@ -192,7 +224,8 @@ def main() -> None:
             mark = "" if n == ref else " (differs)"
             print(f"{name:48} {dt:7.2f} {nbytes / dt / 1e6:7.1f} {n / dt / 1e6:7.2f} {rss / 2**20:6.0f} MiB "
                   f"{nbytes / dt / (w * nbytes / t_lim):6.2f} {n:12,}{mark}")
-        print("ratio: MB/s / (N x the limit row); tokens: ids + one EOS per document (helixtok: totals.tokens)")
+        print("ratio: MB/s / (N x the limit row); tokens: ids + one EOS per document (helixtok: totals.tokens); "
+              "'limit split over N processes': what N of this machine's cores give for the limit's work")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

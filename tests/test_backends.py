@@ -110,3 +110,21 @@ def test_every_backend_gives_tokenizers_bytes_or_is_refused(tmp_path, dev_corpus
     # tiktoken mirrors only GPT-2-style byte-level BPE.
     assert table["gpt2-like", "tiktoken"] == "identical"
     assert all(table[s, "tiktoken"].startswith("refused") for s in shapes if s != "gpt2-like")
+
+
+def test_the_tokenizer_inspect_loaded_is_handed_on_once_and_never_when_the_file_changed(tmp_path, small_tok):
+    """inspect_tokenizer's Tokenizer saves the backend check a second load; it is taken by one
+    caller only (hf_tokenizer sets options on it), and not at all if the file was replaced."""
+    import shutil
+
+    from helixtok.tokenizer import inspect_tokenizer, load_tokenizer
+
+    inspect_tokenizer(small_tok)
+    a, b = load_tokenizer(small_tok), load_tokenizer(small_tok)
+    assert a is not b and a.get_vocab() == b.get_vocab()
+    other = tmp_path / "other.json"
+    Tokenizer(models.WordLevel({"x": 0, "<|endoftext|>": 1}, unk_token="x")).save(str(other))
+    inspect_tokenizer(small_tok)
+    os.utime(small_tok, ns=(1, 1))  # replaced between the inspection and the load (mtime differs)
+    shutil.copyfile(other, small_tok)
+    assert load_tokenizer(small_tok).get_vocab() == {"x": 0, "<|endoftext|>": 1}
