@@ -178,7 +178,8 @@ class MemmapChunkDataset(Dataset):
         maps = []
         for p, n, e in self._shards:
             with self._checked(p) as fh:
-                mm = np.memmap(fh, dtype=self.dtype, mode="r", shape=(n, self.seq_len))
+                # A plain ndarray over the map: np.memmap's Python-level __getitem__ costs ~10 us a batch.
+                mm = np.memmap(fh, dtype=self.dtype, mode="r", shape=(n, self.seq_len)).view(np.ndarray)
             side = None
             if self.packing == "document":
                 with self._checked(os.path.join(self.path, e["valid"]["path"])) as fh:
@@ -206,9 +207,12 @@ class MemmapChunkDataset(Dataset):
         shard, local = self._locate(idx)
         width = self.seq_len + (1 if self.shifted else 0)
         out = np.empty((len(idx), width), dtype=np.int64)
-        for s in np.unique(shard):
-            sel = np.nonzero(shard == s)[0]
-            out[sel, : self.seq_len] = maps[s][0][local[sel]]
+        if len(idx) and shard[0] == shard.min() == shard.max():  # the common case: one shard, no selection
+            out[:, : self.seq_len] = maps[shard[0]][0][local]
+        else:
+            for s in np.unique(shard):
+                sel = np.nonzero(shard == s)[0]
+                out[sel, : self.seq_len] = maps[s][0][local[sel]]
         if self.shifted:
             nxt = idx + 1
             last = nxt >= self._len
@@ -280,7 +284,8 @@ class MemmapChunkDataset(Dataset):
     def __getitems__(self, indices) -> ChunkBatch:
         # DataLoader calls this with a whole batch of indices: one fancy index per shard.
         idx = np.asarray(indices, dtype=np.int64)
-        idx = np.where(idx < 0, idx + self._len, idx)
+        if len(idx) and idx.min() < 0:
+            idx = np.where(idx < 0, idx + self._len, idx)
         return ChunkBatch(self._batch(idx), len(idx))
 
     def __repr__(self) -> str:

@@ -72,6 +72,19 @@ class OnTheFly(IterableDataset):
                 yield {"input_ids": x, "labels": x.clone(), "attention_mask": torch.ones_like(x)}
 
 
+class _Prepared(torch.utils.data.Dataset):
+    """A dataset whose every batch is the same prepared one: what the DataLoader costs by itself."""
+
+    def __init__(self, batch, n: int):
+        self.batch, self.n = batch, n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitems__(self, indices):
+        return self.batch
+
+
 def synthetic(path: str, tokens: float, L: int) -> None:
     n = int(tokens) // L
     per = (1 << 30) // (L * 2)
@@ -84,15 +97,16 @@ def synthetic(path: str, tokens: float, L: int) -> None:
         mm[:] = np.arange(k * L, dtype=np.uint64) % 50000
         mm.flush()
         del mm
-        shards.append({"path": os.path.basename(p), "bytes": k * L * 2, "sha256": "synthetic", "num_chunks": k,
-                       "docs": {"path": f"train-{len(shards):05d}.docs", "sha256": "synthetic", "count": 0}})
+        fake = "0" * 64  # not verified by the reader (`helixtok verify` would refuse this dataset)
+        shards.append({"path": os.path.basename(p), "bytes": k * L * 2, "sha256": fake, "num_chunks": k,
+                       "docs": {"path": f"train-{len(shards):05d}.docs", "sha256": fake, "count": 0}})
         open(os.path.join(path, shards[-1]["docs"]["path"]), "wb").close()
         i += k
     m = {"format_version": 1, "dtype": "uint16", "seq_len": L, "packing": "packed",
-         "tokenizer": {"sha256": "synthetic", "vocab_size": 50000, "eos_id": 0, "pad_id": 0},
+         "tokenizer": {"sha256": "0" * 64, "vocab_size": 50000, "eos_id": 0, "pad_id": 0, "file": "tokenizer.json"},
          "splits": {"train": {"num_chunks": n, "num_tokens": n * L, "pad_tokens": 0, "dropped_tokens": 0,
                               "tokens": n * L, "documents": 0, "dropped_documents": 0, "shards": shards}},
-         "totals": {}}
+         "totals": {"documents": 0, "tokens": n * L, "chunks": n}}
     json.dump(m, open(os.path.join(path, "manifest.json"), "w"))
 
 
@@ -127,6 +141,9 @@ def main() -> None:
                          loader_rate(ds, B, w, args.seconds)))
             rows.append((f"  same, collate_fn=ds.collate (no re-stacking), workers {w}",
                          loader_rate(ds, B, w, args.seconds, ds.collate)))
+        batch = ds.__getitems__(list(range(min(B, len(ds)))))
+        rows.append(("  DataLoader's own floor: __getitems__ hands back one prepared batch",
+                     readbench.loader_rate(_Prepared(batch, len(ds)), B, 0, args.seconds, ds.collate)[0]))
         if tok:
             from bench_build import load_docs
 
