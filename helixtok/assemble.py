@@ -15,13 +15,6 @@ from .tokenizer import TokenizerInfo
 ASSEMBLY_TOKENS = 1 << 22  # tokens per slice when assembling: memory stays flat (16 MiB at uint32)
 
 
-def _read_ids(fh, dtype: np.dtype, n: int, path: str) -> np.ndarray:
-    ids = np.fromfile(fh, dtype=dtype, count=n)
-    if len(ids) != n:
-        raise HelixtokError(f"{path}: shorter than its journal says (changed during the build?); rerun")
-    return ids
-
-
 class _Split:
     """One split's writer, packer and counts."""
 
@@ -72,26 +65,27 @@ class Assembler:
         ends = np.cumsum(lens_all)
         sp.documents += len(lens_all)
         sp.produced += int(ends[-1])
-        # Read in slices of ~ASSEMBLY_TOKENS (packed: any token range; document packing: whole
-        # documents), so memory does not grow with a unit's or a document's size.
-        with open(tok_path, "rb") as fh:
-            if cfg.packing == "packed":
-                doc_starts = sp.packer.pos + np.concatenate(([0], ends[:-1]))
-                t, total = 0, int(ends[-1])
-                while t < total:
-                    ids = _read_ids(fh, dtype, min(ASSEMBLY_TOKENS, total - t), tok_path)
-                    sp.packer.add(ids, doc_starts)
-                    t += len(ids)
-            else:
-                d0 = 0
-                while d0 < len(lens_all):
-                    base = int(ends[d0 - 1]) if d0 else 0
-                    d1 = max(d0 + 1, int(np.searchsorted(ends, base + ASSEMBLY_TOKENS, side="right")))
-                    ids = _read_ids(fh, dtype, int(ends[d1 - 1]) - base, tok_path)
-                    chunks, valid, c = document_chunks(ids, lens_all[d0:d1], L, cfg.tail_len, self.info.pad_id)
-                    sp.counts.add(c)
-                    sp.writer.write(chunks, valid=valid)
-                    d0 = d1
+        total = int(ends[-1])
+        if os.path.getsize(tok_path) != total * dtype.itemsize:
+            raise HelixtokError(f"{tok_path}: not the size its journal says (changed during the build?); rerun")
+        # Mapped, not read: the packer hands the writer views of the spill file, so a token is
+        # copied once on its way into a shard.  Slices of ~ASSEMBLY_TOKENS (packed: any token
+        # range; document packing: whole documents) keep the pages in use few.
+        ids_all = np.memmap(tok_path, dtype=dtype, mode="r", shape=(total,)).view(np.ndarray)
+        if cfg.packing == "packed":
+            doc_starts = sp.packer.pos + np.concatenate(([0], ends[:-1]))
+            for t in range(0, total, ASSEMBLY_TOKENS):
+                sp.packer.add(ids_all[t: t + ASSEMBLY_TOKENS], doc_starts)
+        else:
+            d0 = 0
+            while d0 < len(lens_all):
+                base = int(ends[d0 - 1]) if d0 else 0
+                d1 = max(d0 + 1, int(np.searchsorted(ends, base + ASSEMBLY_TOKENS, side="right")))
+                chunks, valid, c = document_chunks(ids_all[base: int(ends[d1 - 1])], lens_all[d0:d1], L, cfg.tail_len,
+                                                   self.info.pad_id)
+                sp.counts.add(c)
+                sp.writer.write(chunks, valid=valid)
+                d0 = d1
 
     def finish(self) -> dict:
         """Close the last shards; returns the manifest's `splits`."""
