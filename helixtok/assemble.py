@@ -69,19 +69,21 @@ class Assembler:
         if os.path.getsize(tok_path) != total * dtype.itemsize:
             raise HelixtokError(f"{tok_path}: not the size its journal says (changed during the build?); rerun")
         # Mapped, not read: the packer hands the writer views of the spill file, so a token is
-        # copied once on its way into a shard.  Slices of ~ASSEMBLY_TOKENS (packed: any token
-        # range; document packing: whole documents) keep the pages in use few.
-        ids_all = np.memmap(tok_path, dtype=dtype, mode="r", shape=(total,)).view(np.ndarray)
+        # copied once on its way into a shard.  One slice of ~ASSEMBLY_TOKENS is mapped at a time
+        # (packed: any token range; document packing: whole documents): memory stays flat.
+        def window(a: int, b: int) -> np.ndarray:
+            return np.memmap(tok_path, dtype=dtype, mode="r", offset=a * dtype.itemsize, shape=(b - a,)).view(np.ndarray)
+
         if cfg.packing == "packed":
             doc_starts = sp.packer.pos + np.concatenate(([0], ends[:-1]))
             for t in range(0, total, ASSEMBLY_TOKENS):
-                sp.packer.add(ids_all[t: t + ASSEMBLY_TOKENS], doc_starts)
+                sp.packer.add(window(t, min(total, t + ASSEMBLY_TOKENS)), doc_starts)
         else:
             d0 = 0
             while d0 < len(lens_all):
                 base = int(ends[d0 - 1]) if d0 else 0
                 d1 = max(d0 + 1, int(np.searchsorted(ends, base + ASSEMBLY_TOKENS, side="right")))
-                chunks, valid, c = document_chunks(ids_all[base: int(ends[d1 - 1])], lens_all[d0:d1], L, cfg.tail_len,
+                chunks, valid, c = document_chunks(window(base, int(ends[d1 - 1])), lens_all[d0:d1], L, cfg.tail_len,
                                                    self.info.pad_id)
                 sp.counts.add(c)
                 sp.writer.write(chunks, valid=valid)

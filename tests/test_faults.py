@@ -130,7 +130,7 @@ def test_ctrl_c_exits_130_and_resumes(tmp_path, dev_corpus, tokenizer_path, dev_
 
 def test_dead_worker_fails_promptly_with_location(tmp_path, dev_corpus, tokenizer_path):
     out = tmp_path / "out"
-    p = start_cli(dev_corpus, out, tokenizer_path)
+    p = start_cli(dev_corpus, out, tokenizer_path, "--backend", "hf")  # slow enough to be caught mid-build
     wait_for(str(out / STATE / "u*.part"), p)
     kids = subprocess.run(["pgrep", "-P", str(p.pid)], capture_output=True, text=True).stdout.split()
     workers = [k for k in kids if "spawn_main" in open(f"/proc/{k}/cmdline").read()]
