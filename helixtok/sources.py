@@ -824,8 +824,9 @@ class UnitReader:
                         obj = json.loads(s)
                         s = None
                     except ValueError as e:
-                        self.tally.add("malformed_json", f"{at()} ({getattr(e, 'msg', e)} at column "
-                                                          f"{getattr(e, 'colno', '?')})")
+                        # json's message for a control character ends in "at" (its own position follows)
+                        msg = str(getattr(e, "msg", e)).removesuffix(" at")
+                        self.tally.add("malformed_json", f"{at()} ({msg} at column {getattr(e, 'colno', '?')})")
                         continue
                     text = self._field(obj, at())
                     obj = None  # only the text stays alive while it is tokenized
