@@ -661,41 +661,26 @@ class LineRefs:
     """
 
     def __init__(self, units: list["Unit"]):
-        self.units = units
+        self.units = {u.index: u for u in units}
         self.lines: dict[int, int] = {}  # unit index -> lines it holds (from its journal)
 
-    def record(self, index: int, lines: int | None) -> None:
-        if lines is not None:
-            self.lines[index] = lines
+    def record(self, index: int, lines: int) -> None:
+        self.lines[index] = lines
 
     def resolve(self, text: str) -> str:
         if "\x00" not in text:
             return text
-        first: dict[int, int | None] = {}
 
         def line(m) -> str:
-            index, n = int(m.group(1)), int(m.group(2))
-            if index not in first:
-                first[index] = self._first_line(index)
-            f = first[index]
-            return str(f + n - 1) if f is not None else f"line {n} of bytes {self._range(index)}"
+            u, n = self.units.get(int(m.group(1))), int(m.group(2))
+            if u is None:
+                return f"line {n} of a unit"
+            before = [v.index for v in self.units.values()  # the units before it in the same file
+                      if v.kind == "jsonl" and v.files == u.files and v.start < u.start]
+            if any(i not in self.lines for i in before):  # not all read (an earlier error): say where
+                return f"line {n} of bytes {u.start}-{u.stop}"
+            return str(sum(self.lines[i] for i in before) + n)
         return _LINE_REF.sub(line, text)
-
-    def _first_line(self, index: int) -> int | None:
-        by = {u.index: u for u in self.units}
-        u, before = by.get(index), 0
-        if u is None:
-            return None
-        for v in self.units:  # the units before it in the same file
-            if v.kind == "jsonl" and v.files == u.files and v.start < u.start:
-                if v.index not in self.lines:
-                    return None
-                before += self.lines[v.index]
-        return before + 1
-
-    def _range(self, index: int) -> str:
-        u = next((u for u in self.units if u.index == index), None)
-        return f"{u.start}-{u.stop}" if u else "?"
 
     def resolve_tally(self, tally: "Tally") -> "Tally":
         out = Tally(first=self.resolve(tally.first) if tally.first else None)
