@@ -1,8 +1,11 @@
 """Read throughput side by side: the memmap limit, MemmapChunkDataset through DataLoader, an on-the-fly
 tokenizing dataset; and start-up on a synthetic 1.5 B-token dataset.
 
-Usage: python scripts/bench_read.py [--dataset OUT] [--seq-len 512] [--batch-size 16] [--startup-tokens 1.5e9]
-Without --dataset it builds one from ../shared/corpus/dev.  The ratio column is against the raw
+Usage: python scripts/bench_read.py [--dataset OUT] [--seq-len 512] [--batch-size 16] [--shard-size 1GiB]
+                                    [--startup-tokens 1.5e9]
+Without --dataset it builds one from ../shared/corpus/dev (one shard at the default --shard-size;
+a 1.5 B-token corpus has three 1 GiB shards, so a random batch reads from several: --shard-size 12MB
+gives the dev corpus four).  The ratio column is against the raw
 limit (numpy fancy-indexing of the same rows from the memmap into an int64 tensor).
 """
 
@@ -115,6 +118,7 @@ def main() -> None:
     ap.add_argument("--dataset")
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--shard-size", default="1GiB")
     ap.add_argument("--seconds", type=float, default=3.0)
     ap.add_argument("--startup-tokens", type=float, default=1.5e9)
     args = ap.parse_args()
@@ -130,7 +134,8 @@ def main() -> None:
             txt = os.path.join(DEV, "txt")
             train_tokenizer((open(os.path.join(txt, f)).read() for f in sorted(os.listdir(txt))), tok, vocab_size=16384)
             out = os.path.join(tmp, "out")
-            subprocess.run([sys.executable, "-m", "helixtok.cli", "build", DEV, out, "-t", tok, "-L", str(L), "-q"],
+            subprocess.run([sys.executable, "-m", "helixtok.cli", "build", DEV, out, "-t", tok, "-L", str(L), "-q",
+                            "--shard-size", args.shard_size],
                            check=True)
         ds = MemmapChunkDataset(out)
         rows = []
@@ -155,7 +160,7 @@ def main() -> None:
                 if time.perf_counter() - t0 > args.seconds:
                     break
             rows.append(("baseline: on-the-fly tokenizing IterableDataset, workers 0", n / (time.perf_counter() - t0)))
-        print(f"dataset: {out} ({len(ds)} chunks x {L}), cores: {len(os.sched_getaffinity(0))}")
+        print(f"dataset: {out} ({len(ds)} chunks x {L} in {len(ds._shards)} shards), cores: {len(os.sched_getaffinity(0))}")
         print(f"{'row':66} {'Mtok/s':>9} {'ratio':>6}")
         for name, r in rows:
             print(f"{name:66} {r / 1e6:9.2f} {r / limit:6.2f}")

@@ -7,6 +7,8 @@ import pickle
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch.utils.data import DataLoader
 
 from helixtok import MemmapChunkDataset
@@ -39,6 +41,58 @@ def test_getitems_batches_across_shards(dev_packed):
     idx = [len(ds) - 1, 0, 1023, 1024, 7, 7]
     got = ds.__getitems__(idx)
     assert [g["input_ids"].tolist() for g in got] == raw[idx].tolist()
+
+
+def _reference(out, packing):
+    m = json.load(open(os.path.join(out, "manifest.json")))
+    raw = all_chunks(out).astype(np.int64)
+    L = raw.shape[1]
+    if packing == "document":
+        valid = np.concatenate([np.fromfile(os.path.join(out, s["valid"]["path"]), dtype="<u4")
+                                for s in m["splits"]["train"]["shards"]])
+    else:
+        valid = np.full(len(raw), L)
+    pad = np.arange(L)[None, :] >= valid[:, None]
+    return raw, np.where(pad, -100, raw), (~pad).astype(np.int64)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.data())
+def test_every_batch_equals_the_rows_on_disk(dev_packed, dev_document, data):
+    # Any list of indices (one shard or several, short or long, repeats, negatives) reads the
+    # rows the shards hold; the gather takes a different path for each of those shapes.
+    out = data.draw(st.sampled_from([dev_packed, dev_document]))
+    packing = "document" if out == dev_document else "packed"
+    shifted = packing == "packed" and data.draw(st.booleans())
+    ds = MemmapChunkDataset(out, shifted=shifted)
+    raw, labels, mask = _reference(out, packing)
+    n = len(raw)
+    near = data.draw(st.integers(0, n - 1))  # indices around one point land in one shard
+    index = st.one_of(st.integers(-n, n - 1), st.integers(max(-n, near - 40), min(n - 1, near + 40)))
+    idx = data.draw(st.lists(index, min_size=1, max_size=data.draw(st.sampled_from([8, 100]))))
+    got = ds.collate(ds.__getitems__(idx))
+    want = np.array(idx) % n
+    assert np.array_equal(got["input_ids"].numpy(), raw[want])
+    if shifted:
+        nxt = np.append(raw[1:, 0], -100)[want]
+        assert np.array_equal(got["labels"].numpy(), np.concatenate([raw[want][:, 1:], nxt[:, None]], axis=1))
+        assert got["attention_mask"].all()
+    else:
+        assert np.array_equal(got["labels"].numpy(), labels[want])
+        assert np.array_equal(got["attention_mask"].numpy(), mask[want])
+    got["labels"][:] = 7  # labels are a copy: editing them in place leaves input_ids alone
+    assert np.array_equal(got["input_ids"].numpy(), raw[want])
+
+
+def test_out_of_range_indices_are_named(dev_packed):
+    ds = MemmapChunkDataset(dev_packed)
+    n = len(ds)
+    for bad in ([0, n], [n + 5], [-n - 1, 3]):
+        with pytest.raises(IndexError, match=f"index {bad[-1] if bad[0] == 0 else bad[0]} out of range for {n} chunks"):
+            ds.__getitems__(bad)
+    with pytest.raises(IndexError, match=f"index {-n - 2} out of range"):
+        ds[-n - 2]
+    assert ds.__getitems__([]).batch["input_ids"].shape == (0, 512)
 
 
 def test_collate_fast_path_equals_default_collate(dev_document):
