@@ -415,8 +415,7 @@ def _run_units(units: list[Unit], pending: list[Unit], info: TokenizerInfo, conf
     total_bytes = sum(u.est_bytes for u in units)
     # Largest first, so the last unit to finish is a small one (output order does not depend on this);
     # --strict goes in corpus order, to stop at the first bad input soon.
-    order = sorted(pending, key=lambda u: (0 if config.strict else
-                                           -u.est_bytes * (4 if u.kind in ("jsonl.gz", "jsonl.zst") else 1), u.index))
+    order = sorted(pending, key=lambda u: (0 if config.strict else -u.est_bytes, u.index))
     units_done = len(units) - len(pending)
     t_last = 0.0
     results = []
@@ -552,10 +551,12 @@ SAMPLE_UNITS, SAMPLE_CHARS = 8, 1 << 20
 
 def _sample_texts(units: list[Unit], config: BuildConfig) -> list[str]:
     """Documents from up to SAMPLE_UNITS evenly spaced units (their first SAMPLE_CHARS / k chars)."""
-    step = max(1, len(units) // SAMPLE_UNITS)
-    head = SAMPLE_CHARS // SAMPLE_UNITS
+    # Not a .zst range inside a frame: reaching it means decompressing the frame up to it.
+    cheap = [u for u in units if not (u.kind == "jsonl.zst" and u.start != u.seek[1])]
+    picked = cheap[::max(1, len(cheap) // SAMPLE_UNITS)][:SAMPLE_UNITS]
+    head = SAMPLE_CHARS // max(1, len(picked))
     sample: list[str] = []
-    for u in units[::step][:SAMPLE_UNITS]:
+    for u in picked:
         got = 0
         for text in UnitReader(u, config.text_field, Tally(), long_bytes=config.long_doc_bytes):
             sample.append(text.head(head) if isinstance(text, LongText) else text[:head])

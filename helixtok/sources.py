@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import glob
 import gzip
 import hashlib
@@ -316,9 +317,10 @@ class Unit:
 
     text: files[] are whole documents.  jsonl: bytes [start, stop) of one file, cut at line
     ends; first_line 0 (its number is only known once the units before it are read: see
-    LineRefs).  jsonl.gz: a large file is cut the same way in its
-    decompressed bytes (read through a seek index, `aux`); stop == 0: the whole file, as .zst.
-    parquet: row groups [start, stop), first_line the index of its first row.
+    LineRefs).  jsonl.gz / jsonl.zst: a large file is cut the same way in its decompressed
+    bytes (a .gz range starts at a point of its seek index, `aux`; a .zst range at the start of
+    the frame it begins in, `seek`); stop == 0: the whole file.  parquet: row groups
+    [start, stop), first_line the index of its first row.
     """
 
     index: int
@@ -330,6 +332,7 @@ class Unit:
     first_line: int = 1
     est_bytes: int = 0  # input text bytes, for scheduling and progress
     aux: str = ""  # jsonl.gz line ranges: the seek index file (a cache, not part of the plan)
+    seek: tuple[int, int] = (0, 0)  # jsonl.zst line ranges: (compressed, decompressed) offset of a frame
 
     def to_json(self) -> dict:
         return {"kind": self.kind, "files": list(self.names), "start": self.start, "stop": self.stop}
@@ -338,11 +341,11 @@ class Unit:
 def plan_units(files: list[InputFile], *, unit_bytes: int, text_field: str) -> tuple[list[Unit], Tally]:
     units: list[Unit] = []
     warnings = Tally()
-    # A .gz file is split into line ranges when it is large in absolute terms and relative to the
-    # corpus (a corpus of many .gz files is already parallel; splitting costs one serial scan each).
-    # Both are functions of the input alone: the units, hence the bytes, do not depend on --workers.
-    gz_total = sum(f.size for f in files if f.kind == "jsonl.gz")
-    split_gz = max(GZ_SPLIT_BYTES, gz_total // GZ_SPLIT_SHARE)
+    # A compressed file is split into line ranges when it is large in absolute terms and relative
+    # to the corpus (a corpus of many such files is already parallel; splitting costs one serial
+    # scan each).  Both are functions of the input alone: the units do not depend on --workers.
+    packed_total = sum(f.size for f in files if f.kind in ("jsonl.gz", "jsonl.zst"))
+    split_at = max(SPLIT_BYTES, packed_total // SPLIT_SHARE)
     batch: list[InputFile] = []
 
     def flush_text() -> None:
@@ -367,11 +370,17 @@ def plan_units(files: list[InputFile], *, unit_bytes: int, text_field: str) -> t
                 units.append(Unit(len(units), "jsonl", (f.path,), (f.name,), start, stop, 0, stop - start))
         elif f.kind in ("jsonl.gz", "jsonl.zst"):
             _check_jsonl_head(f, text_field)
-            if f.kind == "jsonl.gz" and f.size >= split_gz:
-                index, cuts = _gzip_cuts(f, max(unit_bytes, GZ_MIN_UNIT_BYTES))
+            if f.kind == "jsonl.gz" and f.size >= split_at:
+                index, cuts = _gzip_cuts(f, max(unit_bytes, RANGE_MIN_BYTES))
                 for start, stop, line in cuts:
                     units.append(Unit(len(units), f.kind, (f.path,), (f.name,), start, stop, line, stop - start,
                                       aux=index))
+            elif f.kind == "jsonl.zst" and f.size >= split_at:
+                # A file holding a smaller share of the corpus needs fewer ranges to keep all cores busy.
+                n = min(ZST_RANGES_PER_FRAME, -(-SPLIT_SHARE * f.size // packed_total))
+                for start, stop, line, seek in _zstd_cuts(f, max(unit_bytes, RANGE_MIN_BYTES), n):
+                    units.append(Unit(len(units), f.kind, (f.path,), (f.name,), start, stop, line, stop - start,
+                                      seek=seek))
             else:
                 units.append(Unit(len(units), f.kind, (f.path,), (f.name,), est_bytes=f.size * 4))
         elif f.kind == "parquet":
@@ -384,10 +393,16 @@ def plan_units(files: list[InputFile], *, unit_bytes: int, text_field: str) -> t
     return units, warnings
 
 
-GZ_SPLIT_BYTES = 32 << 20  # compressed bytes from which one .gz file is read by several workers
-GZ_SPLIT_SHARE = 64  # ... and a file must also hold at least 1/64 of the corpus's .gz bytes
-GZ_MIN_UNIT_BYTES = 32 << 20  # decompressed bytes per range of a split .gz file
+SPLIT_BYTES = 32 << 20  # compressed bytes from which one .gz/.zst file is read by several workers
+SPLIT_SHARE = 64  # ... and a file must also hold at least 1/64 of the corpus's compressed bytes
+RANGE_MIN_BYTES = 32 << 20  # decompressed bytes per range of a split file
 GZ_INDEX_SPACING = 4 << 20  # decompressed bytes between seek points: what a worker decompresses to skip
+# zstd cannot resume inside a frame: a range decompresses its frame from the start and discards the
+# bytes before it, (n - 1) / 2 frames of extra decompression for n ranges.  zstd decompresses ~1 GB/s
+# and fastokens tokenizes ~0.13 GB/s per core, so 8 ranges cost ~45% more CPU, and the frame no
+# longer waits for one worker (measured in docs/performance.md).  A file of many frames (pzstd, or
+# .zst files concatenated) is cut at RANGE_MIN_BYTES, each range starting at its own frame.
+ZST_RANGES_PER_FRAME = 8
 
 
 def _gzip_cuts(f: InputFile, unit_bytes: int) -> tuple[str, list[tuple[int, int, int]]]:
@@ -447,8 +462,11 @@ def _line_aligned_cuts(path: str, size: int, unit_bytes: int) -> Iterator[tuple[
             start = stop
 
 
-def _cuts_of(fh, unit_bytes: int) -> Iterator[tuple[int, int, int]]:
-    start, line, pos, lines_before = 0, 1, 0, 0
+def _cuts_of(fh, unit_bytes: int, count_lines: bool = True) -> Iterator[tuple[int, int, int]]:
+    """(start, stop, first line) of line-aligned ranges of fh's bytes, each at least unit_bytes;
+    first line 0 without count_lines (LineRefs numbers those lines from the workers' counts)."""
+    count = bytes.count if count_lines else lambda *a: 0
+    start, line, pos, lines_before = 0, 1 if count_lines else 0, 0, 0
     while True:
         block = fh.read(8 << 20)
         if not block:
@@ -457,62 +475,124 @@ def _cuts_of(fh, unit_bytes: int) -> Iterator[tuple[int, int, int]]:
         while True:
             target = start + unit_bytes - pos  # index in block where this unit is full
             if target >= len(block):
-                lines_before += block.count(b"\n", i)
+                lines_before += count(block, b"\n", i)
                 break
             nl = block.find(b"\n", max(target, i))
             if nl < 0:
-                lines_before += block.count(b"\n", i)
+                lines_before += count(block, b"\n", i)
                 break
-            lines_before += block.count(b"\n", i, nl + 1)
+            lines_before += count(block, b"\n", i, nl + 1)
             stop = pos + nl + 1
             yield start, stop, line
-            start, line, i = stop, lines_before + 1, nl + 1
+            start, line, i = stop, lines_before + 1 if count_lines else 0, nl + 1
         pos += len(block)
     if pos > start:
         yield start, pos, line
+
+
+def _zstd_cuts(f: InputFile, unit_bytes: int, per_frame: int) -> list[tuple[int, int, int, tuple[int, int]]]:
+    """Line-aligned ranges (start, stop, first line 0, frame seek point) of a large .zst file's
+    decompressed bytes: at least unit_bytes each, and at most about `per_frame` per frame.  The
+    pass decompresses the file once; it does not count lines (see LineRefs)."""
+    try:
+        with open_input(f.path) as raw:
+            z = _ZstdRaw(raw)
+            fine = list(_cuts_of(z, unit_bytes, count_lines=False))
+    except (EOFError, OSError) as e:
+        raise _damaged(f.path, f.kind, e, "truncated or corrupt") from e
+    starts = [d for _, d in z.frames]
+    sizes = [e - b for b, e in zip(starts, starts[1:] + [z.produced])]
+    ranges: list[list[int]] = []  # [start, stop, first line, frame]
+    for start, stop, line in fine:
+        k = bisect.bisect_right(starts, start) - 1  # the frame this piece begins in
+        if ranges and ranges[-1][3] == k and \
+                ranges[-1][1] - ranges[-1][0] < max(unit_bytes, sizes[k] // per_frame):
+            ranges[-1][1] = stop
+        else:
+            ranges.append([start, stop, line, k])
+    return [(a, b, line, z.frames[k]) for a, b, line, k in ranges]
 
 
 class _ZstdRaw(io.RawIOBase):
     """Decompress zstd frame after frame; a file that ends inside a frame raises EOFError.
 
     (zstandard's stream_reader returns a clean EOF on a truncated frame: silent data loss.)
+    `frames` lists (compressed offset, decompressed offset) of each frame begun so far; `offset`
+    is where in the file `raw` is positioned (the start of a frame).
     """
 
-    def __init__(self, raw):
+    def __init__(self, raw, offset: int = 0):
         import zstandard
 
         self._zstd = zstandard
         self._raw = raw
         self._d = zstandard.ZstdDecompressor().decompressobj()
-        self._buf = b""
+        self._buf = memoryview(b"")
         self._started = False
+        self._fed = offset  # compressed bytes read, as a file offset
+        self.produced = 0  # decompressed bytes made
+        self.frames: list[tuple[int, int]] = []
 
     def readable(self) -> bool:
         return True
 
+    def _fill(self) -> bool:
+        """Decompress the next block of input; False at the end of the stream."""
+        data = self._raw.read(1 << 20)
+        if not data:
+            if self._started:
+                raise EOFError("zstd stream ends inside a frame")
+            return False
+        at, self._fed = self._fed, self._fed + len(data)
+        out = []
+        while data:
+            if not self._started:
+                self.frames.append((at, self.produced))
+                self._started = True
+            try:
+                out.append(self._d.decompress(data))
+            except self._zstd.ZstdError as e:
+                raise OSError(f"corrupt zstd data: {e}") from e
+            self.produced += len(out[-1])
+            if self._d.eof:  # a new frame may follow (concatenated .zst files are valid)
+                data = self._d.unused_data
+                at = self._fed - len(data)
+                self._d = self._zstd.ZstdDecompressor().decompressobj()
+                self._started = False
+            else:
+                data = b""
+        self._buf = memoryview(b"".join(out))
+        return True
+
+    def read(self, size: int = -1) -> bytes:
+        """Up to `size` bytes; with a large size, one decompressed block as made (no extra copy)."""
+        while not self._buf:
+            if not self._fill():
+                return b""
+        if 0 <= size < len(self._buf):
+            out, self._buf = self._buf[:size].tobytes(), self._buf[size:]
+            return out
+        out = self._buf.obj if len(self._buf) == len(self._buf.obj) else self._buf.tobytes()
+        self._buf = memoryview(b"")
+        return out
+
     def readinto(self, b) -> int:
         while not self._buf:
-            data = self._raw.read(1 << 20)
-            if not data:
-                if self._started and not self._d.eof:
-                    raise EOFError("zstd stream ends inside a frame")
+            if not self._fill():
                 return 0
-            while data:
-                self._started = True
-                try:
-                    self._buf += self._d.decompress(data)
-                except self._zstd.ZstdError as e:
-                    raise OSError(f"corrupt zstd data: {e}") from e
-                if self._d.eof:  # a new frame may follow (concatenated .zst files are valid)
-                    data = self._d.unused_data
-                    self._d = self._zstd.ZstdDecompressor().decompressobj()
-                    self._started = bool(data)
-                else:
-                    data = b""
         n = min(len(b), len(self._buf))
         b[:n] = self._buf[:n]
         self._buf = self._buf[n:]
         return n
+
+    def skip(self, n: int) -> None:
+        """Decompress and discard n bytes (to reach a range inside a frame)."""
+        while n > 0:
+            if not self._buf and not self._fill():
+                raise EOFError(f"zstd stream ends {n} bytes before the range")
+            k = min(n, len(self._buf))
+            self._buf = self._buf[k:]
+            n -= k
 
 
 def _open_stream(path: str, kind: str, raw: io.BufferedReader):
@@ -653,7 +733,7 @@ _LINE_REF = re.compile("\x00L(\\d+):(\\d+)\x00")
 
 
 class LineRefs:
-    """Line numbers of plain .jsonl units, which are cut without reading the file before them.
+    """Line numbers of plain .jsonl and .zst ranges, which are cut without counting the lines before them.
 
     A worker knows a line only as the n-th of its unit and writes it as a reference
     (`line_ref`); the main process, which learns every unit's line count from its journal,
@@ -676,7 +756,7 @@ class LineRefs:
             if u is None:
                 return f"line {n} of a unit"
             before = [v.index for v in self.units.values()  # the units before it in the same file
-                      if v.kind == "jsonl" and v.files == u.files and v.start < u.start]
+                      if v.kind == u.kind and v.files == u.files and v.start < u.start]
             if any(i not in self.lines for i in before):  # not all read (an earlier error): say where
                 return f"line {n} of bytes {u.start}-{u.stop}"
             return str(sum(self.lines[i] for i in before) + n)
@@ -764,13 +844,18 @@ class UnitReader:
                 stream.import_index(u.aux)
                 stream.seek(u.start)
                 stream = io.BufferedReader(stream, 1 << 20)
+            elif u.kind == "jsonl.zst" and u.stop:  # a line range of a large .zst: from its frame's start
+                raw.seek(u.seek[0])
+                stream = io.BufferedReader(z := _ZstdRaw(raw, u.seek[0]), 1 << 20)
             else:
                 stream = _open_stream(path, u.kind, raw)
             if u.kind == "jsonl":
                 raw.seek(u.start)
-            remaining = u.stop - u.start if u.kind == "jsonl" or u.aux else -1
+            remaining = u.stop - u.start if u.stop else -1  # stop == 0: a whole compressed file
             fast_field = self.text_field if orjson is not None else None
             try:
+                if u.kind == "jsonl.zst" and u.stop:
+                    z.skip(u.start - u.seek[1])
                 for line in stream:
                     if remaining >= 0:
                         if remaining <= 0:

@@ -140,6 +140,59 @@ def test_zstd_read_and_truncated(tmp_path, small_tok):
         do_build(tmp_path, small_tok, p)
 
 
+@pytest.mark.parametrize("frames", [1, 9])
+def test_a_large_jsonl_zst_is_read_by_several_workers_with_the_same_bytes(tmp_path, small_tok, dev_docs, monkeypatch,
+                                                                          frames):
+    """One .zst file cut into decompressed line ranges, each starting at the frame it begins in
+    (one frame: all from the file's start, at most ZST_RANGES_PER_FRAME of them): the same bytes as
+    reading it whole, exact line numbers in warnings; damage still fails naming the file."""
+    import filecmp
+
+    import zstandard
+
+    import helixtok.sources as hs
+
+    lines = [json.dumps({"text": t}) + "\n" for t in dev_docs[:300]]
+    lines[237] = "{not json\n"
+    data = "".join(lines).encode()
+    step = -(-len(lines) // frames)
+    parts = ["".join(lines[i: i + step]).encode() for i in range(0, len(lines), step)]
+    packed = [zstandard.ZstdCompressor().compress(p) for p in parts]
+    blob = b"".join(packed)
+    frame_at = [(sum(map(len, packed[:k])), sum(map(len, parts[:k]))) for k in range(len(parts))]
+    c = tmp_path / "c"
+    c.mkdir()
+    (c / "big.jsonl.zst").write_bytes(blob)
+    whole, ow = do_build(tmp_path / "whole", small_tok, c, seq_len=64, workers=2)
+    monkeypatch.setattr(hs, "SPLIT_BYTES", 1)
+    monkeypatch.setattr(hs, "RANGE_MIN_BYTES", 1)
+    f = hs.discover([str(c)])[0][0]
+    monkeypatch.setattr(hs, "ZST_RANGES_PER_FRAME", 7)
+    units = hs.plan_units([f], unit_bytes=len(data) // 20, text_field="text")[0]
+    assert [u.start for u in units[1:]] == [u.stop for u in units[:-1]] and units[-1].stop == len(data)
+    assert all(data[u.start - 1: u.start] == b"\n" for u in units[1:])  # cut at line ends
+    seeks = {u.seek for u in units}
+    if frames == 1:
+        assert 4 <= len(units) <= 7 and seeks == {(0, 0)}
+    else:  # every range starts in the frame its first line is in, and skips only inside that frame
+        assert len(units) >= 18 and len(seeks) == frames
+        assert all(u.seek == max(x for x in frame_at if x[1] <= u.start) for u in units)
+    split, osp = do_build(tmp_path / "split", small_tok, c, seq_len=64, workers=2, unit_bytes=len(data) // 20)
+    assert whole["inputs"]["units"] == 1 and split["inputs"]["units"] == len(units)
+    assert split["skipped"]["malformed_json"]["examples"] == ["big.jsonl.zst:238 (Expecting property name "
+                                                              "enclosed in double quotes at column 2)"]
+    for m in (whole, split):  # what differs: the unit plan, and the backend check's corpus sample drawn from it
+        m.pop("inputs"), m.pop("options"), m["tokenizer"].pop("backend_check")
+    assert whole == split
+    for n in set(os.listdir(ow)) - {"manifest.json"}:
+        assert filecmp.cmp(os.path.join(ow, n), os.path.join(osp, n), shallow=False), n
+    with pytest.raises(InputError, match=r"^big\.jsonl\.zst:238 \(.*malformed json \(--strict\)$"):
+        do_build(tmp_path / "strict", small_tok, c, seq_len=64, workers=2, unit_bytes=len(data) // 20, strict=True)
+    (c / "big.jsonl.zst").write_bytes(blob[:-300])
+    with pytest.raises(InputError, match=r"big\.jsonl\.zst: truncated or corrupt after line \d+"):
+        do_build(tmp_path / "bad", small_tok, c, seq_len=64, unit_bytes=len(data) // 20)
+
+
 def test_parquet_nulls_counted_missing_column_fails(tmp_path, small_tok):
     p = tmp_path / "a.parquet"
     pq.write_table(pa.table({"text": ["hello world", None, "fox"]}), p, row_group_size=2)
@@ -322,8 +375,8 @@ def test_a_large_jsonl_gz_is_read_by_several_workers_with_the_same_bytes(tmp_pat
     data = "".join(lines).encode()
     (c / "big.jsonl.gz").write_bytes(gzip.compress(data))
     whole, ow = do_build(tmp_path / "whole", small_tok, c, seq_len=64, workers=2)
-    monkeypatch.setattr(hs, "GZ_SPLIT_BYTES", 1)
-    monkeypatch.setattr(hs, "GZ_MIN_UNIT_BYTES", 1)
+    monkeypatch.setattr(hs, "SPLIT_BYTES", 1)
+    monkeypatch.setattr(hs, "RANGE_MIN_BYTES", 1)
     monkeypatch.setattr(hs, "GZ_INDEX_SPACING", 64 << 10)
     split, osp = do_build(tmp_path / "split", small_tok, c, seq_len=64, workers=2, unit_bytes=len(data) // 7)
     assert whole["inputs"]["units"] == 1 and split["inputs"]["units"] >= 6

@@ -1,0 +1,77 @@
+"""How one large compressed file splits: the planner's pass, each unit's time alone, and the wall
+time that unit plan allows on N cores (largest-first over N workers, after the pass).
+
+Usage: python scripts/bench_split.py FILE.jsonl.zst TOKENIZER.json [--cores 1 2 4 8 16]
+Each unit is read and tokenized alone, in this process, with the backend `--backend auto` picks;
+"whole" is the same file as one unit.  On a machine with fewer cores than a column, that column
+is a schedule of measured unit times, not a measured build (run `helixtok build -j N` there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import helixtok.sources as hs  # noqa: E402
+from helixtok.backends import flat_encoder  # noqa: E402
+from helixtok.build import _choose_backend  # noqa: E402
+from helixtok.config import BuildConfig  # noqa: E402
+from helixtok.tokenizer import inspect_tokenizer  # noqa: E402
+
+
+def unit_seconds(unit: hs.Unit, encode, batch_chars: int) -> float:
+    t0 = time.perf_counter()
+    batch, chars = [], 0
+    for text in hs.UnitReader(unit, "text", hs.Tally()):
+        batch.append(text)
+        chars += len(text)
+        if chars >= batch_chars:
+            encode(batch)
+            batch, chars = [], 0
+    if batch:
+        encode(batch)
+    return time.perf_counter() - t0
+
+
+def schedule(times: list[float], cores: int) -> float:
+    """Makespan of largest-first over `cores` workers (what the build's scheduler does)."""
+    free = [0.0] * cores
+    for t in sorted(times, reverse=True):
+        heapq.heappush(free, heapq.heappop(free) + t)
+    return max(free)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("file")
+    ap.add_argument("tokenizer")
+    ap.add_argument("--cores", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    args = ap.parse_args()
+    os.environ.setdefault("FASTOKENS_BPE_THREADS", "1")
+    config = BuildConfig()
+    files, _ = hs.discover([args.file])
+    t0 = time.perf_counter()
+    units, _ = hs.plan_units(files, unit_bytes=config.unit_bytes, text_field="text")
+    plan = time.perf_counter() - t0
+    info, check = _choose_backend(inspect_tokenizer(args.tokenizer), units, config)
+    encode = flat_encoder(info.backend, info.path, info.special_tokens, None)[0]
+    whole = hs.Unit(0, files[0].kind, (files[0].path,), (files[0].name,))
+    base = unit_seconds(whole, encode, config.batch_chars)
+    times = [unit_seconds(u, encode, config.batch_chars) for u in units]
+    mb = files[0].size / 1e6
+    print(f"{files[0].name}: {mb:.0f} MB compressed, {len(units)} units, backend {info.backend}; "
+          f"planner pass {plan:.2f} s; whole file {base:.2f} s; units {sum(times):.2f} s in all "
+          f"(+{sum(times) / base - 1:.0%} CPU), longest {max(times):.2f} s")
+    print(f"{'cores':>5} {'whole file':>10} {'split':>8} {'speed-up':>8}")
+    for n in args.cores:
+        split = plan + schedule(times, n)
+        print(f"{n:5d} {base:9.2f}s {split:7.2f}s {base / split:7.2f}x")
+
+
+if __name__ == "__main__":
+    main()
