@@ -554,7 +554,7 @@ def _sample_texts(units: list[Unit], config: BuildConfig) -> list[str]:
     # Not a .zst range inside a frame: reaching it means decompressing the frame up to it.
     cheap = [u for u in units if not (u.kind == "jsonl.zst" and u.start != u.seek[1])]
     picked = cheap[::max(1, len(cheap) // SAMPLE_UNITS)][:SAMPLE_UNITS]
-    head = SAMPLE_CHARS // max(1, len(picked))
+    head = SAMPLE_CHARS // SAMPLE_UNITS  # tokenizers' Encodings take ~100 bytes a character: keep them few
     sample: list[str] = []
     for u in picked:
         got = 0
