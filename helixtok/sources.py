@@ -13,6 +13,7 @@ import posixpath
 import re
 import stat
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -342,10 +343,24 @@ def plan_units(files: list[InputFile], *, unit_bytes: int, text_field: str) -> t
     units: list[Unit] = []
     warnings = Tally()
     # A compressed file is split into line ranges when it is large in absolute terms and relative
-    # to the corpus (a corpus of many such files is already parallel; splitting costs one serial
-    # scan each).  Both are functions of the input alone: the units do not depend on --workers.
+    # to the corpus (a corpus of many such files is already parallel; splitting costs a pass over
+    # each).  Both are functions of the input alone: the units do not depend on --workers.
     packed_total = sum(f.size for f in files if f.kind in ("jsonl.gz", "jsonl.zst"))
     split_at = max(SPLIT_BYTES, packed_total // SPLIT_SHARE)
+    range_bytes = max(unit_bytes, RANGE_MIN_BYTES)
+    big = [f for f in files if f.kind in ("jsonl.gz", "jsonl.zst") and f.size >= split_at]
+    for f in big:  # a wrong --text-field fails before any long pass starts
+        _check_jsonl_head(f, text_field)
+
+    def ranges_of(f: InputFile) -> list[dict]:
+        if f.kind == "jsonl.gz":
+            index, cuts = _gzip_cuts(f, range_bytes)
+            return [dict(start=a, stop=b, first_line=line, est_bytes=b - a, aux=index) for a, b, line in cuts]
+        # A file holding a smaller share of the corpus needs fewer ranges to keep all cores busy.
+        n = min(ZST_RANGES_PER_FRAME, -(-SPLIT_SHARE * f.size // packed_total))
+        return [dict(start=a, stop=b, first_line=line, est_bytes=b - a, seek=seek)
+                for a, b, line, seek in _zstd_cuts(f, range_bytes, n)]
+
     batch: list[InputFile] = []
 
     def flush_text() -> None:
@@ -354,41 +369,39 @@ def plan_units(files: list[InputFile], *, unit_bytes: int, text_field: str) -> t
                               est_bytes=sum(f.size for f in batch)))
             batch.clear()
 
-    for f in files:
-        if f.kind == "text":
-            batch.append(f)
-            if sum(x.size for x in batch) >= unit_bytes:
-                flush_text()
-            continue
-        flush_text()
-        if f.kind == "jsonl":
-            if f.size == 0:
-                warnings.add("empty_file", f.name)
+    # The passes run side by side (zstd and zlib release the GIL); each file's ranges are its own.
+    pool = ThreadPoolExecutor(min(len(big), os.cpu_count() or 1)) if big else None
+    passes = {f.path: pool.submit(ranges_of, f) for f in big}
+    try:
+        for f in files:
+            if f.kind == "text":
+                batch.append(f)
+                if sum(x.size for x in batch) >= unit_bytes:
+                    flush_text()
                 continue
-            _check_jsonl_head(f, text_field)
-            for start, stop in _line_aligned_cuts(f.path, f.size, unit_bytes):
-                units.append(Unit(len(units), "jsonl", (f.path,), (f.name,), start, stop, 0, stop - start))
-        elif f.kind in ("jsonl.gz", "jsonl.zst"):
-            _check_jsonl_head(f, text_field)
-            if f.kind == "jsonl.gz" and f.size >= split_at:
-                index, cuts = _gzip_cuts(f, max(unit_bytes, RANGE_MIN_BYTES))
-                for start, stop, line in cuts:
-                    units.append(Unit(len(units), f.kind, (f.path,), (f.name,), start, stop, line, stop - start,
-                                      aux=index))
-            elif f.kind == "jsonl.zst" and f.size >= split_at:
-                # A file holding a smaller share of the corpus needs fewer ranges to keep all cores busy.
-                n = min(ZST_RANGES_PER_FRAME, -(-SPLIT_SHARE * f.size // packed_total))
-                for start, stop, line, seek in _zstd_cuts(f, max(unit_bytes, RANGE_MIN_BYTES), n):
-                    units.append(Unit(len(units), f.kind, (f.path,), (f.name,), start, stop, line, stop - start,
-                                      seek=seek))
-            else:
+            flush_text()
+            if f.kind == "jsonl":
+                if f.size == 0:
+                    warnings.add("empty_file", f.name)
+                    continue
+                _check_jsonl_head(f, text_field)
+                for start, stop in _line_aligned_cuts(f.path, f.size, unit_bytes):
+                    units.append(Unit(len(units), "jsonl", (f.path,), (f.name,), start, stop, 0, stop - start))
+            elif f.path in passes:
+                for kw in passes[f.path].result():
+                    units.append(Unit(len(units), f.kind, (f.path,), (f.name,), **kw))
+            elif f.kind in ("jsonl.gz", "jsonl.zst"):
+                _check_jsonl_head(f, text_field)
                 units.append(Unit(len(units), f.kind, (f.path,), (f.name,), est_bytes=f.size * 4))
-        elif f.kind == "parquet":
-            for start, stop, row, nbytes in _row_group_cuts(f, unit_bytes, text_field):
-                units.append(Unit(len(units), "parquet", (f.path,), (f.name,), start, stop, row, nbytes))
-        elif f.kind == "arrow":
-            for start, stop, row, nbytes in _batch_cuts(f, unit_bytes, text_field):
-                units.append(Unit(len(units), "arrow", (f.path,), (f.name,), start, stop, row, nbytes))
+            elif f.kind == "parquet":
+                for start, stop, row, nbytes in _row_group_cuts(f, unit_bytes, text_field):
+                    units.append(Unit(len(units), "parquet", (f.path,), (f.name,), start, stop, row, nbytes))
+            elif f.kind == "arrow":
+                for start, stop, row, nbytes in _batch_cuts(f, unit_bytes, text_field):
+                    units.append(Unit(len(units), "arrow", (f.path,), (f.name,), start, stop, row, nbytes))
+    finally:
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
     flush_text()
     return units, warnings
 

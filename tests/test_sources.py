@@ -193,6 +193,42 @@ def test_a_large_jsonl_zst_is_read_by_several_workers_with_the_same_bytes(tmp_pa
         do_build(tmp_path / "bad", small_tok, c, seq_len=64, unit_bytes=len(data) // 20)
 
 
+def test_several_large_compressed_files_are_planned_side_by_side(tmp_path, small_tok, dev_docs, monkeypatch):
+    """A .gz and a .zst file, each cut by its own pass (run in threads), keep corpus order: the
+    same bytes as reading each whole; a damaged one is named even while the other's pass runs."""
+    import filecmp
+
+    import zstandard
+
+    import helixtok.sources as hs
+
+    c = tmp_path / "c"
+    c.mkdir()
+    a = "".join(json.dumps({"text": t}) + "\n" for t in dev_docs[:150]).encode()
+    b = "".join(json.dumps({"text": t}) + "\n" for t in dev_docs[150:300]).encode()
+    (c / "a.jsonl.gz").write_bytes(gzip.compress(a))
+    (c / "b.jsonl").write_bytes(b"".join(json.dumps({"text": t}).encode() + b"\n" for t in dev_docs[300:320]))
+    (c / "c.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(b))
+    whole, ow = do_build(tmp_path / "whole", small_tok, c, seq_len=64, workers=2)
+    monkeypatch.setattr(hs, "SPLIT_BYTES", 1)
+    monkeypatch.setattr(hs, "RANGE_MIN_BYTES", 1)
+    monkeypatch.setattr(hs, "GZ_INDEX_SPACING", 64 << 10)
+    units = hs.plan_units(hs.discover([str(c)])[0], unit_bytes=len(a) // 6, text_field="text")[0]
+    kinds = [u.kind for u in units]
+    g, z = kinds.count("jsonl.gz"), kinds.count("jsonl.zst")
+    assert g >= 4 and z >= 4 and kinds == ["jsonl.gz"] * g + ["jsonl"] * (len(kinds) - g - z) + ["jsonl.zst"] * z
+    split, osp = do_build(tmp_path / "split", small_tok, c, seq_len=64, workers=2, unit_bytes=len(a) // 6)
+    assert whole["inputs"]["units"] == 3 and split["inputs"]["units"] == len(units)
+    for m in (whole, split):
+        m.pop("inputs"), m.pop("options"), m["tokenizer"].pop("backend_check")
+    assert whole == split
+    for n in set(os.listdir(ow)) - {"manifest.json"}:
+        assert filecmp.cmp(os.path.join(ow, n), os.path.join(osp, n), shallow=False), n
+    (c / "c.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(b)[:-200])
+    with pytest.raises(InputError, match=r"c\.jsonl\.zst: truncated or corrupt after line \d+"):
+        do_build(tmp_path / "bad", small_tok, c, seq_len=64, unit_bytes=len(a) // 6)
+
+
 def test_parquet_nulls_counted_missing_column_fails(tmp_path, small_tok):
     p = tmp_path / "a.parquet"
     pq.write_table(pa.table({"text": ["hello world", None, "fox"]}), p, row_group_size=2)
