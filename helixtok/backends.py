@@ -201,6 +201,11 @@ def _fast_tokenizer(lib: str, path: str, mtime_ns: int):
     return gigatoken.Tokenizer(path)
 
 
+def drop_preloaded() -> None:
+    """Forget fast tokenizers loaded ahead of the backend check when another backend was chosen."""
+    _fast_tokenizer.cache_clear()
+
+
 def long_parity(name: str, version: str, path: str, special: str, tok, encode) -> tuple[bool, str]:
     """parity on LONG_HOSTILE (~2 s, mostly tokenizers' own time): it does not depend on the
     corpus, so the verdict is cached per library version, tokenizer file and policy."""

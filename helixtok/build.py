@@ -98,16 +98,26 @@ def _init_worker(config: BuildConfig, state_dir: str, run_id: str, counters, slo
     _W.update(config=config, state=state_dir, run=run_id, counters=counters, slots=slots, slot=slot)
 
 
-def _warm() -> None:
-    """A pool's first task: import what tokenizing needs while the main process checks backends."""
+def _warm(preload: tuple[str, str] | None) -> None:
+    """A pool's first task, while the main process checks backends: import what tokenizing needs,
+    and load the tokenizer into the backend the check most likely picks (a 100k vocabulary takes
+    fastokens ~0.5 s; the Encoder finds it in the backend's cache, or it is dropped unused)."""
     from . import backends, tokenizer  # noqa: F401
     with contextlib.suppress(ImportError):
         import fastokens  # noqa: F401
+    if preload is not None:
+        name, path = preload
+        with contextlib.suppress(Exception):  # the check will say why this backend cannot be used
+            backends.flat_encoder(name, path, "", None)
 
 
 def _encoder(info: TokenizerInfo) -> Encoder:
     """This process's Encoder for `info` (the backend is chosen after the workers start)."""
     if _W.get("encoder_info") != info:
+        from .backends import FAST, drop_preloaded
+
+        if info.backend not in FAST[:1]:
+            drop_preloaded()
         _W["encoder"] = Encoder(info, max_piece_chars=_W["config"].max_piece_chars)
         _W["encoder_info"] = info
     return _W["encoder"]
@@ -383,7 +393,7 @@ class _Interrupt:
 class _Pool:
     """The worker processes, started before the backend check so that their start-up overlaps it."""
 
-    def __init__(self, n: int, config: BuildConfig, state: str, run_id: str):
+    def __init__(self, n: int, config: BuildConfig, state: str, run_id: str, tokenizer: str):
         import multiprocessing as mp
 
         ctx = mp.get_context("spawn")  # never fork a process that may hold tokenizer threads
@@ -391,9 +401,13 @@ class _Pool:
         self.slots = ctx.Array("q", 2 * n)  # (pid, unit index) per worker process
         self.executor = ProcessPoolExecutor(n, mp_context=ctx, initializer=_init_worker,
                                             initargs=(config, state, run_id, self.counters, self.slots, os.getpid()))
+        from .backends import FAST
+
+        likely = FAST[0] if config.backend == "auto" else config.backend
+        preload = (likely, tokenizer) if likely in FAST[:1] else None
         try:
             for _ in range(n):  # a spawn-context pool starts one process per task it cannot hand to an idle one
-                self.executor.submit(_warm)
+                self.executor.submit(_warm, preload)
         except BrokenProcessPool as e:
             self.kill()
             raise _broke_starting(e) from None
@@ -672,7 +686,7 @@ def _build_locked(inputs: list[str], out: str, info: TokenizerInfo, config: Buil
     state = os.path.join(out, STATE)
     run_id = f"r{os.getpid()}x{secrets.token_hex(3)}"
     n_workers = min(config.num_workers, len(units))
-    workers = _Pool(n_workers, config, state, run_id) if n_workers > 1 else None
+    workers = _Pool(n_workers, config, state, run_id, info.path) if n_workers > 1 else None
     try:
         return _build_started(out, info, config, overwrite, on_progress, task, files, units, warnings, state,
                               run_id, workers)

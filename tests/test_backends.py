@@ -128,3 +128,29 @@ def test_the_tokenizer_inspect_loaded_is_handed_on_once_and_never_when_the_file_
     os.utime(small_tok, ns=(1, 1))  # replaced between the inspection and the load (mtime differs)
     shutil.copyfile(other, small_tok)
     assert load_tokenizer(small_tok).get_vocab() == {"x": 0, "<|endoftext|>": 1}
+
+
+def test_workers_load_the_likely_backend_early_and_drop_it_when_another_is_chosen(shapes):
+    """Pool workers load fastokens' tokenizer while the main process checks backends; the Encoder
+    reuses it when fastokens is chosen, and it is freed when another backend is."""
+    import dataclasses
+
+    from helixtok import backends, build as hb
+    from helixtok.tokenizer import inspect_tokenizer
+
+    tok = shapes["llama3-like (uint32)"]
+    backends._fast_tokenizer.cache_clear()
+    hb._warm(("fastokens", tok))
+    loaded = backends._fast_tokenizer("fastokens", tok, os.stat(tok).st_mtime_ns)
+    saved = dict(hb._W)
+    try:
+        hb._W.clear()
+        hb._W["config"] = BuildConfig()
+        info = inspect_tokenizer(tok)
+        fast = dataclasses.replace(info, backend="fastokens", backend_version="x")
+        assert any(c.cell_contents is loaded for c in hb._encoder(fast)._encode.__closure__)  # the one preloaded
+        hb._encoder(dataclasses.replace(info, backend="hf", backend_version="y"))
+        assert backends._fast_tokenizer.cache_info().currsize == 0
+    finally:
+        hb._W.clear()
+        hb._W.update(saved)
