@@ -204,7 +204,7 @@ class MemmapChunkDataset(Dataset):
             return idx, 0, 0
         # A DataLoader batch is a short list: Python's min/max beat two numpy reductions (~2 us) there.
         small = isinstance(indices, list) and len(indices) <= 64
-        lo, hi = (min(indices), max(indices)) if small else (int(idx.min()), int(idx.max()))
+        lo, hi = (int(min(indices)), int(max(indices))) if small else (int(idx.min()), int(idx.max()))
         if lo < 0:
             idx = np.where(idx < 0, idx + self._len, idx)
             lo, hi = int(idx.min()), int(idx.max())

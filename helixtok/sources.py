@@ -579,10 +579,12 @@ class _ZstdRaw(io.RawIOBase):
 
     def read(self, size: int = -1) -> bytes:
         """Up to `size` bytes; with a large size, one decompressed block as made (no extra copy)."""
+        if size is None or size < 0:
+            return self.readall()
         while not self._buf:
             if not self._fill():
                 return b""
-        if 0 <= size < len(self._buf):
+        if size < len(self._buf):
             out, self._buf = self._buf[:size].tobytes(), self._buf[size:]
             return out
         out = self._buf.obj if len(self._buf) == len(self._buf.obj) else self._buf.tobytes()
