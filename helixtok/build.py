@@ -116,7 +116,7 @@ def _encoder(info: TokenizerInfo) -> Encoder:
     if _W.get("encoder_info") != info:
         from .backends import FAST, drop_preloaded
 
-        if info.backend not in FAST[:1]:
+        if info.backend != FAST[0]:  # _warm loaded FAST[0]'s tokenizer for nothing
             drop_preloaded()
         _W["encoder"] = Encoder(info, max_piece_chars=_W["config"].max_piece_chars)
         _W["encoder_info"] = info
@@ -403,8 +403,7 @@ class _Pool:
                                             initargs=(config, state, run_id, self.counters, self.slots, os.getpid()))
         from .backends import FAST
 
-        likely = FAST[0] if config.backend == "auto" else config.backend
-        preload = (likely, tokenizer) if likely in FAST[:1] else None
+        preload = (FAST[0], tokenizer) if config.backend in ("auto", FAST[0]) else None
         try:
             for _ in range(n):  # a spawn-context pool starts one process per task it cannot hand to an idle one
                 self.executor.submit(_warm, preload)
