@@ -152,11 +152,13 @@ def test_a_large_jsonl_zst_is_read_by_several_workers_with_the_same_bytes(tmp_pa
 
     import helixtok.sources as hs
 
-    lines = [json.dumps({"text": t}) + "\n" for t in dev_docs[:300]]
+    lines = [json.dumps({"text": t}, ensure_ascii=False) + "\n" for t in dev_docs[:300]]
     lines[237] = "{not json\n"
     data = "".join(lines).encode()
-    step = -(-len(lines) // frames)
-    parts = ["".join(lines[i: i + step]).encode() for i in range(0, len(lines), step)]
+    assert len(data) > len("".join(lines))  # multi-byte characters, so a frame can end inside one
+    # Frames end anywhere (mid-line, mid-character): a range's first line may begin in the frame before.
+    step = -(-len(data) // frames) + 7
+    parts = [data[i: i + step] for i in range(0, len(data), step)]
     packed = [zstandard.ZstdCompressor().compress(p) for p in parts]
     blob = b"".join(packed)
     frame_at = [(sum(map(len, packed[:k])), sum(map(len, parts[:k]))) for k in range(len(parts))]
