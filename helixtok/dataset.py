@@ -20,6 +20,7 @@ from .shards import DOCS_DTYPE, VALID_DTYPE
 
 IGNORE_INDEX = -100  # what torch's cross_entropy ignores by default
 BATCH_KEYS = ("cu_seqlens", "max_seqlen")  # describe a whole batch, not one sample
+FIELDS = ("input_ids", "labels", "attention_mask")
 
 
 def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
@@ -76,12 +77,21 @@ class MemmapChunkDataset(Dataset):
     batch for flash-attention varlen; see docs/training.md.
 
     tokenizer: a tokenizer.json path (or folder); the dataset refuses shards built with another.
+
+    fields: which of input_ids, labels, attention_mask to return (all three by default); a loop
+    that shifts input_ids itself can take ("input_ids",) and skip building the other two.
     """
 
     def __init__(self, path: str, split: str = "train", *, tokenizer: str | None = None,
-                 shifted: bool = False, position_ids: bool = False, document_masking: bool = False):
+                 shifted: bool = False, position_ids: bool = False, document_masking: bool = False,
+                 fields: Sequence[str] = FIELDS):
         self.path = os.fspath(path)
         self.split = split
+        self.fields = tuple(fields)
+        if "input_ids" not in self.fields or not set(self.fields) <= set(FIELDS) or \
+                len(set(self.fields)) != len(self.fields):
+            raise DatasetError(f"fields={self.fields!r}: give input_ids and any of labels, attention_mask, "
+                               "each once")
         if is_url(self.path):
             raise DatasetError(f"{redact(self.path)}: memory-mapping needs the shards on local disk; copy them "
                                f"first: helixtok pull {redact(self.path)} /local/dir (docs/scale.md)")
@@ -99,6 +109,11 @@ class MemmapChunkDataset(Dataset):
         if (shifted or position_ids or document_masking) and self.packing != "packed":
             raise DatasetError(f"{self.path}: shifted/position_ids/document_masking need packed data; this "
                                f"dataset is {self.packing}-packed")
+        if self.packing == "document" and self.fields == ("input_ids",):
+            raise DatasetError(f"{self.path}: document-packed chunks end in padding; keep labels or "
+                               "attention_mask in fields to know where")
+        if shifted and "labels" not in self.fields:
+            raise DatasetError("shifted=True makes labels: keep labels in fields")
         self.shifted = shifted
         self.document_masking = document_masking
         self.position_ids = position_ids or document_masking
@@ -261,26 +276,31 @@ class MemmapChunkDataset(Dataset):
     def _batch(self, idx: np.ndarray, lo: int, hi: int) -> dict:
         shard, local = self._locate(idx, lo, hi)
         L = self.seq_len
-        # One allocation for all three: a DataLoader worker moves each storage it returns into
+        # One allocation for all fields: a DataLoader worker moves each storage it returns into
         # shared memory, one segment per storage (measured: 1.7 ms a batch for three, 0.8 for one).
-        buf = np.empty((3, len(idx), L), dtype=np.int64)
-        ids, labels, mask = buf  # labels are their own rows: editing them leaves input_ids alone
+        buf = np.empty((len(self.fields), len(idx), L), dtype=np.int64)
+        rows = dict(zip(self.fields, buf))  # labels are their own rows: editing them leaves input_ids alone
+        ids, labels, mask = rows["input_ids"], rows.get("labels"), rows.get("attention_mask")
         self._gather(shard, local, ids)
-        if self.shifted:
-            labels[:, :-1] = ids[:, 1:]
-            labels[:, -1] = self._next_tokens(idx)
-            mask.fill(1)
-        elif self.packing == "document":
+        pad = None
+        if self.packing == "document":
             valid = np.empty(len(idx), dtype=np.int64)
             self._gather(shard, local, valid, column="side")
             pad = np.arange(L)[None, :] >= valid[:, None]
-            labels[:] = ids
-            labels[pad] = IGNORE_INDEX
-            np.logical_not(pad, out=mask, casting="unsafe")
-        else:
-            labels[:] = ids
-            mask.fill(1)
-        b = dict(zip(("input_ids", "labels", "attention_mask"), torch.from_numpy(buf).unbind(0)))
+        if labels is not None:
+            if self.shifted:
+                labels[:, :-1] = ids[:, 1:]
+                labels[:, -1] = self._next_tokens(idx)
+            else:
+                labels[:] = ids
+                if pad is not None:
+                    labels[pad] = IGNORE_INDEX
+        if mask is not None:
+            if pad is None:
+                mask.fill(1)
+            else:
+                np.logical_not(pad, out=mask, casting="unsafe")
+        b = dict(zip(self.fields, torch.from_numpy(buf).unbind(0)))
         if self.position_ids:
             from .masking import boundaries
 

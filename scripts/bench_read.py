@@ -146,6 +146,8 @@ def main() -> None:
                          loader_rate(ds, B, w, args.seconds)))
             rows.append((f"  same, collate_fn=ds.collate (no re-stacking), workers {w}",
                          loader_rate(ds, B, w, args.seconds, ds.collate)))
+        ids_only = MemmapChunkDataset(out, fields=("input_ids",))
+        rows.append(("  same, fields=('input_ids',), workers 0", loader_rate(ids_only, B, 0, args.seconds, ds.collate)))
         batch = ds.__getitems__(list(range(min(B, len(ds)))))
         rows.append(("  DataLoader's own floor: __getitems__ hands back one prepared batch",
                      readbench.loader_rate(_Prepared(batch, len(ds)), B, 0, args.seconds, ds.collate)[0]))

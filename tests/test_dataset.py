@@ -64,7 +64,11 @@ def test_every_batch_equals_the_rows_on_disk(dev_packed, dev_document, data):
     out = data.draw(st.sampled_from([dev_packed, dev_document]))
     packing = "document" if out == dev_document else "packed"
     shifted = packing == "packed" and data.draw(st.booleans())
-    ds = MemmapChunkDataset(out, shifted=shifted)
+    fields = ("input_ids", "labels", "attention_mask")
+    if packing == "packed" and not shifted:
+        fields = data.draw(st.sampled_from([fields, ("input_ids",), ("input_ids", "labels"), ("attention_mask",
+                                                                                             "input_ids")]))
+    ds = MemmapChunkDataset(out, shifted=shifted, fields=fields)
     raw, labels, mask = _reference(out, packing)
     n = len(raw)
     near = data.draw(st.integers(0, n - 1))  # indices around one point land in one shard
@@ -72,16 +76,30 @@ def test_every_batch_equals_the_rows_on_disk(dev_packed, dev_document, data):
     idx = data.draw(st.lists(index, min_size=1, max_size=data.draw(st.sampled_from([8, 100]))))
     got = ds.collate(ds.__getitems__(idx))
     want = np.array(idx) % n
-    assert np.array_equal(got["input_ids"].numpy(), raw[want])
+    assert tuple(got) == fields and np.array_equal(got["input_ids"].numpy(), raw[want])
     if shifted:
-        nxt = np.append(raw[1:, 0], -100)[want]
-        assert np.array_equal(got["labels"].numpy(), np.concatenate([raw[want][:, 1:], nxt[:, None]], axis=1))
-        assert got["attention_mask"].all()
-    else:
+        labels = np.concatenate([raw[:, 1:], np.append(raw[1:, 0], -100)[:, None]], axis=1)
+    if "labels" in fields:
         assert np.array_equal(got["labels"].numpy(), labels[want])
+    if "attention_mask" in fields:
         assert np.array_equal(got["attention_mask"].numpy(), mask[want])
-    got["labels"][:] = 7  # labels are a copy: editing them in place leaves input_ids alone
+    for k in set(fields) - {"input_ids"}:
+        got[k][:] = 7  # the other fields are their own memory: editing them leaves input_ids alone
     assert np.array_equal(got["input_ids"].numpy(), raw[want])
+
+
+def test_fields_are_checked(dev_packed, dev_document):
+    for bad in [("labels",), ("input_ids", "input_ids"), ("input_ids", "mask")]:
+        with pytest.raises(DatasetError, match="give input_ids and any of labels, attention_mask, each once"):
+            MemmapChunkDataset(dev_packed, fields=bad)
+    with pytest.raises(DatasetError, match="document-packed chunks end in padding; keep labels or attention_mask"):
+        MemmapChunkDataset(dev_document, fields=("input_ids",))
+    with pytest.raises(DatasetError, match="shifted=True makes labels"):
+        MemmapChunkDataset(dev_packed, shifted=True, fields=("input_ids", "attention_mask"))
+    ds = MemmapChunkDataset(dev_document, fields=("input_ids", "attention_mask"))
+    assert set(ds[0]) == {"input_ids", "attention_mask"}
+    dl = DataLoader(MemmapChunkDataset(dev_packed, fields=("input_ids",), position_ids=True), batch_size=4)
+    assert set(next(iter(dl))) == {"input_ids", "position_ids"}  # the default collate, too
 
 
 def test_out_of_range_indices_are_named(dev_packed):
