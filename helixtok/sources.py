@@ -12,6 +12,7 @@ import os
 import posixpath
 import re
 import stat
+import threading
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -354,12 +355,12 @@ def plan_units(files: list[InputFile], *, unit_bytes: int, text_field: str) -> t
 
     def ranges_of(f: InputFile) -> list[dict]:
         if f.kind == "jsonl.gz":
-            index, cuts = _gzip_cuts(f, range_bytes)
+            index, cuts = _gzip_cuts(f, range_bytes, stop)
             return [dict(start=a, stop=b, first_line=line, est_bytes=b - a, aux=index) for a, b, line in cuts]
         # A file holding a smaller share of the corpus needs fewer ranges to keep all cores busy.
         n = min(ZST_RANGES_PER_FRAME, -(-SPLIT_SHARE * f.size // packed_total))
         return [dict(start=a, stop=b, first_line=line, est_bytes=b - a, seek=seek)
-                for a, b, line, seek in _zstd_cuts(f, range_bytes, n)]
+                for a, b, line, seek in _zstd_cuts(f, range_bytes, n, stop)]
 
     batch: list[InputFile] = []
 
@@ -370,6 +371,8 @@ def plan_units(files: list[InputFile], *, unit_bytes: int, text_field: str) -> t
             batch.clear()
 
     # The passes run side by side (zstd and zlib release the GIL); each file's ranges are its own.
+    # `stop` ends them early when planning fails or is interrupted (a thread cannot be killed).
+    stop = threading.Event()
     pool = ThreadPoolExecutor(min(len(big), os.cpu_count() or 1)) if big else None
     passes = {f.path: pool.submit(ranges_of, f) for f in big}
     try:
@@ -401,6 +404,7 @@ def plan_units(files: list[InputFile], *, unit_bytes: int, text_field: str) -> t
                     units.append(Unit(len(units), "arrow", (f.path,), (f.name,), start, stop, row, nbytes))
     finally:
         if pool is not None:
+            stop.set()
             pool.shutdown(wait=True, cancel_futures=True)
     flush_text()
     return units, warnings
@@ -418,7 +422,7 @@ GZ_INDEX_SPACING = 4 << 20  # decompressed bytes between seek points: what a wor
 ZST_RANGES_PER_FRAME = 8
 
 
-def _gzip_cuts(f: InputFile, unit_bytes: int) -> tuple[str, list[tuple[int, int, int]]]:
+def _gzip_cuts(f: InputFile, unit_bytes: int, stop: threading.Event) -> tuple[str, list[tuple[int, int, int]]]:
     """Line-aligned ranges of a large .gz file's decompressed bytes, and a seek index (cached by
     name, size and stamp) that lets each worker start at its range.
 
@@ -433,7 +437,9 @@ def _gzip_cuts(f: InputFile, unit_bytes: int) -> tuple[str, list[tuple[int, int,
     index = os.path.join(cache_root(), "gzindex", key + ".idx")
     try:
         with open_input(f.path) as raw:
-            cuts = list(_cuts_of(gzip.GzipFile(fileobj=raw), unit_bytes))
+            cuts = list(_cuts_of(gzip.GzipFile(fileobj=raw), unit_bytes, stop=stop))
+        if stop.is_set():
+            return "", cuts
         if os.path.isfile(index):
             return index, cuts
         with open_input(f.path) as raw:
@@ -475,14 +481,16 @@ def _line_aligned_cuts(path: str, size: int, unit_bytes: int) -> Iterator[tuple[
             start = stop
 
 
-def _cuts_of(fh, unit_bytes: int, count_lines: bool = True) -> Iterator[tuple[int, int, int]]:
+def _cuts_of(fh, unit_bytes: int, count_lines: bool = True,
+             stop: threading.Event | None = None) -> Iterator[tuple[int, int, int]]:
     """(start, stop, first line) of line-aligned ranges of fh's bytes, each at least unit_bytes;
-    first line 0 without count_lines (LineRefs numbers those lines from the workers' counts)."""
+    first line 0 without count_lines (LineRefs numbers those lines from the workers' counts).
+    Ends early, with a plan nobody uses, once `stop` is set (the planner failed or was stopped)."""
     count = bytes.count if count_lines else lambda *a: 0
     start, line, pos, lines_before = 0, 1 if count_lines else 0, 0, 0
     while True:
         block = fh.read(8 << 20)
-        if not block:
+        if not block or (stop is not None and stop.is_set()):
             break
         i = 0
         while True:
@@ -503,14 +511,15 @@ def _cuts_of(fh, unit_bytes: int, count_lines: bool = True) -> Iterator[tuple[in
         yield start, pos, line
 
 
-def _zstd_cuts(f: InputFile, unit_bytes: int, per_frame: int) -> list[tuple[int, int, int, tuple[int, int]]]:
+def _zstd_cuts(f: InputFile, unit_bytes: int, per_frame: int,
+               stop: threading.Event) -> list[tuple[int, int, int, tuple[int, int]]]:
     """Line-aligned ranges (start, stop, first line 0, frame seek point) of a large .zst file's
     decompressed bytes: at least unit_bytes each, and at most about `per_frame` per frame.  The
     pass decompresses the file once; it does not count lines (see LineRefs)."""
     try:
         with open_input(f.path) as raw:
             z = _ZstdRaw(raw)
-            fine = list(_cuts_of(z, unit_bytes, count_lines=False))
+            fine = list(_cuts_of(z, unit_bytes, count_lines=False, stop=stop))
     except (EOFError, OSError) as e:
         raise _damaged(f.path, f.kind, e, "truncated or corrupt") from e
     starts = [d for _, d in z.frames]

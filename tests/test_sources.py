@@ -231,6 +231,32 @@ def test_several_large_compressed_files_are_planned_side_by_side(tmp_path, small
         do_build(tmp_path / "bad", small_tok, c, seq_len=64, unit_bytes=len(a) // 6)
 
 
+def test_a_failing_plan_stops_the_passes_it_started(tmp_path, monkeypatch):
+    """A pass over a large compressed file runs in a thread that cannot be killed: when planning
+    fails (or is interrupted) on another file, the pass ends at its next block instead of
+    reading its file to the end before the error is shown."""
+    import zstandard
+
+    import helixtok.sources as hs
+
+    c = tmp_path / "c"
+    c.mkdir()
+    (c / "a.jsonl").write_text('{"body": "no text field"}\n')
+    (c / "b.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(b'{"text": "x"}\n' * 10))
+    monkeypatch.setattr(hs, "SPLIT_BYTES", 1)
+    reads = []
+    block = b"x" * (1 << 20)
+
+    def endless(self, size=-1):  # a huge file: no line end for 1,000 blocks
+        reads.append(1)
+        return block if len(reads) < 1000 else b""
+
+    monkeypatch.setattr(hs._ZstdRaw, "read", endless)
+    with pytest.raises(InputError, match=r"a\.jsonl:1: record has no field 'text'"):
+        hs.plan_units(hs.discover([str(c)])[0], unit_bytes=1 << 20, text_field="text")
+    assert 0 < len(reads) < 1000
+
+
 def test_parquet_nulls_counted_missing_column_fails(tmp_path, small_tok):
     p = tmp_path / "a.parquet"
     pq.write_table(pa.table({"text": ["hello world", None, "fox"]}), p, row_group_size=2)
