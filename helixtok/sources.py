@@ -355,12 +355,12 @@ def plan_units(files: list[InputFile], *, unit_bytes: int, text_field: str) -> t
 
     def ranges_of(f: InputFile) -> list[dict]:
         if f.kind == "jsonl.gz":
-            index, cuts = _gzip_cuts(f, range_bytes, stop)
+            index, cuts = _gzip_cuts(f, range_bytes, halt)
             return [dict(start=a, stop=b, first_line=line, est_bytes=b - a, aux=index) for a, b, line in cuts]
         # A file holding a smaller share of the corpus needs fewer ranges to keep all cores busy.
         n = min(ZST_RANGES_PER_FRAME, -(-SPLIT_SHARE * f.size // packed_total))
         return [dict(start=a, stop=b, first_line=line, est_bytes=b - a, seek=seek)
-                for a, b, line, seek in _zstd_cuts(f, range_bytes, n, stop)]
+                for a, b, line, seek in _zstd_cuts(f, range_bytes, n, halt)]
 
     batch: list[InputFile] = []
 
@@ -371,8 +371,8 @@ def plan_units(files: list[InputFile], *, unit_bytes: int, text_field: str) -> t
             batch.clear()
 
     # The passes run side by side (zstd and zlib release the GIL); each file's ranges are its own.
-    # `stop` ends them early when planning fails or is interrupted (a thread cannot be killed).
-    stop = threading.Event()
+    # `halt` ends them early when planning fails or is interrupted (a thread cannot be killed).
+    halt = threading.Event()
     pool = ThreadPoolExecutor(min(len(big), os.cpu_count() or 1)) if big else None
     passes = {f.path: pool.submit(ranges_of, f) for f in big}
     try:
@@ -404,7 +404,7 @@ def plan_units(files: list[InputFile], *, unit_bytes: int, text_field: str) -> t
                     units.append(Unit(len(units), "arrow", (f.path,), (f.name,), start, stop, row, nbytes))
     finally:
         if pool is not None:
-            stop.set()
+            halt.set()
             pool.shutdown(wait=True, cancel_futures=True)
     flush_text()
     return units, warnings
@@ -422,7 +422,7 @@ GZ_INDEX_SPACING = 4 << 20  # decompressed bytes between seek points: what a wor
 ZST_RANGES_PER_FRAME = 8
 
 
-def _gzip_cuts(f: InputFile, unit_bytes: int, stop: threading.Event) -> tuple[str, list[tuple[int, int, int]]]:
+def _gzip_cuts(f: InputFile, unit_bytes: int, halt: threading.Event) -> tuple[str, list[tuple[int, int, int]]]:
     """Line-aligned ranges of a large .gz file's decompressed bytes, and a seek index (cached by
     name, size and stamp) that lets each worker start at its range.
 
@@ -437,8 +437,8 @@ def _gzip_cuts(f: InputFile, unit_bytes: int, stop: threading.Event) -> tuple[st
     index = os.path.join(cache_root(), "gzindex", key + ".idx")
     try:
         with open_input(f.path) as raw:
-            cuts = list(_cuts_of(gzip.GzipFile(fileobj=raw), unit_bytes, stop=stop))
-        if stop.is_set():
+            cuts = list(_cuts_of(gzip.GzipFile(fileobj=raw), unit_bytes, halt=halt))
+        if halt.is_set():
             return "", cuts
         if os.path.isfile(index):
             return index, cuts
@@ -482,15 +482,15 @@ def _line_aligned_cuts(path: str, size: int, unit_bytes: int) -> Iterator[tuple[
 
 
 def _cuts_of(fh, unit_bytes: int, count_lines: bool = True,
-             stop: threading.Event | None = None) -> Iterator[tuple[int, int, int]]:
+             halt: threading.Event | None = None) -> Iterator[tuple[int, int, int]]:
     """(start, stop, first line) of line-aligned ranges of fh's bytes, each at least unit_bytes;
     first line 0 without count_lines (LineRefs numbers those lines from the workers' counts).
-    Ends early, with a plan nobody uses, once `stop` is set (the planner failed or was stopped)."""
+    Ends early, with a plan nobody uses, once `halt` is set (the planner failed or was stopped)."""
     count = bytes.count if count_lines else lambda *a: 0
     start, line, pos, lines_before = 0, 1 if count_lines else 0, 0, 0
     while True:
         block = fh.read(8 << 20)
-        if not block or (stop is not None and stop.is_set()):
+        if not block or (halt is not None and halt.is_set()):
             break
         i = 0
         while True:
@@ -512,14 +512,14 @@ def _cuts_of(fh, unit_bytes: int, count_lines: bool = True,
 
 
 def _zstd_cuts(f: InputFile, unit_bytes: int, per_frame: int,
-               stop: threading.Event) -> list[tuple[int, int, int, tuple[int, int]]]:
+               halt: threading.Event) -> list[tuple[int, int, int, tuple[int, int]]]:
     """Line-aligned ranges (start, stop, first line 0, frame seek point) of a large .zst file's
     decompressed bytes: at least unit_bytes each, and at most about `per_frame` per frame.  The
     pass decompresses the file once; it does not count lines (see LineRefs)."""
     try:
         with open_input(f.path) as raw:
             z = _ZstdRaw(raw)
-            fine = list(_cuts_of(z, unit_bytes, count_lines=False, stop=stop))
+            fine = list(_cuts_of(z, unit_bytes, count_lines=False, halt=halt))
     except (EOFError, OSError) as e:
         raise _damaged(f.path, f.kind, e, "truncated or corrupt") from e
     starts = [d for _, d in z.frames]

@@ -1,5 +1,6 @@
 """Bad input: each case is either skipped and counted (with its location) or fails fast, clearly."""
 
+import filecmp
 import gzip
 import json
 import os
@@ -25,6 +26,17 @@ def do_build(tmp_path, tok, *paths, **kw):
     kw.setdefault("seq_len", 2)
     kw.setdefault("workers", 1)
     return build([str(p) for p in paths], out, tok, BuildConfig(**kw), overwrite=True), out
+
+
+def assert_same_build(a: dict, out_a: str, b: dict, out_b: str) -> None:
+    """Two builds of the same documents cut into other units: the same manifest (but for the
+    plan, the options, and the backend check's sample, which is drawn from the plan) and the
+    same bytes in every file."""
+    for m in (a, b):
+        m.pop("inputs"), m.pop("options"), m["tokenizer"].pop("backend_check")
+    assert a == b
+    for n in set(os.listdir(out_a)) - {"manifest.json"}:
+        assert filecmp.cmp(os.path.join(out_a, n), os.path.join(out_b, n), shallow=False), n
 
 
 def stream(out):
@@ -146,8 +158,6 @@ def test_a_large_jsonl_zst_is_read_by_several_workers_with_the_same_bytes(tmp_pa
     """One .zst file cut into decompressed line ranges, each starting at the frame it begins in
     (one frame: all from the file's start, at most ZST_RANGES_PER_FRAME of them): the same bytes as
     reading it whole, exact line numbers in warnings; damage still fails naming the file."""
-    import filecmp
-
     import zstandard
 
     import helixtok.sources as hs
@@ -183,11 +193,7 @@ def test_a_large_jsonl_zst_is_read_by_several_workers_with_the_same_bytes(tmp_pa
     assert whole["inputs"]["units"] == 1 and split["inputs"]["units"] == len(units)
     assert split["skipped"]["malformed_json"]["examples"] == ["big.jsonl.zst:238 (Expecting property name "
                                                               "enclosed in double quotes at column 2)"]
-    for m in (whole, split):  # what differs: the unit plan, and the backend check's corpus sample drawn from it
-        m.pop("inputs"), m.pop("options"), m["tokenizer"].pop("backend_check")
-    assert whole == split
-    for n in set(os.listdir(ow)) - {"manifest.json"}:
-        assert filecmp.cmp(os.path.join(ow, n), os.path.join(osp, n), shallow=False), n
+    assert_same_build(whole, ow, split, osp)
     with pytest.raises(InputError, match=r"^big\.jsonl\.zst:238 \(.*malformed json \(--strict\)$"):
         do_build(tmp_path / "strict", small_tok, c, seq_len=64, workers=2, unit_bytes=len(data) // 20, strict=True)
     (c / "big.jsonl.zst").write_bytes(blob[:-300])
@@ -198,8 +204,6 @@ def test_a_large_jsonl_zst_is_read_by_several_workers_with_the_same_bytes(tmp_pa
 def test_several_large_compressed_files_are_planned_side_by_side(tmp_path, small_tok, dev_docs, monkeypatch):
     """A .gz and a .zst file, each cut by its own pass (run in threads), keep corpus order: the
     same bytes as reading each whole; a damaged one is named even while the other's pass runs."""
-    import filecmp
-
     import zstandard
 
     import helixtok.sources as hs
@@ -221,11 +225,7 @@ def test_several_large_compressed_files_are_planned_side_by_side(tmp_path, small
     assert g >= 4 and z >= 4 and kinds == ["jsonl.gz"] * g + ["jsonl"] * (len(kinds) - g - z) + ["jsonl.zst"] * z
     split, osp = do_build(tmp_path / "split", small_tok, c, seq_len=64, workers=2, unit_bytes=len(a) // 6)
     assert whole["inputs"]["units"] == 3 and split["inputs"]["units"] == len(units)
-    for m in (whole, split):
-        m.pop("inputs"), m.pop("options"), m["tokenizer"].pop("backend_check")
-    assert whole == split
-    for n in set(os.listdir(ow)) - {"manifest.json"}:
-        assert filecmp.cmp(os.path.join(ow, n), os.path.join(osp, n), shallow=False), n
+    assert_same_build(whole, ow, split, osp)
     (c / "c.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(b)[:-200])
     with pytest.raises(InputError, match=r"c\.jsonl\.zst: truncated or corrupt after line \d+"):
         do_build(tmp_path / "bad", small_tok, c, seq_len=64, unit_bytes=len(a) // 6)
@@ -428,8 +428,6 @@ def test_the_real_datasets_library_save_to_disk_folder_and_its_cache(tmp_path, s
 def test_a_large_jsonl_gz_is_read_by_several_workers_with_the_same_bytes(tmp_path, small_tok, dev_docs, monkeypatch):
     """One .jsonl.gz cut into decompressed line ranges (a seek index per file): several units,
     byte-identical output to reading it whole, exact line numbers in warnings; damage still fails."""
-    import filecmp
-
     import helixtok.sources as hs
 
     lines = [json.dumps({"text": t}) + "\n" for t in dev_docs[:300]]
@@ -446,11 +444,7 @@ def test_a_large_jsonl_gz_is_read_by_several_workers_with_the_same_bytes(tmp_pat
     assert whole["inputs"]["units"] == 1 and split["inputs"]["units"] >= 6
     assert split["skipped"]["malformed_json"]["examples"] == ["big.jsonl.gz:238 (Expecting property name "
                                                               "enclosed in double quotes at column 2)"]
-    for m in (whole, split):  # what differs: the unit plan, and the backend check's corpus sample drawn from it
-        m.pop("inputs"), m.pop("options"), m["tokenizer"].pop("backend_check")
-    assert whole == split
-    for n in set(os.listdir(ow)) - {"manifest.json"}:
-        assert filecmp.cmp(os.path.join(ow, n), os.path.join(osp, n), shallow=False), n
+    assert_same_build(whole, ow, split, osp)
     # A cache folder that cannot be written is named as such, not as damage to the input.
     (tmp_path / "afile").write_text("x")
     cache = os.environ["HELIXTOK_CACHE"]
