@@ -699,6 +699,10 @@ def _build_started(out, info, config, overwrite, on_progress, task, files, units
                    workers) -> dict:
     """_build_locked once the work units are planned and the worker processes are starting."""
     info, backend_check = _choose_backend(info, units, config)
+    if workers is not None:  # the workers tokenize: the main process needs no fast tokenizer now
+        from .backends import drop_preloaded
+
+        drop_preloaded()
     partition_info = None
     if task is not None:
         from .merge import partition
