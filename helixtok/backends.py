@@ -150,15 +150,23 @@ def _flat(id_lists: list) -> tuple[np.ndarray, np.ndarray]:
     return np.fromiter(chain.from_iterable(id_lists), dtype=np.uint32, count=int(lens.sum())), lens
 
 
-def flat_encoder(name: str, path: str, special: str, tok):
-    """(encode, version, None): encode(texts) -> (ids uint32 of all texts concatenated, lengths);
-    or (None, None, why) when this backend cannot load the tokenizer or is not installed."""
+def backend_version(name: str) -> str | None:
+    """'library version' of a backend, as the manifest records it; None if it is not installed."""
     from importlib.metadata import PackageNotFoundError, version
 
     lib = {"hf": "tokenizers"}.get(name, name)
     try:
-        ver = f"{lib} {version(lib)}"
+        return f"{lib} {version(lib)}"
     except PackageNotFoundError:
+        return None
+
+
+def flat_encoder(name: str, path: str, special: str, tok):
+    """(encode, version, None): encode(texts) -> (ids uint32 of all texts concatenated, lengths);
+    or (None, None, why) when this backend cannot load the tokenizer or is not installed."""
+    lib = {"hf": "tokenizers"}.get(name, name)
+    ver = backend_version(name)
+    if ver is None:
         return None, None, f"{lib} is not installed (pip install {lib})"
     if name == "hf":
         return (lambda texts: _flat(hf_ids(tok, texts))), ver, None
@@ -206,20 +214,31 @@ def drop_preloaded() -> None:
     _fast_tokenizer.cache_clear()
 
 
-def long_parity(name: str, version: str, path: str, special: str, tok, encode) -> tuple[bool, str]:
-    """parity on LONG_HOSTILE (~2 s, mostly tokenizers' own time): it does not depend on the
-    corpus, so the verdict is cached per library version, tokenizer file and policy."""
+def _long_parity_file(name: str, version: str, path: str, special: str) -> str:
+    from .config import cache_root  # config imports this module
     from .tokenizer import sha256_file
 
     key = hashlib.sha256(f"{name}|{version}|{sha256_file(path)}|{special}|{LONG_HOSTILE_VERSION}".encode())
-    from .config import cache_root  # config imports this module
+    return os.path.join(cache_root(), "parity", key.hexdigest() + ".json")
 
-    cached = os.path.join(cache_root(), "parity", key.hexdigest() + ".json")
-    with contextlib.suppress(OSError, ValueError):
-        with open(cached) as fh:
+
+def cached_long_parity(name: str, version: str, path: str, special: str) -> tuple[bool, str] | None:
+    """long_parity's verdict when this machine has it, else None."""
+    with contextlib.suppress(OSError, ValueError, KeyError):
+        with open(_long_parity_file(name, version, path, special)) as fh:
             got = json.load(fh)
         return bool(got["ok"]), str(got["why"])
+    return None
+
+
+def long_parity(name: str, version: str, path: str, special: str, tok, encode) -> tuple[bool, str]:
+    """parity on LONG_HOSTILE (~2 s, mostly tokenizers' own time): it does not depend on the
+    corpus, so the verdict is cached per library version, tokenizer file and policy."""
+    got = cached_long_parity(name, version, path, special)
+    if got is not None:
+        return got
     ok, why = parity(tok, encode, LONG_HOSTILE, special, group=1)  # one at a time: tokenizers' Encodings are large
+    cached = _long_parity_file(name, version, path, special)
     with contextlib.suppress(OSError):  # no writable cache: check again next time
         os.makedirs(os.path.dirname(cached), exist_ok=True)
         tmp = f"{cached}.{os.getpid()}.tmp"
@@ -229,19 +248,32 @@ def long_parity(name: str, version: str, path: str, special: str, tok, encode) -
     return ok, why
 
 
-def parity(tok, encode, sample: list[str], special: str, group: int = 64) -> tuple[bool, str]:
-    """(True, "") when `encode` gives HF's ids for every text of the sample, HOSTILE and every
-    special token inside text; `group` texts are compared at a time."""
-    texts = HOSTILE + special_probes(tok) + sample
+def parity_texts(tok, sample: list[str]) -> list[str]:
+    """What the parity check compares: HOSTILE, every special token inside text, the sample."""
+    return HOSTILE + special_probes(tok) + sample
+
+
+def same_ids(encode, texts: list[str], want: list[list[int]], group: int = 64) -> tuple[bool, str]:
+    """(True, "") when `encode` gives `want` (tokenizers' ids) for every text, `group` at a time."""
     for i in range(0, len(texts), group):
         group_texts = texts[i: i + group]
         try:
             got, lens = encode(group_texts)
         except Exception as e:  # noqa: BLE001 - a backend that fails on some text is not exact
             return False, f"failed on a text ({type(e).__name__}: {str(e)[:80]})"
-        want = hf_ids(tok, group_texts)
         ends = np.cumsum(lens)
-        for t, x, a, b in zip(group_texts, want, ends - lens, ends):
+        for t, x, a, b in zip(group_texts, want[i: i + group], ends - lens, ends):
             if got[a:b].tolist() != x:
                 return False, f"ids differ on {t[:40]!r}"
+    return True, ""
+
+
+def parity(tok, encode, sample: list[str], special: str, group: int = 64) -> tuple[bool, str]:
+    """(True, "") when `encode` gives HF's ids for every text of the sample, HOSTILE and every
+    special token inside text; `group` texts are compared at a time."""
+    texts = parity_texts(tok, sample)
+    for i in range(0, len(texts), group):
+        ok, why = same_ids(encode, texts[i: i + group], hf_ids(tok, texts[i: i + group]), group)
+        if not ok:
+            return ok, why
     return True, ""

@@ -154,3 +154,27 @@ def test_workers_load_the_likely_backend_early_and_drop_it_when_another_is_chose
     finally:
         hb._W.clear()
         hb._W.update(saved)
+
+
+def test_a_pool_build_checks_the_backend_in_a_worker(tmp_path, dev_corpus, shapes, monkeypatch):
+    """With worker processes and the long-input verdict cached, the main process never loads the
+    fast library's tokenizer: the workers compare the corpus sample against tokenizers' ids sent
+    from here.  The choice and the bytes are those of a build that checked everything itself."""
+    from helixtok import backends
+
+    corpus = [str(dev_corpus / "jsonl" / "plain.jsonl")]
+    tok = shapes["llama3-like (uint32)"]
+    here = build(corpus, str(tmp_path / "inline"), tok, BuildConfig(seq_len=256, workers=1, unit_bytes=1 << 16))
+    loads, real = [], backends._fast_tokenizer
+
+    def counted(*key):
+        loads.append(key)
+        return real(*key)
+    counted.cache_clear = real.cache_clear
+    monkeypatch.setattr(backends, "_fast_tokenizer", counted)  # in this process only: workers are spawned
+    pool = build(corpus, str(tmp_path / "pool"), tok, BuildConfig(seq_len=256, workers=2, unit_bytes=1 << 16))
+    assert pool["inputs"]["units"] > 2 and loads == []
+    assert pool["tokenizer"]["backend"] == here["tokenizer"]["backend"] == "fastokens"
+    assert pool["tokenizer"]["backend_check"]["sample_documents"] == here["tokenizer"]["backend_check"][
+        "sample_documents"] > 0
+    assert _shards(tmp_path / "pool") == _shards(tmp_path / "inline")
