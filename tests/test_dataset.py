@@ -1,5 +1,6 @@
 """MemmapChunkDataset: values equal the shard bytes, masks, DataLoader workers, pickling, refusals."""
 
+import functools
 import json
 import os
 import pickle
@@ -43,17 +44,17 @@ def test_getitems_batches_across_shards(dev_packed):
     assert [g["input_ids"].tolist() for g in got] == raw[idx].tolist()
 
 
-def _reference(out, packing):
+@functools.lru_cache(maxsize=2)
+def _on_disk(out: str) -> tuple[np.ndarray, np.ndarray]:
+    """Every chunk of the train split as stored, and each chunk's valid length."""
     m = json.load(open(os.path.join(out, "manifest.json")))
-    raw = all_chunks(out).astype(np.int64)
-    L = raw.shape[1]
-    if packing == "document":
+    raw = all_chunks(out)
+    if m["packing"] == "document":
         valid = np.concatenate([np.fromfile(os.path.join(out, s["valid"]["path"]), dtype="<u4")
                                 for s in m["splits"]["train"]["shards"]])
     else:
-        valid = np.full(len(raw), L)
-    pad = np.arange(L)[None, :] >= valid[:, None]
-    return raw, np.where(pad, -100, raw), (~pad).astype(np.int64)
+        valid = np.full(len(raw), raw.shape[1])
+    return raw, valid
 
 
 @settings(max_examples=40, deadline=None)
@@ -69,23 +70,27 @@ def test_every_batch_equals_the_rows_on_disk(dev_packed, dev_document, data):
         fields = data.draw(st.sampled_from([fields, ("input_ids",), ("input_ids", "labels"), ("attention_mask",
                                                                                              "input_ids")]))
     ds = MemmapChunkDataset(out, shifted=shifted, fields=fields)
-    raw, labels, mask = _reference(out, packing)
+    raw, valid = _on_disk(out)
     n = len(raw)
     near = data.draw(st.integers(0, n - 1))  # indices around one point land in one shard
     index = st.one_of(st.integers(-n, n - 1), st.integers(max(-n, near - 40), min(n - 1, near + 40)))
     idx = data.draw(st.lists(index, min_size=1, max_size=data.draw(st.sampled_from([8, 100]))))
     got = ds.collate(ds.__getitems__(idx))
     want = np.array(idx) % n
-    assert tuple(got) == fields and np.array_equal(got["input_ids"].numpy(), raw[want])
+    rows = raw[want].astype(np.int64)
+    pad = np.arange(raw.shape[1])[None, :] >= valid[want][:, None]
     if shifted:
-        labels = np.concatenate([raw[:, 1:], np.append(raw[1:, 0], -100)[:, None]], axis=1)
+        labels = np.concatenate([rows[:, 1:], np.append(raw[1:, 0], -100)[want][:, None]], axis=1)
+    else:
+        labels = np.where(pad, -100, rows)
+    assert tuple(got) == fields and np.array_equal(got["input_ids"].numpy(), rows)
     if "labels" in fields:
-        assert np.array_equal(got["labels"].numpy(), labels[want])
+        assert np.array_equal(got["labels"].numpy(), labels)
     if "attention_mask" in fields:
-        assert np.array_equal(got["attention_mask"].numpy(), mask[want])
+        assert np.array_equal(got["attention_mask"].numpy(), (~pad).astype(np.int64))
     for k in set(fields) - {"input_ids"}:
         got[k][:] = 7  # the other fields are their own memory: editing them leaves input_ids alone
-    assert np.array_equal(got["input_ids"].numpy(), raw[want])
+    assert np.array_equal(got["input_ids"].numpy(), rows)
 
 
 def test_fields_are_checked(dev_packed, dev_document):

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pyarrow as pa
@@ -247,8 +248,9 @@ def test_a_failing_plan_stops_the_passes_it_started(tmp_path, monkeypatch):
     reads = []
     block = b"x" * (1 << 20)
 
-    def endless(self, size=-1):  # a huge file: no line end for 1,000 blocks
+    def endless(self, size=-1):  # a huge file: no line end for 1,000 blocks, 5 s to read them all
         reads.append(1)
+        time.sleep(0.005)
         return block if len(reads) < 1000 else b""
 
     monkeypatch.setattr(hs._ZstdRaw, "read", endless)
