@@ -620,9 +620,11 @@ def _verdict(name: str, info: TokenizerInfo, tok, sample: list[str], workers: _P
         # The workers have loaded this library's tokenizer (_warm): compare there, and spare this
         # process loading it too (0.5 s for a 100k vocabulary).  tokenizers' ids come from here.
         texts = parity_texts(tok, sample)
+        # 64 texts at a time: tokenizers' Encodings of a whole 1 MiB sample would hold ~100 MB at once.
+        want = [ids for i in range(0, len(texts), 64) for ids in hf_ids(tok, texts[i: i + 64])]
         try:
             ok, why = workers.executor.submit(_same_ids_here, name, info.path, info.special_tokens, texts,
-                                              hf_ids(tok, texts)).result()
+                                              want).result()
         except BrokenProcessPool as e:
             raise _broke_starting(e) from None
         return (ok and long[0]), (why if not ok else long[1]), ver

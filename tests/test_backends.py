@@ -162,7 +162,10 @@ def test_a_pool_build_checks_the_backend_in_a_worker(tmp_path, dev_corpus, shape
     from here.  The choice and the bytes are those of a build that checked everything itself."""
     from helixtok import backends
 
-    corpus = [str(dev_corpus / "jsonl" / "plain.jsonl")]
+    lines = open(dev_corpus / "jsonl" / "plain.jsonl").read().split()
+    short = tmp_path / "short.jsonl"  # many short documents: the corpus sample is hundreds of texts
+    short.write_text("".join(json.dumps({"text": " ".join(lines[i: i + 30])}) + "\n" for i in range(0, len(lines), 30)))
+    corpus = [str(dev_corpus / "jsonl" / "plain.jsonl"), str(short)]
     tok = shapes["llama3-like (uint32)"]
     here = build(corpus, str(tmp_path / "inline"), tok, BuildConfig(seq_len=256, workers=1, unit_bytes=1 << 16))
     loads, real = [], backends._fast_tokenizer
@@ -172,8 +175,15 @@ def test_a_pool_build_checks_the_backend_in_a_worker(tmp_path, dev_corpus, shape
         return real(*key)
     counted.cache_clear = real.cache_clear
     monkeypatch.setattr(backends, "_fast_tokenizer", counted)  # in this process only: workers are spawned
+    batches, hf_ids = [], backends.hf_ids
+
+    def grouped(tok, texts):  # tokenizers' Encodings take ~100 bytes a character: never the whole sample
+        batches.append(len(texts))
+        return hf_ids(tok, texts)
+    monkeypatch.setattr(backends, "hf_ids", grouped)
     pool = build(corpus, str(tmp_path / "pool"), tok, BuildConfig(seq_len=256, workers=2, unit_bytes=1 << 16))
     assert pool["inputs"]["units"] > 2 and loads == []
+    assert sum(batches) > 64 and max(batches) <= 64
     assert pool["tokenizer"]["backend"] == here["tokenizer"]["backend"] == "fastokens"
     assert pool["tokenizer"]["backend_check"]["sample_documents"] == here["tokenizer"]["backend_check"][
         "sample_documents"] > 0
