@@ -110,9 +110,12 @@ def hf_tokenizer(path: str, special: str):
     return tok
 
 
-def hf_ids(tok, texts: list[str]) -> list[list[int]]:
+def hf_ids(tok, texts: list[str], group: int | None = None) -> list[list[int]]:
+    """tokenizers' ids of each text; `group` texts at a time (their Encodings take ~100 bytes a
+    character, so a 1 MiB sample encoded at once would hold ~100 MB)."""
     fn = getattr(tok, "encode_batch_fast", tok.encode_batch)
-    return [e.ids for e in fn(texts, add_special_tokens=False)]
+    step = group or max(1, len(texts))
+    return [e.ids for i in range(0, len(texts), step) for e in fn(texts[i: i + step], add_special_tokens=False)]
 
 
 def tiktoken_ids(enc, texts: list[str], special: str = "text", tok=None) -> list[list[int]]:
@@ -209,8 +212,8 @@ def _fast_tokenizer(lib: str, path: str, mtime_ns: int):
     return gigatoken.Tokenizer(path)
 
 
-def drop_preloaded() -> None:
-    """Forget fast tokenizers loaded ahead of the backend check when another backend was chosen."""
+def forget_fast_tokenizers() -> None:
+    """Free the fast tokenizers this process loaded (for a check or ahead of one) and will not use."""
     _fast_tokenizer.cache_clear()
 
 

@@ -109,15 +109,16 @@ def _warm(preload: tuple[str, str] | None) -> None:
         name, path = preload
         with contextlib.suppress(Exception):  # the check will say why this backend cannot be used
             backends.flat_encoder(name, path, "", None)
+            _W["preloaded"] = name
 
 
 def _encoder(info: TokenizerInfo) -> Encoder:
     """This process's Encoder for `info` (the backend is chosen after the workers start)."""
     if _W.get("encoder_info") != info:
-        from .backends import FAST, drop_preloaded
+        if _W.pop("preloaded", info.backend) != info.backend:  # _warm loaded a tokenizer for nothing
+            from .backends import forget_fast_tokenizers
 
-        if info.backend != FAST[0]:  # _warm loaded FAST[0]'s tokenizer for nothing
-            drop_preloaded()
+            forget_fast_tokenizers()
         _W["encoder"] = Encoder(info, max_piece_chars=_W["config"].max_piece_chars)
         _W["encoder_info"] = info
     return _W["encoder"]
@@ -564,8 +565,7 @@ SAMPLE_UNITS, SAMPLE_CHARS = 8, 1 << 20
 
 def _sample_texts(units: list[Unit], config: BuildConfig) -> list[str]:
     """Documents from up to SAMPLE_UNITS evenly spaced units (their first SAMPLE_CHARS / k chars)."""
-    # Not a .zst range inside a frame: reaching it means decompressing the frame up to it.
-    cheap = [u for u in units if not (u.kind == "jsonl.zst" and u.start != u.seek[1])]
+    cheap = [u for u in units if not u.skip_bytes]  # reaching those means decompressing up to them
     picked = cheap[::max(1, len(cheap) // SAMPLE_UNITS)][:SAMPLE_UNITS]
     head = SAMPLE_CHARS // SAMPLE_UNITS  # tokenizers' Encodings take ~100 bytes a character: keep them few
     sample: list[str] = []
@@ -620,8 +620,7 @@ def _verdict(name: str, info: TokenizerInfo, tok, sample: list[str], workers: _P
         # The workers have loaded this library's tokenizer (_warm): compare there, and spare this
         # process loading it too (0.5 s for a 100k vocabulary).  tokenizers' ids come from here.
         texts = parity_texts(tok, sample)
-        # 64 texts at a time: tokenizers' Encodings of a whole 1 MiB sample would hold ~100 MB at once.
-        want = [ids for i in range(0, len(texts), 64) for ids in hf_ids(tok, texts[i: i + 64])]
+        want = hf_ids(tok, texts, group=64)
         try:
             ok, why = workers.executor.submit(_same_ids_here, name, info.path, info.special_tokens, texts,
                                               want).result()
@@ -733,9 +732,9 @@ def _build_started(out, info, config, overwrite, on_progress, task, files, units
     """_build_locked once the work units are planned and the worker processes are starting."""
     info, backend_check = _choose_backend(info, units, config, workers)
     if workers is not None:  # the workers tokenize: the main process needs no fast tokenizer now
-        from .backends import drop_preloaded
+        from .backends import forget_fast_tokenizers
 
-        drop_preloaded()
+        forget_fast_tokenizers()
     partition_info = None
     if task is not None:
         from .merge import partition

@@ -336,6 +336,11 @@ class Unit:
     aux: str = ""  # jsonl.gz line ranges: the seek index file (a cache, not part of the plan)
     seek: tuple[int, int] = (0, 0)  # jsonl.zst line ranges: (compressed, decompressed) offset of a frame
 
+    @property
+    def skip_bytes(self) -> int:
+        """Decompressed bytes a reader discards before this unit (a .zst range inside a frame)."""
+        return self.start - self.seek[1] if self.kind == "jsonl.zst" and self.stop else 0
+
     def to_json(self) -> dict:
         return {"kind": self.kind, "files": list(self.names), "start": self.start, "stop": self.stop}
 
@@ -352,6 +357,7 @@ def plan_units(files: list[InputFile], *, unit_bytes: int, text_field: str) -> t
     big = [f for f in files if f.kind in ("jsonl.gz", "jsonl.zst") and f.size >= split_at]
     for f in big:  # a wrong --text-field fails before any long pass starts
         _check_jsonl_head(f, text_field)
+    halt = threading.Event()  # ends the passes early when planning fails or is interrupted
 
     def ranges_of(f: InputFile) -> list[dict]:
         if f.kind == "jsonl.gz":
@@ -371,8 +377,6 @@ def plan_units(files: list[InputFile], *, unit_bytes: int, text_field: str) -> t
             batch.clear()
 
     # The passes run side by side (zstd and zlib release the GIL); each file's ranges are its own.
-    # `halt` ends them early when planning fails or is interrupted (a thread cannot be killed).
-    halt = threading.Event()
     pool = ThreadPoolExecutor(min(len(big), os.cpu_count() or 1)) if big else None
     passes = {f.path: pool.submit(ranges_of, f) for f in big}
     try:
@@ -878,8 +882,8 @@ class UnitReader:
             remaining = u.stop - u.start if u.stop else -1  # stop == 0: a whole compressed file
             fast_field = self.text_field if orjson is not None else None
             try:
-                if u.kind == "jsonl.zst" and u.stop:
-                    z.skip(u.start - u.seek[1])
+                if u.skip_bytes:
+                    z.skip(u.skip_bytes)
                 for line in stream:
                     if remaining >= 0:
                         if remaining <= 0:

@@ -2,6 +2,7 @@
 
 import json
 import os
+from functools import lru_cache
 
 import pytest
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -135,20 +136,25 @@ def test_workers_load_the_likely_backend_early_and_drop_it_when_another_is_chose
     reuses it when fastokens is chosen, and it is freed when another backend is."""
     import dataclasses
 
-    from helixtok import backends, build as hb
+    from helixtok import backends
+    from helixtok import build as hb
     from helixtok.tokenizer import inspect_tokenizer
 
     tok = shapes["llama3-like (uint32)"]
-    backends._fast_tokenizer.cache_clear()
-    hb._warm(("fastokens", tok))
-    loaded = backends._fast_tokenizer("fastokens", tok, os.stat(tok).st_mtime_ns)
+    info = inspect_tokenizer(tok)
     saved = dict(hb._W)
-    try:
+
+    def fresh_worker():
+        backends._fast_tokenizer.cache_clear()
         hb._W.clear()
         hb._W["config"] = BuildConfig()
-        info = inspect_tokenizer(tok)
+        hb._warm(("fastokens", tok))
+    try:
+        fresh_worker()
+        loaded = backends._fast_tokenizer("fastokens", tok, os.stat(tok).st_mtime_ns)
         fast = dataclasses.replace(info, backend="fastokens", backend_version="x")
         assert any(c.cell_contents is loaded for c in hb._encoder(fast)._encode.__closure__)  # the one preloaded
+        fresh_worker()  # another worker, where the check chose tokenizers
         hb._encoder(dataclasses.replace(info, backend="hf", backend_version="y"))
         assert backends._fast_tokenizer.cache_info().currsize == 0
     finally:
@@ -175,12 +181,19 @@ def test_a_pool_build_checks_the_backend_in_a_worker(tmp_path, dev_corpus, shape
         return real(*key)
     counted.cache_clear = real.cache_clear
     monkeypatch.setattr(backends, "_fast_tokenizer", counted)  # in this process only: workers are spawned
-    batches, hf_ids = [], backends.hf_ids
+    batches, hf_tokenizer = [], backends.hf_tokenizer
 
-    def grouped(tok, texts):  # tokenizers' Encodings take ~100 bytes a character: never the whole sample
-        batches.append(len(texts))
-        return hf_ids(tok, texts)
-    monkeypatch.setattr(backends, "hf_ids", grouped)
+    class Counted:  # tokenizers' Encodings take ~100 bytes a character: never the whole sample at once
+        def __init__(self, tok):
+            self.tok = tok
+
+        def __getattr__(self, name):
+            return getattr(self.tok, name)
+
+        def encode_batch_fast(self, texts, **kw):
+            batches.append(len(texts))
+            return self.tok.encode_batch_fast(texts, **kw)
+    monkeypatch.setattr(backends, "hf_tokenizer", lambda path, special: Counted(hf_tokenizer(path, special)))
     pool = build(corpus, str(tmp_path / "pool"), tok, BuildConfig(seq_len=256, workers=2, unit_bytes=1 << 16))
     assert pool["inputs"]["units"] > 2 and loads == []
     assert sum(batches) > 64 and max(batches) <= 64
@@ -188,3 +201,22 @@ def test_a_pool_build_checks_the_backend_in_a_worker(tmp_path, dev_corpus, shape
     assert pool["tokenizer"]["backend_check"]["sample_documents"] == here["tokenizer"]["backend_check"][
         "sample_documents"] > 0
     assert _shards(tmp_path / "pool") == _shards(tmp_path / "inline")
+
+
+def test_an_inline_build_tokenizes_with_the_library_its_check_loaded(tmp_path, dev_corpus, shapes, monkeypatch):
+    """Without worker processes the backend check and the encoder share one loaded tokenizer,
+    whichever fast library is chosen (only a tokenizer a worker preloaded for nothing is freed)."""
+    from helixtok import backends
+
+    loads, real = [], backends._fast_tokenizer
+
+    def counted(*key):
+        loads.append(key[0])
+        return real(*key)
+    counted.cache_clear = real.cache_clear
+    backends._fast_tokenizer.cache_clear()
+    monkeypatch.setattr(backends, "_fast_tokenizer", lru_cache(maxsize=2)(counted))
+    corpus = [str(dev_corpus / "jsonl" / "plain.jsonl")]
+    m = build(corpus, str(tmp_path / "out"), shapes["gpt2-like"],
+              BuildConfig(seq_len=256, workers=1, backend="gigatoken", special_tokens="extract"))
+    assert m["tokenizer"]["backend"] == "gigatoken" and loads == ["gigatoken"]
