@@ -427,9 +427,7 @@ def _run_units(units: list[Unit], pending: list[Unit], info: TokenizerInfo, conf
                on_result: Callable[[dict], None], workers: _Pool | None) -> list[dict]:
     """Tokenize the pending units; each journal entry goes to `on_result` as soon as it is in."""
     total_bytes = sum(u.est_bytes for u in units)
-    # Largest first, so the last unit to finish is a small one (output order does not depend on this);
-    # --strict goes in corpus order, to stop at the first bad input soon.
-    order = sorted(pending, key=lambda u: (0 if config.strict else -u.est_bytes, u.index))
+    order = schedule(pending, config.unit_bytes, config.strict)
     units_done = len(units) - len(pending)
     t_last = 0.0
     results = []
@@ -499,6 +497,27 @@ def _run_units(units: list[Unit], pending: list[Unit], info: TokenizerInfo, conf
         raise
     workers.executor.shutdown(wait=True)
     return results
+
+
+def schedule(pending: list[Unit], unit_bytes: int, strict: bool = False) -> list[Unit]:
+    """The order units go to the workers (the output's order does not depend on it).
+
+    Corpus order, so that the finished prefix, which assembly needs, grows while later units
+    tokenize: ordered by size, units finished in a scattered order and assembly waited for
+    nearly all of them (1 s of a 6 s build idle on two cores).  Units costing over twice
+    unit_bytes (a large text file or row group, a .zst range that discards what precedes it in
+    its frame) go first, costliest first, so that none of them is the last to finish.
+    --strict: corpus order only, to stop at the first bad input soon.
+    """
+    pending = sorted(pending, key=lambda u: u.index)
+    if strict:
+        return pending
+
+    def cost(u: Unit) -> int:  # discarding decompressed bytes runs ~6x faster than tokenizing them
+        return u.est_bytes + u.skip_bytes // 6
+
+    big = sorted((u for u in pending if cost(u) > 2 * unit_bytes), key=lambda u: (-cost(u), u.index))
+    return big + [u for u in pending if cost(u) <= 2 * unit_bytes]
 
 
 def _broke_starting(e: BrokenProcessPool) -> HelixtokError:

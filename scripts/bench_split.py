@@ -1,5 +1,5 @@
 """How one large compressed file splits: the planner's pass, each unit's time alone, and the wall
-time that unit plan allows on N cores (largest-first over N workers, after the pass).
+time that unit plan allows on N cores (the build's unit order over N workers, after the pass).
 
 Usage: python scripts/bench_split.py FILE.jsonl.zst TOKENIZER.json [--cores 1 2 4 8 16]
 Each unit is read and tokenized alone, in this process, with the backend `--backend auto` picks;
@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import helixtok.sources as hs  # noqa: E402
 from helixtok.backends import flat_encoder  # noqa: E402
-from helixtok.build import _choose_backend  # noqa: E402
+from helixtok.build import _choose_backend, schedule  # noqa: E402
 from helixtok.config import BuildConfig  # noqa: E402
 from helixtok.tokenizer import inspect_tokenizer  # noqa: E402
 
@@ -38,11 +38,12 @@ def unit_seconds(unit: hs.Unit, encode, batch_chars: int) -> float:
     return time.perf_counter() - t0
 
 
-def schedule(times: list[float], cores: int) -> float:
-    """Makespan of largest-first over `cores` workers (what the build's scheduler does)."""
+def makespan(units: list[hs.Unit], times: list[float], cores: int, unit_bytes: int) -> float:
+    """Wall time of the units on `cores` workers, each taking the next unit in the build's order
+    when it is free."""
     free = [0.0] * cores
-    for t in sorted(times, reverse=True):
-        heapq.heappush(free, heapq.heappop(free) + t)
+    for u in schedule(units, unit_bytes):
+        heapq.heappush(free, heapq.heappop(free) + times[u.index])
     return max(free)
 
 
@@ -69,7 +70,7 @@ def main() -> None:
           f"(+{sum(times) / base - 1:.0%} CPU), longest {max(times):.2f} s")
     print(f"{'cores':>5} {'whole file':>10} {'split':>8} {'speed-up':>8}")
     for n in args.cores:
-        split = plan + schedule(times, n)
+        split = plan + makespan(units, times, n, config.unit_bytes)
         print(f"{n:5d} {base:9.2f}s {split:7.2f}s {base / split:7.2f}x")
 
 

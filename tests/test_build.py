@@ -228,3 +228,41 @@ def test_long_document_split_encoding_is_exact(tmp_path, tokenizer_path, dev_doc
     want = tok.encode(big, add_special_tokens=False).ids + [m["tokenizer"]["eos_id"]]
     _, chunks = read_split(out)
     assert chunks.reshape(-1).tolist() == want
+
+
+def test_units_go_in_corpus_order_so_assembly_keeps_up(tmp_path, small_tok, monkeypatch):
+    """Assembly needs the finished prefix: ordered by size, units of slightly different sizes
+    finished scattered and nothing was assembled until nearly the end."""
+    from helixtok import assemble
+
+    words = ["hello world", "the lazy dog", "pack me into chunks please", "fox"]
+    for f in range(3):  # documents of varied length: every unit has its own size
+        write(tmp_path / "c" / f"{f}.jsonl", "".join(json.dumps({"text": " ".join(words[: 1 + (i * 7 + f) % 4] * (1 + i % 9))})
+                                                  + "\n" for i in range(400)))
+    assembled = []
+    real_add = assemble.Assembler.add
+
+    def add(self, result):
+        real_add(self, result)
+        assembled.append(self.done)
+
+    monkeypatch.setattr(assemble.Assembler, "add", add)
+    m = build([str(tmp_path / "c")], str(tmp_path / "out"), small_tok, BuildConfig(seq_len=16, workers=1, unit_bytes=4096))
+    n = m["inputs"]["units"]
+    assert n > 10
+    assert assembled == list(range(1, n + 1))  # each unit is assembled as soon as it is tokenized
+
+
+def test_schedule_puts_costly_units_first_then_corpus_order():
+    from helixtok.build import schedule
+    from helixtok.sources import Unit
+
+    U = 1000
+    units = [Unit(0, "jsonl", ("a",), ("a",), est_bytes=1010), Unit(1, "jsonl", ("a",), ("a",), est_bytes=990),
+             Unit(2, "text", ("b",), ("b",), est_bytes=5 * U), Unit(3, "jsonl", ("c",), ("c",), est_bytes=1500),
+             Unit(4, "text", ("d",), ("d",), est_bytes=3 * U),
+             # a .zst range 12 U into its frame: it decompresses and discards those first (cost ~ 1 + 12/6 U)
+             Unit(5, "jsonl.zst", ("e",), ("e",), start=12 * U, stop=13 * U, est_bytes=U, seek=(0, 0)),
+             Unit(6, "jsonl", ("f",), ("f",), est_bytes=200)]
+    assert [u.index for u in schedule(units[::-1], U)] == [2, 4, 5, 0, 1, 3, 6]
+    assert [u.index for u in schedule(units[::-1], U, strict=True)] == list(range(7))
