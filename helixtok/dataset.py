@@ -211,37 +211,48 @@ class MemmapChunkDataset(Dataset):
     def __len__(self) -> int:
         return self._len
 
-    def _index(self, indices) -> tuple[np.ndarray, int, int]:
-        """(indices as int64 with negatives counted from the end, min, max); IndexError names the
-        first index out of range."""
+    def _index(self, indices) -> tuple[list[int] | np.ndarray, int, int]:
+        """(indices with negatives counted from the end, min, max); IndexError names the first index
+        out of range.  A DataLoader batch, a short list of ints, stays a list: numpy's conversion and
+        reductions cost more than the rest of a batch's bookkeeping."""
+        if type(indices) is list and len(indices) <= 64 and all(type(i) is int for i in indices):
+            if not indices:
+                return np.empty(0, np.int64), 0, 0
+            idx, lo, hi = indices, min(indices), max(indices)
+            if lo < 0:
+                idx = [i + self._len if i < 0 else i for i in indices]
+                lo, hi = min(idx), max(idx)
+            if lo >= 0 and hi < self._len:
+                return idx, lo, hi
         idx = np.asarray(indices, dtype=np.int64).reshape(-1)
         if not len(idx):
             return idx, 0, 0
-        # A DataLoader batch is a short list: Python's min/max beat two numpy reductions (~2 us) there.
-        small = isinstance(indices, list) and len(indices) <= 64
-        lo, hi = (int(min(indices)), int(max(indices))) if small else (int(idx.min()), int(idx.max()))
-        if lo < 0:
-            idx = np.where(idx < 0, idx + self._len, idx)
-            lo, hi = int(idx.min()), int(idx.max())
+        idx = np.where(idx < 0, idx + self._len, idx)
+        lo, hi = int(idx.min()), int(idx.max())
         if lo < 0 or hi >= self._len:
             bad = int(idx[(idx < 0) | (idx >= self._len)][0])
             raise IndexError(f"index {bad - self._len if bad < 0 else bad} out of range for {self._len} chunks")
         return idx, lo, hi
 
-    def _locate(self, idx: np.ndarray, lo: int, hi: int) -> tuple[int | np.ndarray, np.ndarray]:
+    def _locate(self, idx, lo: int, hi: int) -> tuple[int | np.ndarray, list[int] | np.ndarray]:
         """(shard, row in shard) of in-range indices (min lo, max hi); shard is one int when all lie
         in one shard."""
         first = bisect.bisect_right(self._starts_list, lo) - 1
         if first == bisect.bisect_right(self._starts_list, hi) - 1:
-            return first, idx - self._starts_list[first]
+            base = self._starts_list[first]
+            return first, [i - base for i in idx] if type(idx) is list else idx - base
+        idx = np.asarray(idx, dtype=np.int64)
         shard = np.searchsorted(self._starts, idx, side="right") - 1
         return shard, idx - self._starts[shard]
 
-    def _gather(self, shard, local: np.ndarray, out: np.ndarray, column: int | str | None = None) -> None:
+    def _gather(self, shard, local, out: np.ndarray, column: int | str | None = None) -> None:
         """out[j] = row local[j] of shard[j]: the whole row, one column of it, or (column="side")
         its sidecar value."""
         maps = self._maps or self._open()
-        if isinstance(shard, int):
+        if type(local) is list:  # a few rows: one copy each, straight into `out`, beats a fancy index
+            parts = zip(shard.tolist() if isinstance(shard, np.ndarray) else [shard] * len(local),
+                        range(len(local)), local)
+        elif isinstance(shard, int):
             parts = [(shard, slice(None), local)]
         elif len(local) <= 64:  # a few rows: one copy each beats np.unique's and np.nonzero's fixed costs
             parts = zip(shard.tolist(), range(len(local)), local.tolist())
@@ -253,7 +264,7 @@ class MemmapChunkDataset(Dataset):
 
     def _next_tokens(self, idx: np.ndarray) -> np.ndarray:
         """The first token of the chunk after each of idx; -100 after the last chunk."""
-        nxt = idx + 1
+        nxt = np.asarray(idx, dtype=np.int64) + 1
         last = nxt >= self._len
         nxt[last] = 0
         out = np.empty(len(idx), dtype=np.int64)
@@ -304,7 +315,7 @@ class MemmapChunkDataset(Dataset):
         if self.position_ids:
             from .masking import boundaries
 
-            bd = boundaries([self.document_starts(i) for i in idx.tolist()], L)
+            bd = boundaries([self.document_starts(i) for i in np.asarray(idx).tolist()], L)
             b["position_ids"] = bd["position_ids"]
             if self.document_masking:
                 b.update(document_ids=bd["document_ids"], cu_seqlens=bd["cu_seqlens"], max_seqlen=bd["max_seqlen"])

@@ -2,11 +2,13 @@
 tokenizing dataset; and start-up on a synthetic 1.5 B-token dataset.
 
 Usage: python scripts/bench_read.py [--dataset OUT] [--seq-len 512] [--batch-size 16] [--shard-size 1GiB]
-                                    [--startup-tokens 1.5e9]
+                                    [--startup-tokens 1.5e9] [--seconds 3] [--rounds 20]
 Without --dataset it builds one from ../shared/corpus/dev (one shard at the default --shard-size;
 a 1.5 B-token corpus has three 1 GiB shards, so a random batch reads from several: --shard-size 12MB
 gives the dev corpus four).  The ratio column is against the raw
-limit (numpy fancy-indexing of the same rows from the memmap into an int64 tensor).
+limit (numpy fancy-indexing of the same rows from the memmap into an int64 tensor); every row is
+measured in slices taken in turn with the others (--rounds), and reports its median slice and the
+median of its slice-by-slice ratios (a drifting machine moves both slices of a round together).
 """
 
 from __future__ import annotations
@@ -26,33 +28,53 @@ from torch.utils.data import DataLoader, IterableDataset
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from helixtok import MemmapChunkDataset, readbench  # noqa: E402
+from helixtok import MemmapChunkDataset  # noqa: E402
 
 DEV = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "corpus", "dev")
 
 
-def raw_limit(ds: MemmapChunkDataset, B: int, seconds: float) -> float:
+def raw_batches(ds: MemmapChunkDataset, B: int):
+    """The raw limit: numpy fancy-indexing of shuffled rows from the memmaps into an int64 tensor."""
     mms = [np.memmap(p, dtype=ds.dtype, mode="r").reshape(-1, ds.seq_len) for p, _, _ in ds._shards]
     starts = ds._starts
     rng = np.random.default_rng(0)
-    n = 0
-    t0 = time.perf_counter()
-    while time.perf_counter() - t0 < seconds:
+    while True:
         for idx in np.array_split(rng.permutation(len(ds)), max(1, len(ds) // B)):
             sh = np.searchsorted(starts, idx, side="right") - 1
             out = np.empty((len(idx), ds.seq_len), dtype=np.int64)
             for s in np.unique(sh):
                 sel = sh == s
                 out[sel] = mms[s][idx[sel] - starts[s]]
-            torch.from_numpy(out)
-            n += out.size
-            if time.perf_counter() - t0 > seconds:
-                break
-    return n / (time.perf_counter() - t0)
+            yield torch.from_numpy(out)
 
 
-def loader_rate(ds, B: int, workers: int, seconds: float, collate_fn=None) -> float:
-    return readbench.loader_rate(ds, B, workers, seconds, collate_fn)[0]
+def loader_batches(ds, B: int, workers: int, collate_fn=None):
+    """Batches of a shuffled DataLoader over ds, epoch after epoch (workers started once)."""
+    dl = DataLoader(ds, batch_size=B, shuffle=True, num_workers=workers, persistent_workers=workers > 0,
+                    collate_fn=collate_fn)
+    while True:
+        for b in dl:
+            yield b["input_ids"] if isinstance(b, dict) else b
+
+
+class Row:
+    """One row of the table, measured in short slices taken in turn with the other rows: on a
+    machine whose speed drifts (shared vCPUs), rows measured minutes apart are not comparable,
+    slices taken side by side are, and the median slice ignores a stall."""
+
+    def __init__(self, name: str, batches):
+        self.name, self.batches, self.rates = name, batches, []
+        next(self.batches)  # start-up is not throughput
+
+    def slice(self, seconds: float) -> None:
+        n, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            n += next(self.batches).numel()
+        self.rates.append(n / (time.perf_counter() - t0))
+
+    @property
+    def rate(self) -> float:
+        return float(np.median(self.rates))
 
 
 class OnTheFly(IterableDataset):
@@ -119,7 +141,8 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--shard-size", default="1GiB")
-    ap.add_argument("--seconds", type=float, default=3.0)
+    ap.add_argument("--seconds", type=float, default=3.0, help="per row, in --rounds slices")
+    ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--startup-tokens", type=float, default=1.5e9)
     args = ap.parse_args()
     tmp = tempfile.mkdtemp(prefix="helixtok-read-")
@@ -138,19 +161,29 @@ def main() -> None:
                             "--shard-size", args.shard_size],
                            check=True)
         ds = MemmapChunkDataset(out)
-        rows = []
-        limit = raw_limit(ds, B, args.seconds)
-        rows.append(("raw limit: numpy fancy index from memmap -> int64 tensor", limit))
-        for w in (0, 2):
-            rows.append((f"MemmapChunkDataset, DataLoader(batch {B}, shuffle, workers {w})",
-                         loader_rate(ds, B, w, args.seconds)))
-            rows.append((f"  same, collate_fn=ds.collate (no re-stacking), workers {w}",
-                         loader_rate(ds, B, w, args.seconds, ds.collate)))
         ids_only = MemmapChunkDataset(out, fields=("input_ids",))
-        rows.append(("  same, fields=('input_ids',), workers 0", loader_rate(ids_only, B, 0, args.seconds, ds.collate)))
         batch = ds.__getitems__(list(range(min(B, len(ds)))))
-        rows.append(("  DataLoader's own floor: __getitems__ hands back one prepared batch",
-                     readbench.loader_rate(_Prepared(batch, len(ds)), B, 0, args.seconds, ds.collate)[0]))
+        rows = [Row("raw limit: numpy fancy index from memmap -> int64 tensor", raw_batches(ds, B)),
+                Row(f"MemmapChunkDataset, DataLoader(batch {B}, shuffle, workers 0)", loader_batches(ds, B, 0)),
+                Row("  same, collate_fn=ds.collate (no re-stacking), workers 0", loader_batches(ds, B, 0, ds.collate)),
+                Row("  same, fields=('input_ids',), workers 0", loader_batches(ids_only, B, 0, ds.collate)),
+                Row("  DataLoader's own floor: __getitems__ hands back one prepared batch",
+                    loader_batches(_Prepared(batch, len(ds)), B, 0, ds.collate))]
+        for _ in range(args.rounds):
+            for r in rows:
+                r.slice(args.seconds / args.rounds)
+        # Worker processes prefetch behind the other rows' backs: each of these runs alone, in one piece.
+        for collate in (None, ds.collate):
+            name = ("  same, collate_fn=ds.collate, workers 2 (measured alone)" if collate else
+                    f"MemmapChunkDataset, DataLoader(batch {B}, shuffle, workers 2) (alone)")
+            rows.append(Row(name, loader_batches(ds, B, 2, collate)))
+            rows[-1].slice(args.seconds)
+            rows[-1].batches.close()  # ends its worker processes
+        limit = rows[0].rate
+        # A row's ratio: the median over rounds of its slice against the raw limit's slice of that round.
+        table = [(r.name, r.rate, f"{min(r.rates) / 1e6:.0f}-{max(r.rates) / 1e6:.0f}",
+                  float(np.median([a / b for a, b in zip(r.rates, rows[0].rates)])) if len(r.rates) > 1 else
+                  r.rate / limit) for r in rows]
         if tok:
             from bench_build import load_docs
 
@@ -161,11 +194,15 @@ def main() -> None:
                 n += b["input_ids"].numel()
                 if time.perf_counter() - t0 > args.seconds:
                     break
-            rows.append(("baseline: on-the-fly tokenizing IterableDataset, workers 0", n / (time.perf_counter() - t0)))
-        print(f"dataset: {out} ({len(ds)} chunks x {L} in {len(ds._shards)} shards), cores: {len(os.sched_getaffinity(0))}")
-        print(f"{'row':66} {'Mtok/s':>9} {'ratio':>6}")
-        for name, r in rows:
-            print(f"{name:66} {r / 1e6:9.2f} {r / limit:6.2f}")
+            rate = n / (time.perf_counter() - t0)
+            table.append(("baseline: on-the-fly tokenizing IterableDataset, workers 0", rate, "", rate / limit))
+        print(f"dataset: {out} ({len(ds)} chunks x {L} in {len(ds._shards)} shards), cores: {len(os.sched_getaffinity(0))}; "
+              f"{args.rounds} slices of {args.seconds / args.rounds:.2f} s per row, taken in turn")
+        print(f"{'row':66} {'Mtok/s':>9} {'ratio':>6} {'slices':>10}")
+        for name, r, spread, ratio in table:
+            print(f"{name:66} {r / 1e6:9.2f} {ratio:6.2f} {spread:>10}")
+        print("Mtok/s: median slice; ratio: median over rounds of the row's slice / the raw limit's slice of the "
+              "same round (rows measured alone: to the raw limit's median); slices: min-max Mtok/s")
         print("(a training run of the HelixLM kind consumes ~0.029 Mtok/s)")
 
         syn = os.path.join(tmp, "syn")

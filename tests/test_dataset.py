@@ -75,7 +75,9 @@ def test_every_batch_equals_the_rows_on_disk(dev_packed, dev_document, data):
     near = data.draw(st.integers(0, n - 1))  # indices around one point land in one shard
     index = st.one_of(st.integers(-n, n - 1), st.integers(max(-n, near - 40), min(n - 1, near + 40)))
     idx = data.draw(st.lists(index, min_size=1, max_size=data.draw(st.sampled_from([8, 100]))))
-    got = ds.collate(ds.__getitems__(idx))
+    # A DataLoader's list of ints takes a path of its own; arrays and numpy ints the general one.
+    form = data.draw(st.sampled_from([list, np.array, lambda x: [np.int64(i) for i in x]]))
+    got = ds.collate(ds.__getitems__(form(idx)))
     want = np.array(idx) % n
     rows = raw[want].astype(np.int64)
     pad = np.arange(raw.shape[1])[None, :] >= valid[want][:, None]
