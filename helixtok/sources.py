@@ -338,8 +338,9 @@ class Unit:
 
     @property
     def skip_bytes(self) -> int:
-        """Decompressed bytes a reader discards before this unit (a .zst range inside a frame)."""
-        return self.start - self.seek[1] if self.kind == "jsonl.zst" and self.stop else 0
+        """Decompressed bytes a reader discards before this unit (a .zst range inside a frame): up to
+        the byte before `start`, from which it finds where the range's first line begins."""
+        return max(0, self.start - 1 - self.seek[1]) if self.kind == "jsonl.zst" and self.stop else 0
 
     def to_json(self) -> dict:
         return {"kind": self.kind, "files": list(self.names), "start": self.start, "stop": self.stop}
@@ -365,8 +366,8 @@ def plan_units(files: list[InputFile], *, unit_bytes: int, text_field: str) -> t
             return [dict(start=a, stop=b, first_line=line, est_bytes=b - a, aux=index) for a, b, line in cuts]
         # A file holding a smaller share of the corpus needs fewer ranges to keep all cores busy.
         n = min(ZST_RANGES_PER_FRAME, -(-SPLIT_SHARE * f.size // packed_total))
-        return [dict(start=a, stop=b, first_line=line, est_bytes=b - a, seek=seek)
-                for a, b, line, seek in _zstd_cuts(f, range_bytes, n, halt)]
+        return [dict(start=a, stop=b, first_line=0, est_bytes=b - a, seek=seek)
+                for a, b, seek in _zstd_ranges(_zstd_frames(f, halt), range_bytes, n)]
 
     batch: list[InputFile] = []
 
@@ -515,28 +516,99 @@ def _cuts_of(fh, unit_bytes: int, count_lines: bool = True,
         yield start, pos, line
 
 
-def _zstd_cuts(f: InputFile, unit_bytes: int, per_frame: int,
-               halt: threading.Event) -> list[tuple[int, int, int, tuple[int, int]]]:
-    """Line-aligned ranges (start, stop, first line 0, frame seek point) of a large .zst file's
-    decompressed bytes: at least unit_bytes each, and at most about `per_frame` per frame.  The
-    pass decompresses the file once; it does not count lines (see LineRefs)."""
+def _zstd_frames(f: InputFile, halt: threading.Event) -> list[tuple[int, int, int]]:
+    """(compressed offset, decompressed offset, decompressed size) of each frame of a .zst file.
+
+    Read from the frame headers when every frame declares its size (zstd writes it for a file it
+    compresses, pzstd for each frame): a walk over the block headers, no decompression, so a huge
+    file does not hold up the build.  Otherwise the file is decompressed once to measure them.
+    Either way a file that ends inside a frame is refused here.
+    """
     try:
-        with open_input(f.path) as raw:
-            z = _ZstdRaw(raw)
-            fine = list(_cuts_of(z, unit_bytes, count_lines=False, halt=halt))
+        frames = _zstd_frame_headers(f.path)
+        if frames is None:
+            with open_input(f.path) as raw:
+                z = _ZstdRaw(raw)
+                while z.read(8 << 20) and not halt.is_set():
+                    pass
+            ends = [d for _, d in z.frames[1:]] + [z.produced]
+            frames = [(c, d, e - d) for (c, d), e in zip(z.frames, ends) if e > d]
     except (EOFError, OSError) as e:
         raise _damaged(f.path, f.kind, e, "truncated or corrupt") from e
-    starts = [d for _, d in z.frames]
-    sizes = [e - b for b, e in zip(starts, starts[1:] + [z.produced])]
-    ranges: list[list[int]] = []  # [start, stop, first line, frame]
-    for start, stop, line in fine:
-        k = bisect.bisect_right(starts, start) - 1  # the frame this piece begins in
-        if ranges and ranges[-1][3] == k and \
-                ranges[-1][1] - ranges[-1][0] < max(unit_bytes, sizes[k] // per_frame):
-            ranges[-1][1] = stop
-        else:
-            ranges.append([start, stop, line, k])
-    return [(a, b, line, z.frames[k]) for a, b, line, k in ranges]
+    return frames
+
+
+def _zstd_frame_headers(path: str) -> list[tuple[int, int, int]] | None:
+    """The frame table from headers alone (see _zstd_frames); None when a frame does not declare
+    its decompressed size.  Raises EOFError where the file ends inside a frame."""
+    import zstandard
+
+    frames, produced = [], 0
+    with open_input(path) as fh:
+        size = size_of(fh)
+        at = 0
+        while at < size:
+            fh.seek(at)
+            head = fh.read(18)  # the longest frame header
+            magic = int.from_bytes(head[:4], "little")
+            if len(head) >= 8 and magic & 0xFFFFFFF0 == 0x184D2A50:  # a skippable frame: no data
+                at += 8 + int.from_bytes(head[4:8], "little")
+                continue
+            try:
+                params = zstandard.get_frame_parameters(head)
+                at_blocks = at + zstandard.frame_header_size(head)
+            except zstandard.ZstdError as e:
+                if len(head) < 18 and magic == 0xFD2FB528:
+                    raise EOFError("zstd stream ends inside a frame header") from e
+                raise OSError(f"corrupt zstd data: {e}") from e
+            if params.content_size == zstandard.CONTENTSIZE_UNKNOWN:
+                return None
+            pos = at_blocks
+            while True:  # 3-byte block headers: last-block bit, type, size
+                fh.seek(pos)
+                bh = fh.read(3)
+                if len(bh) < 3:
+                    raise EOFError("zstd stream ends inside a frame")
+                h = int.from_bytes(bh, "little")
+                kind, n = (h >> 1) & 3, h >> 3
+                pos += 3 + (1 if kind == 1 else n)  # an RLE block stores one byte
+                if h & 1:
+                    break
+            pos += 4 if params.has_checksum else 0
+            if pos > size:
+                raise EOFError("zstd stream ends inside a frame")
+            if params.content_size:
+                frames.append((at, produced, params.content_size))
+            produced += params.content_size
+            at = pos
+    return frames
+
+
+def _zstd_ranges(frames: list[tuple[int, int, int]], range_bytes: int, per_frame: int
+                 ) -> list[tuple[int, int, tuple[int, int]]]:
+    """(start, stop, seek point) of decompressed byte ranges covering a .zst file's frames.
+
+    Cut by offset, not at line ends, so no pass over the data is needed: a range owns the lines
+    that begin inside it, and its reader finds the first of them from the byte before `start`.
+    That byte must lie in the frame the reader starts from (zstd cannot resume inside a frame,
+    so each range reads its frame from the beginning and discards up to there): a cut at a frame
+    boundary goes one byte into the frame.  Ranges are at least range_bytes; a frame is cut into
+    at most `per_frame`.
+    """
+    cuts = [0]
+    for _, d, size in frames:
+        if d > 0 and d + 1 - cuts[-1] >= range_bytes:
+            cuts.append(d + 1)
+        pieces = min(per_frame, max(1, size // range_bytes))
+        cuts += [d + j * size // pieces for j in range(1, pieces) if d + j * size // pieces > cuts[-1]]
+    total = frames[-1][1] + frames[-1][2] if frames else 0
+    cuts = [c for c in cuts if c < total] + [total]
+
+    def seek(a: int) -> tuple[int, int]:  # the frame holding byte a - 1
+        k = bisect.bisect_right([d for _, d, _ in frames], max(0, a - 1)) - 1
+        return frames[k][:2] if a else (0, 0)
+
+    return [(a, b, seek(a)) for a, b in zip(cuts, cuts[1:])]
 
 
 class _ZstdRaw(io.RawIOBase):
@@ -879,13 +951,18 @@ class UnitReader:
                 stream = _open_stream(path, u.kind, raw)
             if u.kind == "jsonl":
                 raw.seek(u.start)
-            remaining = u.stop - u.start if u.stop else -1  # stop == 0: a whole compressed file
+            bounded = bool(u.stop)  # stop == 0: a whole compressed file
+            remaining = u.stop - u.start  # bytes before the range's end: its last line starts before it
             fast_field = self.text_field if orjson is not None else None
             try:
-                if u.skip_bytes:
+                if u.kind == "jsonl.zst" and u.stop and u.start:
+                    # Cut by offset: the line holding byte start - 1 is the range before's (its last).
                     z.skip(u.skip_bytes)
+                    while (part := stream.readline(1 << 20)) and not part.endswith(b"\n"):
+                        remaining -= len(part)
+                    remaining -= len(part) - 1  # now <= 0 when no line begins in this range
                 for line in stream:
-                    if remaining >= 0:
+                    if bounded:
                         if remaining <= 0:
                             break
                         remaining -= len(line)

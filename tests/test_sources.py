@@ -153,12 +153,13 @@ def test_zstd_read_and_truncated(tmp_path, small_tok):
         do_build(tmp_path, small_tok, p)
 
 
-@pytest.mark.parametrize("frames", [1, 9])
+@pytest.mark.parametrize("frames,sized", [(1, True), (9, True), (1, False)])
 def test_a_large_jsonl_zst_is_read_by_several_workers_with_the_same_bytes(tmp_path, small_tok, dev_docs, monkeypatch,
-                                                                          frames):
-    """One .zst file cut into decompressed line ranges, each starting at the frame it begins in
-    (one frame: all from the file's start, at most ZST_RANGES_PER_FRAME of them): the same bytes as
-    reading it whole, exact line numbers in warnings; damage still fails naming the file."""
+                                                                          frames, sized):
+    """One .zst file cut into decompressed byte ranges, each read from the frame holding the byte
+    before it (one frame: all from the file's start, at most ZST_RANGES_PER_FRAME of them): the
+    same bytes as reading it whole, exact line numbers in warnings; damage still fails naming the
+    file.  Frames that declare their size are planned from their headers, without decompressing."""
     import zstandard
 
     import helixtok.sources as hs
@@ -170,7 +171,7 @@ def test_a_large_jsonl_zst_is_read_by_several_workers_with_the_same_bytes(tmp_pa
     # Frames end anywhere (mid-line, mid-character): a range's first line may begin in the frame before.
     step = -(-len(data) // frames) + 7
     parts = [data[i: i + step] for i in range(0, len(data), step)]
-    packed = [zstandard.ZstdCompressor().compress(p) for p in parts]
+    packed = [zstandard.ZstdCompressor(write_content_size=sized).compress(p) for p in parts]
     blob = b"".join(packed)
     frame_at = [(sum(map(len, packed[:k])), sum(map(len, parts[:k]))) for k in range(len(parts))]
     c = tmp_path / "c"
@@ -181,15 +182,23 @@ def test_a_large_jsonl_zst_is_read_by_several_workers_with_the_same_bytes(tmp_pa
     monkeypatch.setattr(hs, "RANGE_MIN_BYTES", 1)
     f = hs.discover([str(c)])[0][0]
     monkeypatch.setattr(hs, "ZST_RANGES_PER_FRAME", 7)
-    units = hs.plan_units([f], unit_bytes=len(data) // 20, text_field="text")[0]
+    fills = []
+    real_fill = hs._ZstdRaw._fill
+    with monkeypatch.context() as m:  # (the check of the first record decompresses the file's head)
+        m.setattr(hs, "_check_jsonl_head", lambda *a: None)
+        m.setattr(hs._ZstdRaw, "_fill", lambda self: fills.append(1) or real_fill(self))
+        units = hs.plan_units([f], unit_bytes=len(data) // 20, text_field="text")[0]
+    assert (len(fills) == 0) == sized  # sizes from the headers: nothing decompressed to plan
     assert [u.start for u in units[1:]] == [u.stop for u in units[:-1]] and units[-1].stop == len(data)
-    assert all(data[u.start - 1: u.start] == b"\n" for u in units[1:])  # cut at line ends
+    assert sum(data[u.start - 1: u.start] != b"\n" for u in units[1:]) >= len(units) // 2  # cut mid-line
     seeks = {u.seek for u in units}
     if frames == 1:
         assert 4 <= len(units) <= 7 and seeks == {(0, 0)}
-    else:  # every range starts in the frame its first line is in, and skips only inside that frame
+    else:  # every range starts in the frame holding the byte before it, and skips only inside it
         assert len(units) >= 18 and len(seeks) == frames
-        assert all(u.seek == max(x for x in frame_at if x[1] <= u.start) for u in units)
+        assert all(u.seek == max(x for x in frame_at if x[1] <= u.start - 1) for u in units[1:])
+        # a cut at a frame's start goes one byte into it: that range reads its frame from the start
+        assert any(u.seek[1] == u.start - 1 and u.skip_bytes == 0 for u in units) and units[0].seek == (0, 0)
     split, osp = do_build(tmp_path / "split", small_tok, c, seq_len=64, workers=2, unit_bytes=len(data) // 20)
     assert whole["inputs"]["units"] == 1 and split["inputs"]["units"] == len(units)
     assert split["skipped"]["malformed_json"]["examples"] == ["big.jsonl.zst:238 (Expecting property name "
@@ -200,6 +209,44 @@ def test_a_large_jsonl_zst_is_read_by_several_workers_with_the_same_bytes(tmp_pa
     (c / "big.jsonl.zst").write_bytes(blob[:-300])
     with pytest.raises(InputError, match=r"big\.jsonl\.zst: truncated or corrupt after line \d+"):
         do_build(tmp_path / "bad", small_tok, c, seq_len=64, unit_bytes=len(data) // 20)
+
+
+@settings(max_examples=60, deadline=None)
+@given(texts=st.lists(st.text(st.characters(codec="utf-8"), max_size=40), min_size=1, max_size=40),
+       blank=st.lists(st.booleans(), max_size=40), frame_cuts=st.lists(st.integers(1, 4000), max_size=6),
+       sized=st.booleans(), range_bytes=st.integers(1, 300), per_frame=st.integers(1, 9), tail=st.booleans())
+def test_zst_offset_ranges_read_every_line_once(tmp_path_factory, texts, blank, frame_cuts, sized, range_bytes,
+                                                per_frame, tail):
+    """Ranges cut at any byte (mid-line, mid-character, one byte into a frame), frames ending
+    anywhere, blank lines, no final newline: together the ranges read each line exactly once, in
+    order, and count every line (line numbers in warnings depend on it)."""
+    import zstandard
+
+    import helixtok.sources as hs
+
+    lines = []
+    for i, t in enumerate(texts):
+        lines.append(json.dumps({"text": t}, ensure_ascii=False) + "\n")
+        if i < len(blank) and blank[i]:
+            lines.append("\n")
+    data = "".join(lines).encode("utf-8", "surrogatepass")
+    if not tail:
+        data = data[:-1]  # the last line without its newline
+    bounds = sorted({0, len(data), *(c for c in frame_cuts if c < len(data))})
+    blob = b"".join(zstandard.ZstdCompressor(write_content_size=sized).compress(data[a:b])
+                    for a, b in zip(bounds, bounds[1:]))
+    p = tmp_path_factory.mktemp("z") / "a.jsonl.zst"
+    p.write_bytes(blob)
+    f = discover([str(p)])[0][0]
+    frames = hs._zstd_frames(f, hs.threading.Event())
+    assert [d for _, d, _ in frames] == bounds[:-1] and sum(n for _, _, n in frames) == len(data)
+    got, counted = [], 0
+    for i, (a, b, seek) in enumerate(hs._zstd_ranges(frames, range_bytes, per_frame)):
+        r = UnitReader(hs.Unit(i, "jsonl.zst", (f.path,), (f.name,), a, b, 0, b - a, seek=seek), "text", Tally())
+        got += list(r)
+        counted += r.lines
+    assert got == [json.loads(x)["text"] for x in data.split(b"\n") if x.strip()]
+    assert counted == data.count(b"\n") + (not data.endswith(b"\n"))
 
 
 def test_several_large_compressed_files_are_planned_side_by_side(tmp_path, small_tok, dev_docs, monkeypatch):
@@ -243,7 +290,8 @@ def test_a_failing_plan_stops_the_passes_it_started(tmp_path, monkeypatch):
     c = tmp_path / "c"
     c.mkdir()
     (c / "a.jsonl").write_text('{"body": "no text field"}\n')
-    (c / "b.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(b'{"text": "x"}\n' * 10))
+    # No declared size: the planner decompresses the file to learn it (a pass)
+    (c / "b.jsonl.zst").write_bytes(zstandard.ZstdCompressor(write_content_size=False).compress(b'{"text": "x"}\n' * 10))
     monkeypatch.setattr(hs, "SPLIT_BYTES", 1)
     reads = []
     block = b"x" * (1 << 20)
