@@ -319,9 +319,10 @@ class Unit:
 
     text: files[] are whole documents.  jsonl: bytes [start, stop) of one file, cut at line
     ends; first_line 0 (its number is only known once the units before it are read: see
-    LineRefs).  jsonl.gz / jsonl.zst: a large file is cut the same way in its decompressed
-    bytes (a .gz range starts at a point of its seek index, `aux`; a .zst range at the start of
-    the frame it begins in, `seek`); stop == 0: the whole file.  parquet: row groups
+    LineRefs).  jsonl.gz: a large file is cut the same way in its decompressed bytes, a range
+    starting at a point of its seek index (`aux`).  jsonl.zst: a large file's decompressed bytes
+    cut anywhere, a range owning the lines that begin in it and read from the start of the frame
+    holding the byte before it (`seek`).  stop == 0: the whole file.  parquet: row groups
     [start, stop), first_line the index of its first row.
     """
 
@@ -334,7 +335,7 @@ class Unit:
     first_line: int = 1
     est_bytes: int = 0  # input text bytes, for scheduling and progress
     aux: str = ""  # jsonl.gz line ranges: the seek index file (a cache, not part of the plan)
-    seek: tuple[int, int] = (0, 0)  # jsonl.zst line ranges: (compressed, decompressed) offset of a frame
+    seek: tuple[int, int] = (0, 0)  # jsonl.zst ranges: (compressed, decompressed) offset of a frame
 
     @property
     def skip_bytes(self) -> int:
@@ -349,7 +350,7 @@ class Unit:
 def plan_units(files: list[InputFile], *, unit_bytes: int, text_field: str) -> tuple[list[Unit], Tally]:
     units: list[Unit] = []
     warnings = Tally()
-    # A compressed file is split into line ranges when it is large in absolute terms and relative
+    # A compressed file is split into ranges when it is large in absolute terms and relative
     # to the corpus (a corpus of many such files is already parallel; splitting costs a pass over
     # each).  Both are functions of the input alone: the units do not depend on --workers.
     packed_total = sum(f.size for f in files if f.kind in ("jsonl.gz", "jsonl.zst"))
@@ -423,7 +424,7 @@ GZ_INDEX_SPACING = 4 << 20  # decompressed bytes between seek points: what a wor
 # bytes before it, (n - 1) / 2 frames of extra decompression for n ranges.  zstd decompresses ~1 GB/s
 # and fastokens tokenizes ~0.13 GB/s per core, so 8 ranges cost ~45% more CPU, and the frame no
 # longer waits for one worker (measured in docs/performance.md).  A file of many frames (pzstd, or
-# .zst files concatenated) is cut at RANGE_MIN_BYTES, each range starting at its own frame.
+# .zst files concatenated) is cut at frame boundaries at least RANGE_MIN_BYTES apart: no discarding.
 ZST_RANGES_PER_FRAME = 8
 
 
@@ -944,7 +945,7 @@ class UnitReader:
                 stream.import_index(u.aux)
                 stream.seek(u.start)
                 stream = io.BufferedReader(stream, 1 << 20)
-            elif u.kind == "jsonl.zst" and u.stop:  # a line range of a large .zst: from its frame's start
+            elif u.kind == "jsonl.zst" and u.stop:  # a range of a large .zst: from its frame's start
                 raw.seek(u.seek[0])
                 stream = io.BufferedReader(z := _ZstdRaw(raw, u.seek[0]), 1 << 20)
             else:
