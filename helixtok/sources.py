@@ -336,6 +336,7 @@ class Unit:
     est_bytes: int = 0  # input text bytes, for scheduling and progress
     aux: str = ""  # jsonl.gz line ranges: the seek index file (a cache, not part of the plan)
     seek: tuple[int, int] = (0, 0)  # jsonl.zst ranges: (compressed, decompressed) offset of a frame
+    ends_file: bool = False  # jsonl.zst ranges: the last, which must end where the data ends
 
     @property
     def skip_bytes(self) -> int:
@@ -367,8 +368,9 @@ def plan_units(files: list[InputFile], *, unit_bytes: int, text_field: str) -> t
             return [dict(start=a, stop=b, first_line=line, est_bytes=b - a, aux=index) for a, b, line in cuts]
         # A file holding a smaller share of the corpus needs fewer ranges to keep all cores busy.
         n = min(ZST_RANGES_PER_FRAME, -(-SPLIT_SHARE * f.size // packed_total))
-        return [dict(start=a, stop=b, first_line=0, est_bytes=b - a, seek=seek)
-                for a, b, seek in _zstd_ranges(_zstd_frames(f, halt), range_bytes, n)]
+        ranges = _zstd_ranges(_zstd_frames(f, halt), range_bytes, n)
+        return [dict(start=a, stop=b, first_line=0, est_bytes=b - a, seek=seek, ends_file=i == len(ranges) - 1)
+                for i, (a, b, seek) in enumerate(ranges)]
 
     batch: list[InputFile] = []
 
@@ -965,6 +967,8 @@ class UnitReader:
                 for line in stream:
                     if bounded:
                         if remaining <= 0:
+                            if u.ends_file:  # frame headers planned without decompressing understated the data
+                                raise OSError("corrupt zstd data: more than its frame headers declare")
                             break
                         remaining -= len(line)
                         self.consumed += len(line)
@@ -1010,6 +1014,9 @@ class UnitReader:
                         continue
                     self._loc = (name, n, ":")
                     yield text
+                if u.ends_file and remaining:  # the data ended before or after the end its headers declare
+                    raise OSError(f"corrupt zstd data: {'less' if remaining > 0 else 'more'} than its frame "
+                                  "headers declare")
             except (EOFError, OSError, zlib.error) as e:
                 if expired(e):
                     raise

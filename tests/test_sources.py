@@ -241,12 +241,56 @@ def test_zst_offset_ranges_read_every_line_once(tmp_path_factory, texts, blank, 
     frames = hs._zstd_frames(f, hs.threading.Event())
     assert [d for _, d, _ in frames] == bounds[:-1] and sum(n for _, _, n in frames) == len(data)
     got, counted = [], 0
-    for i, (a, b, seek) in enumerate(hs._zstd_ranges(frames, range_bytes, per_frame)):
-        r = UnitReader(hs.Unit(i, "jsonl.zst", (f.path,), (f.name,), a, b, 0, b - a, seek=seek), "text", Tally())
+    ranges = hs._zstd_ranges(frames, range_bytes, per_frame)
+    for i, (a, b, seek) in enumerate(ranges):
+        r = UnitReader(hs.Unit(i, "jsonl.zst", (f.path,), (f.name,), a, b, 0, b - a, seek=seek,
+                               ends_file=i == len(ranges) - 1), "text", Tally())
         got += list(r)
         counted += r.lines
     assert got == [json.loads(x)["text"] for x in data.split(b"\n") if x.strip()]
     assert counted == data.count(b"\n") + (not data.endswith(b"\n"))
+
+
+def _declared_size(frame: bytes, size: int) -> bytes:
+    """The zstd frame with another Frame_Content_Size written in its header (same field width)."""
+    fhd = frame[4]
+    single = (fhd >> 5) & 1
+    at = 5 + (0 if single else 1) + (0, 1, 2, 4)[fhd & 3]
+    width = (1 if single else 0, 2, 4, 8)[fhd >> 6]
+    assert width in (2, 4, 8)
+    return frame[:at] + (size - (256 if width == 2 else 0)).to_bytes(width, "little") + frame[at + width:]
+
+
+@pytest.mark.parametrize("delta", [-5000, 5000])
+def test_a_zst_whose_headers_misstate_its_size_fails(tmp_path, small_tok, dev_docs, monkeypatch, delta):
+    """Ranges planned from frame headers alone trust the sizes there: a header that understates
+    or overstates its frame's data must fail the build (as reading the file whole does), never
+    publish a dataset missing the lines past the declared end."""
+    import zstandard
+
+    import helixtok.sources as hs
+
+    data = "".join(json.dumps({"text": t}) + "\n" for t in dev_docs[:300]).encode()
+    c = tmp_path / "c"
+    c.mkdir()
+    (c / "big.jsonl.zst").write_bytes(_declared_size(zstandard.ZstdCompressor().compress(data), len(data) + delta))
+    bad = r"big\.jsonl\.zst: (truncated or corrupt|corrupt zstd stream)"
+    with pytest.raises(InputError, match=bad):
+        do_build(tmp_path / "whole", small_tok, c, seq_len=64)
+    monkeypatch.setattr(hs, "SPLIT_BYTES", 1)
+    monkeypatch.setattr(hs, "RANGE_MIN_BYTES", 1)
+    units = hs.plan_units(hs.discover([str(c)])[0], unit_bytes=len(data) // 10, text_field="text")[0]
+    assert len(units) >= 4 and units[-1].stop == len(data) + delta and units[-1].ends_file
+    with pytest.raises(InputError, match=bad):
+        do_build(tmp_path / "split", small_tok, c, seq_len=64, workers=2, unit_bytes=len(data) // 10)
+    assert not (tmp_path / "split" / "out" / "manifest.json").exists()
+    # libzstd flags the mismatch where it decodes the frame's end; the last range also checks on
+    # its own that it ends where the data ends (a reader may stop before decoding that far).
+    (c / "big.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(data))
+    f = hs.discover([str(c)])[0][0]
+    last = hs.Unit(0, "jsonl.zst", (f.path,), (f.name,), 0, len(data) + delta, 0, len(data), ends_file=True)
+    with pytest.raises(InputError, match=r"big\.jsonl\.zst: truncated or corrupt .*its frame headers declare"):
+        list(UnitReader(last, "text", Tally()))
 
 
 def test_several_large_compressed_files_are_planned_side_by_side(tmp_path, small_tok, dev_docs, monkeypatch):
