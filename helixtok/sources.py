@@ -523,8 +523,9 @@ def _zstd_frames(f: InputFile, halt: threading.Event) -> list[tuple[int, int, in
     """(compressed offset, decompressed offset, decompressed size) of each frame of a .zst file.
 
     Read from the frame headers when every frame declares its size (zstd writes it for a file it
-    compresses, pzstd for each frame): a walk over the block headers, no decompression, so a huge
-    file does not hold up the build.  Otherwise the file is decompressed once to measure them.
+    compresses; pzstd and streaming writers do not): a walk over the block headers, nothing
+    decompressed, so a huge file does not hold up the build.  Otherwise the file is decompressed
+    once to measure them.
     Either way a file that ends inside a frame is refused here.
     """
     try:
