@@ -249,9 +249,8 @@ class MemmapChunkDataset(Dataset):
         """out[j] = row local[j] of shard[j]: the whole row, one column of it, or (column="side")
         its sidecar value."""
         maps = self._maps or self._open()
-        if type(local) is list:  # a few rows: one copy each, straight into `out`, beats a fancy index
-            parts = zip(shard.tolist() if isinstance(shard, np.ndarray) else [shard] * len(local),
-                        range(len(local)), local)
+        if type(local) is list:  # a DataLoader batch in one shard: one copy a row into `out`, no fancy index
+            parts = ((shard, j, r) for j, r in enumerate(local))
         elif isinstance(shard, int):
             parts = [(shard, slice(None), local)]
         elif len(local) <= 64:  # a few rows: one copy each beats np.unique's and np.nonzero's fixed costs
@@ -262,7 +261,7 @@ class MemmapChunkDataset(Dataset):
             mm, side = maps[s]
             out[sel] = side[rows] if column == "side" else mm[rows] if column is None else mm[rows, column]
 
-    def _next_tokens(self, idx: np.ndarray) -> np.ndarray:
+    def _next_tokens(self, idx) -> np.ndarray:
         """The first token of the chunk after each of idx; -100 after the last chunk."""
         nxt = np.asarray(idx, dtype=np.int64) + 1
         last = nxt >= self._len
@@ -284,7 +283,7 @@ class MemmapChunkDataset(Dataset):
         a, b = np.searchsorted(starts, [lo, lo + self.seq_len])
         return starts[a:b] - lo
 
-    def _batch(self, idx: np.ndarray, lo: int, hi: int) -> dict:
+    def _batch(self, idx, lo: int, hi: int) -> dict:
         shard, local = self._locate(idx, lo, hi)
         L = self.seq_len
         # One allocation for all fields: a DataLoader worker moves each storage it returns into

@@ -54,7 +54,7 @@ def loader_batches(ds, B: int, workers: int, collate_fn=None):
                     collate_fn=collate_fn)
     while True:
         for b in dl:
-            yield b["input_ids"] if isinstance(b, dict) else b
+            yield b["input_ids"]
 
 
 class Row:

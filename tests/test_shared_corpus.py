@@ -27,7 +27,7 @@ def test_dev_corpus_stream_equals_an_independent_recount(tmp_path, shared_dev_co
     stored = np.concatenate(shards) if len(shards) > 1 else shards[0]
     pos = ndocs = 0
     docs = iter_dev_docs(shared_dev_corpus)  # 61 MB of text: never all of it alive at once
-    while batch := list(itertools.islice(docs, 256)):  # the stream, recomputed batch by batch
+    while batch := list(itertools.islice(docs, 64)):  # the stream, recomputed batch by batch
         ids = [t for e in tok.encode_batch_fast(batch, add_special_tokens=False) for t in e.ids + [eos]]
         n = min(len(ids), len(stored) - pos)
         assert np.array_equal(stored[pos: pos + n], np.asarray(ids[:n], dtype=np.uint16)), f"documents {ndocs}.."
