@@ -322,7 +322,10 @@ class Unit:
     LineRefs).  jsonl.gz: a large file is cut the same way in its decompressed bytes, a range
     starting at a point of its seek index (`aux`).  jsonl.zst: a large file's decompressed bytes
     cut anywhere, a range owning the lines that begin in it and read from the start of the frame
-    holding the byte before it (`seek`).  stop == 0: the whole file.  parquet: row groups
+    holding the byte before it (`seek`); a file whose frames do not declare their sizes is cut
+    between frames instead (`frames`: start/stop are compressed offsets, each range owning the
+    lines that begin from the second byte of its first frame on).  stop == 0: the whole file.
+    parquet: row groups
     [start, stop), first_line the index of its first row.
     """
 
@@ -337,12 +340,13 @@ class Unit:
     aux: str = ""  # jsonl.gz line ranges: the seek index file (a cache, not part of the plan)
     seek: tuple[int, int] = (0, 0)  # jsonl.zst ranges: (compressed, decompressed) offset of a frame
     ends_file: bool = False  # jsonl.zst ranges: the last, which must end where the data ends
+    frames: bool = False  # jsonl.zst: start/stop are compressed offsets of whole frames (sizes undeclared)
 
     @property
     def skip_bytes(self) -> int:
         """Decompressed bytes a reader discards before this unit (a .zst range inside a frame): up to
         the byte before `start`, from which it finds where the range's first line begins."""
-        return max(0, self.start - 1 - self.seek[1]) if self.kind == "jsonl.zst" and self.stop else 0
+        return max(0, self.start - 1 - self.seek[1]) if self.kind == "jsonl.zst" and self.stop and not self.frames else 0
 
     def to_json(self) -> dict:
         return {"kind": self.kind, "files": list(self.names), "start": self.start, "stop": self.stop}
@@ -368,9 +372,7 @@ def plan_units(files: list[InputFile], *, unit_bytes: int, text_field: str) -> t
             return [dict(start=a, stop=b, first_line=line, est_bytes=b - a, aux=index) for a, b, line in cuts]
         # A file holding a smaller share of the corpus needs fewer ranges to keep all cores busy.
         n = min(ZST_RANGES_PER_FRAME, -(-SPLIT_SHARE * f.size // packed_total))
-        ranges = _zstd_ranges(_zstd_frames(f, halt), range_bytes, n)
-        return [dict(start=a, stop=b, first_line=0, est_bytes=b - a, seek=seek, ends_file=i == len(ranges) - 1)
-                for i, (a, b, seek) in enumerate(ranges)]
+        return _zstd_plan(f, range_bytes, n, halt)
 
     batch: list[InputFile] = []
 
@@ -428,6 +430,7 @@ GZ_INDEX_SPACING = 4 << 20  # decompressed bytes between seek points: what a wor
 # longer waits for one worker (measured in docs/performance.md).  A file of many frames (pzstd, or
 # .zst files concatenated) is cut at frame boundaries at least RANGE_MIN_BYTES apart: no discarding.
 ZST_RANGES_PER_FRAME = 8
+ZST_GROUP_FRAMES = 4  # frames of undeclared size from which a .zst is cut between frames (no pass)
 
 
 def _gzip_cuts(f: InputFile, unit_bytes: int, halt: threading.Event) -> tuple[str, list[tuple[int, int, int]]]:
@@ -519,18 +522,28 @@ def _cuts_of(fh, unit_bytes: int, count_lines: bool = True,
         yield start, pos, line
 
 
-def _zstd_frames(f: InputFile, halt: threading.Event) -> list[tuple[int, int, int]]:
-    """(compressed offset, decompressed offset, decompressed size) of each frame of a .zst file.
+def _zstd_plan(f: InputFile, range_bytes: int, per_frame: int, halt: threading.Event) -> list[dict]:
+    """The ranges (Unit fields) of a large .zst file, planned without decompressing it where possible.
 
-    Read from the frame headers when every frame declares its size (zstd writes it for a file it
-    compresses; pzstd and streaming writers do not): a walk over the block headers, nothing
-    decompressed, so a huge file does not hold up the build.  Otherwise the file is decompressed
-    once to measure them.
-    Either way a file that ends inside a frame is refused here.
+    Every frame declares its size (zstd writes it for a file it compresses): the sizes come from
+    a walk over the frame and block headers, and the file is cut by decompressed offset
+    (_zstd_ranges).  At least ZST_GROUP_FRAMES frames of undeclared size (pzstd's output,
+    concatenated streams): cut between frames, by compressed offset (_zstd_frame_groups).
+    Fewer frames without sizes: decompressed once to measure them, then cut by offset.  Either
+    way a file that ends inside a frame is refused here.
     """
     try:
-        frames = _zstd_frame_headers(f.path)
-        if frames is None:
+        walked = _zstd_walk(f.path)
+        if all(size is not None for _, size in walked):
+            frames, produced = [], 0
+            for c, size in walked:
+                if size:
+                    frames.append((c, produced, size))
+                produced += size
+        elif len(walked) >= ZST_GROUP_FRAMES:
+            return [dict(start=a, stop=b, first_line=0, est_bytes=(b - a) * 4, seek=(a, 0), frames=True)
+                    for a, b in _zstd_frame_groups(walked, f.size, range_bytes)]
+        else:
             with open_input(f.path) as raw:
                 z = _ZstdRaw(raw)
                 while z.read(8 << 20) and not halt.is_set():
@@ -539,15 +552,17 @@ def _zstd_frames(f: InputFile, halt: threading.Event) -> list[tuple[int, int, in
             frames = [(c, d, e - d) for (c, d), e in zip(z.frames, ends) if e > d]
     except (EOFError, OSError) as e:
         raise _damaged(f.path, f.kind, e, "truncated or corrupt") from e
-    return frames
+    ranges = _zstd_ranges(frames, range_bytes, per_frame)
+    return [dict(start=a, stop=b, first_line=0, est_bytes=b - a, seek=seek, ends_file=i == len(ranges) - 1)
+            for i, (a, b, seek) in enumerate(ranges)]
 
 
-def _zstd_frame_headers(path: str) -> list[tuple[int, int, int]] | None:
-    """The frame table from headers alone (see _zstd_frames); None when a frame does not declare
-    its decompressed size.  Raises EOFError where the file ends inside a frame."""
+def _zstd_walk(path: str) -> list[tuple[int, int | None]]:
+    """(compressed offset, declared decompressed size or None) of each data frame of a .zst file,
+    from the frame and block headers alone.  Raises EOFError where the file ends inside a frame."""
     import zstandard
 
-    frames, produced = [], 0
+    frames = []
     with open_input(path) as fh:
         size = size_of(fh)
         at = 0
@@ -565,8 +580,6 @@ def _zstd_frame_headers(path: str) -> list[tuple[int, int, int]] | None:
                 if len(head) < 18 and magic == 0xFD2FB528:
                     raise EOFError("zstd stream ends inside a frame header") from e
                 raise OSError(f"corrupt zstd data: {e}") from e
-            if params.content_size == zstandard.CONTENTSIZE_UNKNOWN:
-                return None
             pos = at_blocks
             while True:  # 3-byte block headers: last-block bit, type, size
                 fh.seek(pos)
@@ -581,11 +594,25 @@ def _zstd_frame_headers(path: str) -> list[tuple[int, int, int]] | None:
             pos += 4 if params.has_checksum else 0
             if pos > size:
                 raise EOFError("zstd stream ends inside a frame")
-            if params.content_size:
-                frames.append((at, produced, params.content_size))
-            produced += params.content_size
+            known = params.content_size != zstandard.CONTENTSIZE_UNKNOWN
+            frames.append((at, params.content_size if known else None))
             at = pos
     return frames
+
+
+def _zstd_frame_groups(walked: list[tuple[int, int | None]], size: int, range_bytes: int) -> list[tuple[int, int]]:
+    """(start, stop) compressed offsets of runs of whole frames, each about range_bytes of text
+    (estimated at 4x its compressed size); the first starts at the file's start.
+
+    A run owns the lines that begin from the second byte of its first frame up to the first
+    byte of the next run's first frame (the first run: from the start): the same rule as a cut
+    by offset one byte into a frame, with the offset learnt by the reader as it decompresses."""
+    groups, a = [], 0
+    for c, _ in walked[1:]:
+        if (c - a) * 4 >= range_bytes:
+            groups.append((a, c))
+            a = c
+    return groups + [(a, size)]
 
 
 def _zstd_ranges(frames: list[tuple[int, int, int]], range_bytes: int, per_frame: int
@@ -955,8 +982,9 @@ class UnitReader:
                 stream = _open_stream(path, u.kind, raw)
             if u.kind == "jsonl":
                 raw.seek(u.start)
-            bounded = bool(u.stop)  # stop == 0: a whole compressed file
+            bounded = bool(u.stop) and not u.frames  # stop == 0: a whole compressed file
             remaining = u.stop - u.start  # bytes before the range's end: its last line starts before it
+            pos, end = 0, None  # a run of frames: bytes read from its start; where the next run begins
             fast_field = self.text_field if orjson is not None else None
             try:
                 if u.kind == "jsonl.zst" and u.stop and u.start:
@@ -964,7 +992,9 @@ class UnitReader:
                     z.skip(u.skip_bytes)
                     while (part := stream.readline(1 << 20)) and not part.endswith(b"\n"):
                         remaining -= len(part)
+                        pos += len(part)
                     remaining -= len(part) - 1  # now <= 0 when no line begins in this range
+                    pos += len(part)
                 for line in stream:
                     if bounded:
                         if remaining <= 0:
@@ -973,6 +1003,13 @@ class UnitReader:
                             break
                         remaining -= len(line)
                         self.consumed += len(line)
+                    elif u.frames:
+                        if end is None:  # known once the next run's first frame has begun
+                            end = next((d for at, d in z.frames if at >= u.stop), None)
+                        if end is not None and pos > end:  # the next run's lines begin after its first byte
+                            break
+                        pos += len(line)
+                        self.consumed = (raw.tell() - u.start) * 4
                     else:
                         self.consumed = raw.tell()
                     n += 1

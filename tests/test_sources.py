@@ -12,7 +12,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
@@ -153,13 +153,14 @@ def test_zstd_read_and_truncated(tmp_path, small_tok):
         do_build(tmp_path, small_tok, p)
 
 
-@pytest.mark.parametrize("frames,sized", [(1, True), (9, True), (1, False)])
+@pytest.mark.parametrize("frames,sized", [(1, True), (9, True), (9, False)])
 def test_a_large_jsonl_zst_is_read_by_several_workers_with_the_same_bytes(tmp_path, small_tok, dev_docs, monkeypatch,
                                                                           frames, sized):
     """One .zst file cut into decompressed byte ranges, each read from the frame holding the byte
     before it (one frame: all from the file's start, at most ZST_RANGES_PER_FRAME of them): the
     same bytes as reading it whole, exact line numbers in warnings; damage still fails naming the
-    file.  Frames that declare their size are planned from their headers, without decompressing."""
+    file.  Frames that declare their size are planned from their headers, without decompressing;
+    frames that do not (as pzstd writes them) are cut between, by compressed offset, also without."""
     import zstandard
 
     import helixtok.sources as hs
@@ -188,13 +189,18 @@ def test_a_large_jsonl_zst_is_read_by_several_workers_with_the_same_bytes(tmp_pa
         m.setattr(hs, "_check_jsonl_head", lambda *a: None)
         m.setattr(hs._ZstdRaw, "_fill", lambda self: fills.append(1) or real_fill(self))
         units = hs.plan_units([f], unit_bytes=len(data) // 20, text_field="text")[0]
-    assert (len(fills) == 0) == sized  # sizes from the headers: nothing decompressed to plan
-    assert [u.start for u in units[1:]] == [u.stop for u in units[:-1]] and units[-1].stop == len(data)
-    assert sum(data[u.start - 1: u.start] != b"\n" for u in units[1:]) >= len(units) // 2  # cut mid-line
+    assert not fills  # nothing decompressed to plan
+    assert [u.start for u in units[1:]] == [u.stop for u in units[:-1]]
     seeks = {u.seek for u in units}
-    if frames == 1:
+    if not sized:  # runs of whole frames: compressed offsets, each read from its first frame's start
+        assert all(u.frames for u in units) and len(units) >= 3 and units[-1].stop == len(blob)
+        assert {u.start for u in units} <= {c for c, _ in frame_at} and seeks == {(u.start, 0) for u in units}
+    else:
+        assert units[-1].stop == len(data) and not any(u.frames for u in units)
+        assert sum(data[u.start - 1: u.start] != b"\n" for u in units[1:]) >= len(units) // 2  # cut mid-line
+    if sized and frames == 1:
         assert 4 <= len(units) <= 7 and seeks == {(0, 0)}
-    else:  # every range starts in the frame holding the byte before it, and skips only inside it
+    elif sized:  # every range starts in the frame holding the byte before it, and skips only inside it
         assert len(units) >= 18 and len(seeks) == frames
         assert all(u.seek == max(x for x in frame_at if x[1] <= u.start - 1) for u in units[1:])
         # a cut at a frame's start goes one byte into it: that range reads its frame from the start
@@ -211,15 +217,18 @@ def test_a_large_jsonl_zst_is_read_by_several_workers_with_the_same_bytes(tmp_pa
         do_build(tmp_path / "bad", small_tok, c, seq_len=64, unit_bytes=len(data) // 20)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(texts=st.lists(st.text(st.characters(codec="utf-8"), max_size=40), min_size=1, max_size=40),
-       blank=st.lists(st.booleans(), max_size=40), frame_cuts=st.lists(st.integers(1, 4000), max_size=6),
+       blank=st.lists(st.booleans(), max_size=40), frame_cuts=st.lists(st.integers(1, 4000), max_size=8),
+       near_line_ends=st.lists(st.tuples(st.integers(0, 80), st.integers(-2, 2)), max_size=8),
        sized=st.booleans(), range_bytes=st.integers(1, 300), per_frame=st.integers(1, 9), tail=st.booleans())
-def test_zst_offset_ranges_read_every_line_once(tmp_path_factory, texts, blank, frame_cuts, sized, range_bytes,
-                                                per_frame, tail):
-    """Ranges cut at any byte (mid-line, mid-character, one byte into a frame), frames ending
-    anywhere, blank lines, no final newline: together the ranges read each line exactly once, in
-    order, and count every line (line numbers in warnings depend on it)."""
+def test_zst_ranges_read_every_line_once(tmp_path_factory, monkeypatch, texts, blank, frame_cuts, near_line_ends,
+                                         sized, range_bytes, per_frame, tail):
+    """However a large .zst is planned — cut by offset from declared sizes (any byte: mid-line,
+    mid-character, one byte into a frame), cut by offset after a pass, or cut between frames of
+    undeclared size — with frames ending anywhere, blank lines, no final newline: together the
+    ranges read each line exactly once, in order, and count every line (warnings' line numbers
+    depend on it)."""
     import zstandard
 
     import helixtok.sources as hs
@@ -232,19 +241,23 @@ def test_zst_offset_ranges_read_every_line_once(tmp_path_factory, texts, blank, 
     data = "".join(lines).encode("utf-8", "surrogatepass")
     if not tail:
         data = data[:-1]  # the last line without its newline
-    bounds = sorted({0, len(data), *(c for c in frame_cuts if c < len(data))})
+    # Frames that end anywhere, and frames that end at, just before or just after a line's end
+    # (where a range's first line begins exactly at its start, or one byte after).
+    ends = [i + 1 for i, b in enumerate(data) if b == 10]
+    near = [ends[i % len(ends)] + d for i, d in near_line_ends] if ends else []
+    bounds = sorted({0, len(data), *(c for c in frame_cuts + near if 0 < c < len(data))})
     blob = b"".join(zstandard.ZstdCompressor(write_content_size=sized).compress(data[a:b])
                     for a, b in zip(bounds, bounds[1:]))
     p = tmp_path_factory.mktemp("z") / "a.jsonl.zst"
     p.write_bytes(blob)
-    f = discover([str(p)])[0][0]
-    frames = hs._zstd_frames(f, hs.threading.Event())
-    assert [d for _, d, _ in frames] == bounds[:-1] and sum(n for _, _, n in frames) == len(data)
+    for name, value in (("SPLIT_BYTES", 1), ("RANGE_MIN_BYTES", range_bytes), ("ZST_RANGES_PER_FRAME", per_frame)):
+        monkeypatch.setattr(hs, name, value)  # the same three every example
+    units = hs.plan_units(discover([str(p)])[0], unit_bytes=1, text_field="text")[0]
+    by_frames = not sized and len(bounds) - 1 >= hs.ZST_GROUP_FRAMES
+    assert all(u.frames == by_frames for u in units)
     got, counted = [], 0
-    ranges = hs._zstd_ranges(frames, range_bytes, per_frame)
-    for i, (a, b, seek) in enumerate(ranges):
-        r = UnitReader(hs.Unit(i, "jsonl.zst", (f.path,), (f.name,), a, b, 0, b - a, seek=seek,
-                               ends_file=i == len(ranges) - 1), "text", Tally())
+    for u in units:
+        r = UnitReader(u, "text", Tally())
         got += list(r)
         counted += r.lines
     assert got == [json.loads(x)["text"] for x in data.split(b"\n") if x.strip()]
