@@ -889,7 +889,7 @@ class LineRefs:
             before = [v.index for v in self.units.values()  # the units before it in the same file
                       if v.kind == u.kind and v.files == u.files and v.start < u.start]
             if any(i not in self.lines for i in before):  # not all read (an earlier error): say where
-                return f"line {n} of bytes {u.start}-{u.stop}"
+                return f"line {n} of {'compressed ' if u.frames else ''}bytes {u.start}-{u.stop}"
             return str(sum(self.lines[i] for i in before) + n)
         return _LINE_REF.sub(line, text)
 

@@ -563,3 +563,15 @@ def test_a_large_jsonl_gz_is_read_by_several_workers_with_the_same_bytes(tmp_pat
     (c / "big.jsonl.gz").write_bytes(gzip.compress(data)[:-5000])
     with pytest.raises(InputError, match=r"big\.jsonl\.gz: truncated or corrupt after line \d+"):
         do_build(tmp_path / "bad", small_tok, c, seq_len=64)
+
+
+def test_a_line_is_named_by_its_place_in_the_file_or_by_its_range():
+    from helixtok.sources import Unit, line_ref
+
+    runs = [Unit(i, "jsonl.zst", ("a",), ("a.jsonl.zst",), a, b, 0, (b - a) * 4, seek=(a, 0), frames=True)
+            for i, (a, b) in enumerate([(0, 100), (100, 250), (250, 300)])]
+    refs = LineRefs(runs)
+    refs.record(0, 40)
+    assert refs.resolve(f"a.jsonl.zst:{line_ref(runs[1], 3)}") == "a.jsonl.zst:43"
+    # An earlier run not read (the build stopped first): the line within its run, in compressed bytes.
+    assert refs.resolve(f"a.jsonl.zst:{line_ref(runs[2], 5)}") == "a.jsonl.zst:line 5 of compressed bytes 250-300"
