@@ -988,7 +988,8 @@ class UnitReader:
             fast_field = self.text_field if orjson is not None else None
             try:
                 if u.kind == "jsonl.zst" and u.stop and u.start:
-                    # Cut by offset: the line holding byte start - 1 is the range before's (its last).
+                    # The line holding the byte before the range (for a run of frames: its first
+                    # byte) is the range before's last.
                     z.skip(u.skip_bytes)
                     while (part := stream.readline(1 << 20)) and not part.endswith(b"\n"):
                         remaining -= len(part)
@@ -1005,7 +1006,7 @@ class UnitReader:
                         self.consumed += len(line)
                     elif u.frames:
                         if end is None:  # known once the next run's first frame has begun
-                            end = next((d for at, d in z.frames if at >= u.stop), None)
+                            end = next((d for c, d in z.frames if c >= u.stop), None)
                         if end is not None and pos > end:  # the next run's lines begin after its first byte
                             break
                         pos += len(line)
