@@ -210,6 +210,8 @@ def test_a_large_jsonl_zst_is_read_by_several_workers_with_the_same_bytes(tmp_pa
     assert split["skipped"]["malformed_json"]["examples"] == ["big.jsonl.zst:238 (Expecting property name "
                                                               "enclosed in double quotes at column 2)"]
     assert_same_build(whole, ow, split, osp)
+    if frames == 1:
+        return  # (--strict and a cut file: the same for every plan, one of the others checks them)
     with pytest.raises(InputError, match=r"^big\.jsonl\.zst:238 \(.*malformed json \(--strict\)$"):
         do_build(tmp_path / "strict", small_tok, c, seq_len=64, workers=2, unit_bytes=len(data) // 20, strict=True)
     (c / "big.jsonl.zst").write_bytes(blob[:-300])
