@@ -153,11 +153,16 @@ def _flat(id_lists: list) -> tuple[np.ndarray, np.ndarray]:
     return np.fromiter(chain.from_iterable(id_lists), dtype=np.uint32, count=int(lens.sum())), lens
 
 
+def _library(name: str) -> str:
+    """The PyPI package behind a backend name."""
+    return {"hf": "tokenizers"}.get(name, name)
+
+
 def backend_version(name: str) -> str | None:
     """'library version' of a backend, as the manifest records it; None if it is not installed."""
     from importlib.metadata import PackageNotFoundError, version
 
-    lib = {"hf": "tokenizers"}.get(name, name)
+    lib = _library(name)
     try:
         return f"{lib} {version(lib)}"
     except PackageNotFoundError:
@@ -167,7 +172,7 @@ def backend_version(name: str) -> str | None:
 def flat_encoder(name: str, path: str, special: str, tok):
     """(encode, version, None): encode(texts) -> (ids uint32 of all texts concatenated, lengths);
     or (None, None, why) when this backend cannot load the tokenizer or is not installed."""
-    lib = {"hf": "tokenizers"}.get(name, name)
+    lib = _library(name)
     ver = backend_version(name)
     if ver is None:
         return None, None, f"{lib} is not installed (pip install {lib})"

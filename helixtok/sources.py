@@ -492,13 +492,10 @@ def _line_aligned_cuts(path: str, size: int, unit_bytes: int) -> Iterator[tuple[
             start = stop
 
 
-def _cuts_of(fh, unit_bytes: int, count_lines: bool = True,
-             halt: threading.Event | None = None) -> Iterator[tuple[int, int, int]]:
-    """(start, stop, first line) of line-aligned ranges of fh's bytes, each at least unit_bytes;
-    first line 0 without count_lines (LineRefs numbers those lines from the workers' counts).
+def _cuts_of(fh, unit_bytes: int, halt: threading.Event | None = None) -> Iterator[tuple[int, int, int]]:
+    """(start, stop, first line) of line-aligned ranges of fh's bytes, each at least unit_bytes.
     Ends early, with a plan nobody uses, once `halt` is set (the planner failed or was stopped)."""
-    count = bytes.count if count_lines else lambda *a: 0
-    start, line, pos, lines_before = 0, 1 if count_lines else 0, 0, 0
+    start, line, pos, lines_before = 0, 1, 0, 0
     while True:
         block = fh.read(8 << 20)
         if not block or (halt is not None and halt.is_set()):
@@ -507,16 +504,16 @@ def _cuts_of(fh, unit_bytes: int, count_lines: bool = True,
         while True:
             target = start + unit_bytes - pos  # index in block where this unit is full
             if target >= len(block):
-                lines_before += count(block, b"\n", i)
+                lines_before += block.count(b"\n", i)
                 break
             nl = block.find(b"\n", max(target, i))
             if nl < 0:
-                lines_before += count(block, b"\n", i)
+                lines_before += block.count(b"\n", i)
                 break
-            lines_before += count(block, b"\n", i, nl + 1)
+            lines_before += block.count(b"\n", i, nl + 1)
             stop = pos + nl + 1
             yield start, stop, line
-            start, line, i = stop, lines_before + 1 if count_lines else 0, nl + 1
+            start, line, i = stop, lines_before + 1, nl + 1
         pos += len(block)
     if pos > start:
         yield start, pos, line
@@ -635,9 +632,10 @@ def _zstd_ranges(frames: list[tuple[int, int, int]], range_bytes: int, per_frame
     total = frames[-1][1] + frames[-1][2] if frames else 0
     cuts = [c for c in cuts if c < total] + [total]
 
+    starts = [d for _, d, _ in frames]
+
     def seek(a: int) -> tuple[int, int]:  # the frame holding byte a - 1
-        k = bisect.bisect_right([d for _, d, _ in frames], max(0, a - 1)) - 1
-        return frames[k][:2] if a else (0, 0)
+        return frames[bisect.bisect_right(starts, a - 1) - 1][:2] if a else (0, 0)
 
     return [(a, b, seek(a)) for a, b in zip(cuts, cuts[1:])]
 
@@ -982,37 +980,28 @@ class UnitReader:
                 stream = _open_stream(path, u.kind, raw)
             if u.kind == "jsonl":
                 raw.seek(u.start)
-            bounded = bool(u.stop) and not u.frames  # stop == 0: a whole compressed file
-            remaining = u.stop - u.start  # bytes before the range's end: its last line starts before it
-            pos, end = 0, None  # a run of frames: bytes read from its start; where the next run begins
+            # A range owns the lines that begin before `limit` bytes into what it reads (a .zst range
+            # reads from the byte before its start); a run of frames learns its limit as it
+            # decompresses; None: to the end (stop == 0: a whole file).
+            zst_range = u.kind == "jsonl.zst" and u.stop and u.start
+            limit = None if not u.stop or u.frames else u.stop - u.start + (1 if zst_range else 0)
+            pos = 0  # bytes read
             fast_field = self.text_field if orjson is not None else None
             try:
-                if u.kind == "jsonl.zst" and u.stop and u.start:
-                    # The line holding the byte before the range (for a run of frames: its first
-                    # byte) is the range before's last.
+                if zst_range:  # the line holding the byte before (a run: its first byte) is the range before's
                     z.skip(u.skip_bytes)
                     while (part := stream.readline(1 << 20)) and not part.endswith(b"\n"):
-                        remaining -= len(part)
                         pos += len(part)
-                    remaining -= len(part) - 1  # now <= 0 when no line begins in this range
                     pos += len(part)
                 for line in stream:
-                    if bounded:
-                        if remaining <= 0:
-                            if u.ends_file:  # frame headers planned without decompressing understated the data
-                                raise OSError("corrupt zstd data: more than its frame headers declare")
-                            break
-                        remaining -= len(line)
-                        self.consumed += len(line)
-                    elif u.frames:
-                        if end is None:  # known once the next run's first frame has begun
-                            end = next((d for c, d in z.frames if c >= u.stop), None)
-                        if end is not None and pos > end:  # the next run's lines begin after its first byte
-                            break
-                        pos += len(line)
-                        self.consumed = (raw.tell() - u.start) * 4
-                    else:
-                        self.consumed = raw.tell()
+                    if u.frames and limit is None:  # known once the next run's first frame has begun
+                        limit = next((d + 1 for c, d in z.frames if c >= u.stop), None)
+                    if limit is not None and pos >= limit:
+                        if u.ends_file:  # frame headers planned without decompressing understated the data
+                            raise OSError("corrupt zstd data: more than its frame headers declare")
+                        break
+                    pos += len(line)
+                    self.consumed = raw.tell() if not u.stop else (raw.tell() - u.start) * 4 if u.frames else pos
                     n += 1
                     self.lines = n
                     if n == 1 and u.start == 0 and line.startswith(b"\xef\xbb\xbf"):
@@ -1053,8 +1042,8 @@ class UnitReader:
                         continue
                     self._loc = (name, n, ":")
                     yield text
-                if u.ends_file and remaining:  # the data ended before or after the end its headers declare
-                    raise OSError(f"corrupt zstd data: {'less' if remaining > 0 else 'more'} than its frame "
+                if u.ends_file and pos != limit:  # the data ended before or after the end its headers declare
+                    raise OSError(f"corrupt zstd data: {'less' if pos < limit else 'more'} than its frame "
                                   "headers declare")
             except (EOFError, OSError, zlib.error) as e:
                 if expired(e):
