@@ -220,3 +220,51 @@ def test_an_inline_build_tokenizes_with_the_library_its_check_loaded(tmp_path, d
     m = build(corpus, str(tmp_path / "out"), shapes["gpt2-like"],
               BuildConfig(seq_len=256, workers=1, backend="gigatoken", special_tokens="extract"))
     assert m["tokenizer"]["backend"] == "gigatoken" and loads == ["gigatoken"]
+
+
+def test_a_backend_wrong_only_on_a_long_input_is_refused_and_the_references_are_cached(tmp_path, small_tok,
+                                                                                      monkeypatch):
+    """The long hostile inputs are checked against digests of tokenizers' ids, computed once per
+    tokenizer file and reused for every backend and build; a changed file is checked again."""
+    from helixtok import backends
+
+    monkeypatch.setenv("HELIXTOK_CACHE", str(tmp_path / "cache"))
+    real_encoder, real_hf_ids = backends.flat_encoder, backends.hf_ids
+    long_hf = []
+
+    def off_on_long_x(name, *args):
+        encode, ver, why = real_encoder(name, *args)
+        if name != "fastokens" or encode is None:
+            return encode, ver, why
+
+        def wrong(texts):
+            ids, lens = encode(texts)
+            if texts == ["x" * (1 << 20)]:
+                ids = ids.copy()
+                ids[-1] += 1
+            return ids, lens
+        return wrong, ver, why
+
+    def counted(tok, texts, group=None):
+        long_hf.extend(len(t) for t in texts if len(t) >= 40_000)
+        return real_hf_ids(tok, texts, group)
+    monkeypatch.setattr(backends, "flat_encoder", off_on_long_x)
+    monkeypatch.setattr(backends, "hf_ids", counted)
+    corpus = tmp_path / "c"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text("the quick brown fox jumps over the lazy dog " * 50)
+    cfg = dict(seq_len=8, workers=1, special_tokens="extract")  # where gigatoken is exact too
+    with pytest.raises(TokenizerError, match=r"--backend fastokens is not exact for this tokenizer \(ids differ on 'xxxx"):
+        build([str(corpus)], str(tmp_path / "o1"), small_tok, BuildConfig(backend="fastokens", **cfg))
+    assert len(long_hf) == len(backends.LONG_HOSTILE)  # tokenizers' ids of each long input, once
+    m = build([str(corpus)], str(tmp_path / "o2"), small_tok, BuildConfig(**cfg))
+    assert m["tokenizer"]["backend"] == "gigatoken"
+    assert m["tokenizer"]["backend_check"]["rejected"]["fastokens"].startswith("ids differ on 'xxxx")
+    assert len(long_hf) == len(backends.LONG_HOSTILE)  # the next backends compared with the digests
+    with open(small_tok) as fh:
+        spec = json.load(fh)
+    with open(small_tok, "w") as fh:  # other bytes (the same tokenizer): no verdict or digest applies
+        json.dump(spec, fh, indent=1)
+    with pytest.raises(TokenizerError, match="ids differ on 'xxxx"):
+        build([str(corpus)], str(tmp_path / "o3"), small_tok, BuildConfig(backend="fastokens", **cfg))
+    assert len(long_hf) == 2 * len(backends.LONG_HOSTILE)
