@@ -419,7 +419,9 @@ class _Pool:
         also ends a stopped process, which SIGTERM would not."""
         for p in list((getattr(self.executor, "_processes", None) or {}).values()):  # None once shut down
             p.kill()
-        self.executor.shutdown(wait=True, cancel_futures=True)
+        # No future is cancelled: the pool's thread, seeing its workers dead, fails every pending
+        # one, and on a cancelled one it raises (Python < 3.12) and prints a traceback.
+        self.executor.shutdown(wait=True)
 
 
 def _run_units(units: list[Unit], pending: list[Unit], info: TokenizerInfo, config: BuildConfig, state: str,
@@ -451,7 +453,6 @@ def _run_units(units: list[Unit], pending: list[Unit], info: TokenizerInfo, conf
         return results
 
     counters, slots, procs = workers.counters, workers.slots, workers.procs
-    futures = {}
     try:
         with _Interrupt() as interrupt:
             futures = {workers.executor.submit(run_unit, u, info): u for u in order}
@@ -489,8 +490,6 @@ def _run_units(units: list[Unit], pending: list[Unit], info: TokenizerInfo, conf
                                         f"tokenizing {where}; rerun the same command to resume "
                                         "(or raise --stall-timeout for huge documents)")
     except BaseException as e:
-        for f in futures:
-            f.cancel()
         workers.kill()
         if isinstance(e, BrokenProcessPool):  # the pool broke while starting (submit raised)
             raise _broke_starting(e) from None
