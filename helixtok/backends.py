@@ -278,20 +278,13 @@ def _hf_long_digests(tok, path: str, special: str) -> list[str]:
     return digests
 
 
-def long_parity(name: str, version: str, path: str, special: str, tok, encode) -> tuple[bool, str]:
-    """`encode` against tokenizers on LONG_HOSTILE: it does not depend on the corpus, so the
-    verdict is cached per library version, tokenizer file and policy."""
-    got = cached_long_parity(name, version, path, special)
-    if got is not None:
-        return got
+def long_parity(name: str, version: str, path: str, special: str, tok, digests: list[str]) -> tuple[bool, str]:
+    """The verdict on LONG_HOSTILE from a backend's `digests` of it (see answers): it does not
+    depend on the corpus, so it is cached per library version, tokenizer file and policy."""
     ok, why = True, ""
-    for text, want in zip(LONG_HOSTILE, _hf_long_digests(tok, path, special)):
-        got = _encoded(encode, [text])
-        if isinstance(got, str):
-            ok, why = False, got
-            break
-        if _ids_digest(got[0]) != want:
-            ok, why = False, f"ids differ on {text[:40]!r}"
+    for text, got, want in zip(LONG_HOSTILE, digests, _hf_long_digests(tok, path, special)):
+        if got != want:
+            ok, why = False, (got if got.startswith("failed") else f"ids differ on {text[:40]!r}")
             break
     _write_cache(_long_parity_file(name, version, path, special), {"ok": ok, "why": why})
     return ok, why
@@ -310,27 +303,40 @@ def _encoded(encode, texts: list[str]):
         return f"failed on a text ({type(e).__name__}: {str(e)[:80]})"
 
 
-def same_ids(encode, texts: list[str], want: list[list[int]], group: int = 64) -> tuple[bool, str]:
-    """(True, "") when `encode` gives `want` (tokenizers' ids) for every text, `group` at a time."""
-    for i in range(0, len(texts), group):
-        group_texts = texts[i: i + group]
-        encoded = _encoded(encode, group_texts)
-        if isinstance(encoded, str):
-            return False, encoded
-        got, lens = encoded
-        ends = np.cumsum(lens)
-        for t, x, a, b in zip(group_texts, want[i: i + group], ends - lens, ends):
-            if got[a:b].tolist() != x:
+def answers(encode, texts: list[str], long: bool) -> tuple:
+    """What the backend check needs from a backend, computed where it is loaded: its (flat ids,
+    lengths) of `texts` or why it failed, and with `long` the digest of its ids of each
+    LONG_HOSTILE text (or why it failed on it)."""
+    digests = None
+    if long:
+        digests = []
+        for t in LONG_HOSTILE:
+            got = _encoded(encode, [t])
+            digests.append(got if isinstance(got, str) else _ids_digest(got[0]))
+    return _encoded(encode, texts), digests
+
+
+def judge(name: str, version: str, path: str, special: str, tok, texts: list[str], got: tuple) -> tuple[bool, str]:
+    """(True, "") when a backend's answers (see answers) are tokenizers' ids: for each of `texts`
+    and, unless the verdict is cached, for LONG_HOSTILE.  tokenizers' ids of `texts` are made
+    64 texts at a time (their Encodings take ~100 bytes a character)."""
+    encoded, digests = got
+    if isinstance(encoded, str):
+        return False, encoded
+    ids, lens = encoded
+    ends = np.cumsum(lens)
+    for i in range(0, len(texts), 64):
+        want = hf_ids(tok, texts[i: i + 64])
+        for t, x, a, b in zip(texts[i: i + 64], want, (ends - lens)[i: i + 64], ends[i: i + 64]):
+            if ids[a:b].tolist() != x:
                 return False, f"ids differ on {t[:40]!r}"
-    return True, ""
+    if name == "tiktoken":  # its BPE is quadratic on a 1 MiB word: long runs go to tokenizers (WS_RUN)
+        return True, ""
+    if digests is None:
+        return cached_long_parity(name, version, path, special) or (False, "no verdict on the long inputs")
+    return long_parity(name, version, path, special, tok, digests)
 
 
-def parity(tok, encode, sample: list[str], special: str, group: int = 64) -> tuple[bool, str]:
-    """(True, "") when `encode` gives HF's ids for every text of the sample, HOSTILE and every
-    special token inside text; `group` texts are compared at a time."""
-    texts = parity_texts(tok, sample)
-    for i in range(0, len(texts), group):
-        ok, why = same_ids(encode, texts[i: i + group], hf_ids(tok, texts[i: i + group]), group)
-        if not ok:
-            return ok, why
-    return True, ""
+def needs_long(name: str, version: str, path: str, special: str) -> bool:
+    """Whether a backend's answers must include LONG_HOSTILE (no cached verdict on it)."""
+    return name != "tiktoken" and cached_long_parity(name, version, path, special) is None

@@ -26,6 +26,7 @@ import numpy as np
 
 from . import __version__
 from .assemble import Assembler
+from .backend_check import choose_backend
 from .config import BuildConfig
 from .errors import ConfigError, HelixtokError, InputError
 from .longdoc import LongText, stripped, utf8_len
@@ -489,10 +490,8 @@ def _run_units(units: list[Unit], pending: list[Unit], info: TokenizerInfo, conf
                     raise HelixtokError(f"no progress for {config.stall_seconds:g} s: a worker seems hung while "
                                         f"tokenizing {where}; rerun the same command to resume "
                                         "(or raise --stall-timeout for huge documents)")
-    except BaseException as e:
+    except BaseException:
         workers.kill()
-        if isinstance(e, BrokenProcessPool):  # the pool broke while starting (submit raised)
-            raise _broke_starting(e) from None
         raise
     workers.executor.shutdown(wait=True)
     return results
@@ -578,91 +577,6 @@ class _LocalCounters(list):
         return contextlib.nullcontext()
 
 
-SAMPLE_UNITS, SAMPLE_CHARS = 8, 1 << 20
-
-
-def _sample_texts(units: list[Unit], config: BuildConfig) -> list[str]:
-    """Documents from up to SAMPLE_UNITS evenly spaced units (their first SAMPLE_CHARS / k chars)."""
-    cheap = [u for u in units if not u.skip_bytes]  # reaching those means decompressing up to them
-    picked = cheap[::max(1, len(cheap) // SAMPLE_UNITS)][:SAMPLE_UNITS]
-    head = SAMPLE_CHARS // SAMPLE_UNITS  # tokenizers' Encodings take ~100 bytes a character: keep them few
-    sample: list[str] = []
-    for u in picked:
-        got = 0
-        for text in UnitReader(u, config.text_field, Tally(), long_bytes=config.long_doc_bytes):
-            sample.append(text.head(head) if isinstance(text, LongText) else text[:head])
-            got += len(sample[-1])
-            if got >= head:
-                break
-    return sample
-
-
-def _choose_backend(info: TokenizerInfo, units: list[Unit], config: BuildConfig,
-                    workers: _Pool | None = None) -> tuple[TokenizerInfo, dict]:
-    """Pick the backend: the fastest library that gives tokenizers' ids on a sample of this
-    corpus and the hostile sets (checked here, recorded in the manifest); else tokenizers."""
-    import dataclasses
-
-    from .backends import FAST, backend_version, hf_tokenizer
-    from .errors import TokenizerError
-
-    hf = dataclasses.replace(info, backend="hf", backend_version=backend_version("hf"))
-    if config.backend == "hf":
-        return hf, {"chosen": "hf", "reason": "--backend hf"}
-    tok = hf_tokenizer(info.path, info.special_tokens)
-    sample = _sample_texts(units, config)
-    tried = {}
-    for name in FAST if config.backend == "auto" else (config.backend,):
-        ok, why, ver = _verdict(name, info, tok, sample, workers)
-        if ok:
-            return dataclasses.replace(info, backend=name, backend_version=ver), {
-                "chosen": name, "reason": "same ids as tokenizers on the corpus sample and the hostile sets",
-                "sample_documents": len(sample), "rejected": tried}
-        tried[name] = why
-    if config.backend != "auto":
-        raise TokenizerError(f"{info.path}: --backend {config.backend} is not exact for this tokenizer "
-                             f"({tried[config.backend]}); use --backend hf")
-    return hf, {"chosen": "hf", "reason": "no faster backend is exact here", "rejected": tried,
-                "sample_documents": len(sample)}
-
-
-def _verdict(name: str, info: TokenizerInfo, tok, sample: list[str], workers: _Pool | None
-             ) -> tuple[bool, str, str | None]:
-    """(exact?, why not, library version) of backend `name` for this tokenizer and sample."""
-    from .backends import (FAST, backend_version, cached_long_parity, flat_encoder, hf_ids, long_parity,
-                           parity, parity_texts)
-
-    ver = backend_version(name)
-    long = cached_long_parity(name, ver, info.path, info.special_tokens) if ver else None
-    if workers is not None and name == FAST[0] and long is not None:
-        # The workers have loaded this library's tokenizer (_warm): compare there, and spare this
-        # process loading it too (0.5 s for a 100k vocabulary).  tokenizers' ids come from here.
-        texts = parity_texts(tok, sample)
-        want = hf_ids(tok, texts, group=64)
-        try:
-            ok, why = workers.executor.submit(_same_ids_here, name, info.path, info.special_tokens, texts,
-                                              want).result()
-        except BrokenProcessPool as e:
-            raise _broke_starting(e) from None
-        return (ok and long[0]), (why if not ok else long[1]), ver
-    encode, ver, why = flat_encoder(name, info.path, info.special_tokens, tok)
-    if encode is None:
-        return False, why, None
-    ok, why = parity(tok, encode, sample, info.special_tokens)
-    # tiktoken's BPE is quadratic on a 1 MiB word: long runs it cannot take go to tokenizers (WS_RUN).
-    if ok and name != "tiktoken":
-        ok, why = long_parity(name, ver, info.path, info.special_tokens, tok, encode)
-    return ok, why, ver
-
-
-def _same_ids_here(name: str, path: str, special: str, texts: list[str], want: list[list[int]]) -> tuple[bool, str]:
-    """The backend check's comparison, run in a worker process (see _verdict)."""
-    from .backends import flat_encoder, same_ids
-
-    encode, _, why = flat_encoder(name, path, special, None)
-    return same_ids(encode, texts, want) if encode is not None else (False, why)
-
-
 def build(inputs: list[str], out: str, tokenizer: str, config: BuildConfig, *, overwrite: bool = False,
           on_progress: Callable[[Progress], None] | None = None, task: tuple[int, int] | None = None,
           staging: str | None = None) -> dict:
@@ -739,16 +653,18 @@ def _build_locked(inputs: list[str], out: str, info: TokenizerInfo, config: Buil
     try:
         return _build_started(out, info, config, overwrite, on_progress, task, files, units, warnings, state,
                               run_id, workers)
-    except BaseException:
+    except BaseException as e:
         if workers is not None:
             workers.kill()
+        if isinstance(e, BrokenProcessPool):  # the pool broke while starting (a submit or the check)
+            raise _broke_starting(e) from None
         raise
 
 
 def _build_started(out, info, config, overwrite, on_progress, task, files, units, warnings, state, run_id,
                    workers) -> dict:
     """_build_locked once the work units are planned and the worker processes are starting."""
-    info, backend_check = _choose_backend(info, units, config, workers)
+    info, backend_check = choose_backend(info, units, config, workers and workers.executor)
     if workers is not None:  # the workers tokenize: the main process needs no fast tokenizer now
         from .backends import forget_fast_tokenizers
 

@@ -163,9 +163,10 @@ def test_workers_load_the_likely_backend_early_and_drop_it_when_another_is_chose
 
 
 def test_a_pool_build_checks_the_backend_in_a_worker(tmp_path, dev_corpus, shapes, monkeypatch):
-    """With worker processes and the long-input verdict cached, the main process never loads the
-    fast library's tokenizer: the workers compare the corpus sample against tokenizers' ids sent
-    from here.  The choice and the bytes are those of a build that checked everything itself."""
+    """With worker processes the main process never loads the fast library's tokenizer, even
+    where no verdict on the long inputs is cached: a worker sends its ids of the corpus sample
+    and digests of its ids of the long inputs, compared here with tokenizers'.  The choice and
+    the bytes are those of a build that checked everything itself."""
     from helixtok import backends
 
     lines = open(dev_corpus / "jsonl" / "plain.jsonl").read().split()
@@ -194,7 +195,9 @@ def test_a_pool_build_checks_the_backend_in_a_worker(tmp_path, dev_corpus, shape
             batches.append(len(texts))
             return self.tok.encode_batch_fast(texts, **kw)
     monkeypatch.setattr(backends, "hf_tokenizer", lambda path, special: Counted(hf_tokenizer(path, special)))
+    monkeypatch.setenv("HELIXTOK_CACHE", str(tmp_path / "fresh-cache"))  # nothing known about the long inputs
     pool = build(corpus, str(tmp_path / "pool"), tok, BuildConfig(seq_len=256, workers=2, unit_bytes=1 << 16))
+    assert len(os.listdir(tmp_path / "fresh-cache" / "parity")) == 1  # the verdict, judged from the worker's digests
     assert pool["inputs"]["units"] > 2 and loads == []
     assert sum(batches) > 64 and max(batches) <= 64
     assert pool["tokenizer"]["backend"] == here["tokenizer"]["backend"] == "fastokens"

@@ -1,0 +1,79 @@
+"""Which library a build tokenizes with: the fastest one that gives tokenizers' ids here."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from .config import BuildConfig
+from .errors import TokenizerError
+from .longdoc import LongText
+from .sources import Tally, Unit, UnitReader
+from .tokenizer import TokenizerInfo
+
+SAMPLE_UNITS, SAMPLE_CHARS = 8, 1 << 20
+
+
+def sample_texts(units: list[Unit], config: BuildConfig) -> list[str]:
+    """Documents from up to SAMPLE_UNITS evenly spaced units (their first SAMPLE_CHARS / k chars)."""
+    cheap = [u for u in units if not u.skip_bytes]  # reaching those means decompressing up to them
+    picked = cheap[::max(1, len(cheap) // SAMPLE_UNITS)][:SAMPLE_UNITS]
+    head = SAMPLE_CHARS // SAMPLE_UNITS  # tokenizers' Encodings take ~100 bytes a character: keep them few
+    sample: list[str] = []
+    for u in picked:
+        got = 0
+        for text in UnitReader(u, config.text_field, Tally(), long_bytes=config.long_doc_bytes):
+            sample.append(text.head(head) if isinstance(text, LongText) else text[:head])
+            got += len(sample[-1])
+            if got >= head:
+                break
+    return sample
+
+
+def choose_backend(info: TokenizerInfo, units: list[Unit], config: BuildConfig,
+                   executor=None) -> tuple[TokenizerInfo, dict]:
+    """Pick the backend: the fastest library that gives tokenizers' ids on a sample of this
+    corpus and the hostile sets (checked here, recorded in the manifest); else tokenizers.
+    With an `executor` (the build's worker pool), the fastest library's ids come from a worker."""
+    from .backends import (FAST, answers, backend_version, flat_encoder, hf_tokenizer, judge, needs_long,
+                           parity_texts)
+
+    hf = dataclasses.replace(info, backend="hf", backend_version=backend_version("hf"))
+    if config.backend == "hf":
+        return hf, {"chosen": "hf", "reason": "--backend hf"}
+    tok = hf_tokenizer(info.path, info.special_tokens)
+    sample = sample_texts(units, config)
+    texts = parity_texts(tok, sample)
+    tried = {}
+    for name in FAST if config.backend == "auto" else (config.backend,):
+        ver = backend_version(name)
+        long = ver is not None and needs_long(name, ver, info.path, info.special_tokens)
+        if executor is not None and name == FAST[0] and ver is not None:
+            # The workers have loaded this library's tokenizer (_warm): spare this process
+            # loading it too (0.5 s for a 100k vocabulary).  tokenizers' ids are made here.
+            got = executor.submit(worker_answers, name, info.path, info.special_tokens, texts, long).result()
+        else:
+            encode, ver, why = flat_encoder(name, info.path, info.special_tokens, tok)
+            if encode is None:
+                tried[name] = why
+                continue
+            got = answers(encode, texts, long)
+        ok, why = judge(name, ver, info.path, info.special_tokens, tok, texts, got)
+        if ok:
+            return dataclasses.replace(info, backend=name, backend_version=ver), {
+                "chosen": name, "reason": "same ids as tokenizers on the corpus sample and the hostile sets",
+                "sample_documents": len(sample), "rejected": tried}
+        tried[name] = why
+    if config.backend != "auto":
+        raise TokenizerError(f"{info.path}: --backend {config.backend} is not exact for this tokenizer "
+                             f"({tried[config.backend]}); use --backend hf")
+    return hf, {"chosen": "hf", "reason": "no faster backend is exact here", "rejected": tried,
+                "sample_documents": len(sample)}
+
+
+def worker_answers(name: str, path: str, special: str, texts: list[str], long: bool) -> tuple:
+    """A backend's answers for the check, computed in a worker process that has (or will reuse)
+    its tokenizer loaded: the main process never loads it (0.5 s for a 100k vocabulary)."""
+    from .backends import answers, flat_encoder
+
+    encode, _, why = flat_encoder(name, path, special, None)
+    return answers(encode, texts, long) if encode is not None else (why, None)
