@@ -324,6 +324,8 @@ def judge(name: str, version: str, path: str, special: str, tok, texts: list[str
     if isinstance(encoded, str):
         return False, encoded
     ids, lens = encoded
+    if len(lens) != len(texts) or int(np.sum(lens)) != len(ids):  # else zip() would compare a prefix
+        return False, f"gave {len(lens)} lengths and {len(ids)} ids for {len(texts)} texts"
     ends = np.cumsum(lens)
     for i in range(0, len(texts), 64):
         want = hf_ids(tok, texts[i: i + 64])

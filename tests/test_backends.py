@@ -271,3 +271,18 @@ def test_a_backend_wrong_only_on_a_long_input_is_refused_and_the_references_are_
     with pytest.raises(TokenizerError, match="ids differ on 'xxxx"):
         build([str(corpus)], str(tmp_path / "o3"), small_tok, BuildConfig(backend="fastokens", **cfg))
     assert len(long_hf) == 2 * len(backends.LONG_HOSTILE)
+
+
+def test_the_check_refuses_a_backend_that_answers_for_fewer_texts(small_tok):
+    """Ids and lengths that cover only some of the texts are refused, not compared as a prefix."""
+    from helixtok import backends
+
+    tok = backends.hf_tokenizer(small_tok, "text")
+    texts = ["hello world", "the quick brown fox", "pack me"]
+    encode, ver, _ = backends.flat_encoder("fastokens", small_tok, "text", tok)
+    ids, lens = encode(texts)
+    # Judged as tiktoken's answers: those are not checked on the long inputs.
+    for got in ((ids[: lens[0]], lens[:1]), (ids[:-1], lens)):  # one text answered; one id missing
+        ok, why = backends.judge("tiktoken", ver, small_tok, "text", tok, texts, (got, None))
+        assert not ok and why.startswith("gave ")
+    assert backends.judge("tiktoken", ver, small_tok, "text", tok, texts, ((ids, lens), None)) == (True, "")
