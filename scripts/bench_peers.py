@@ -54,7 +54,7 @@ def limit_seconds(corpus: str, tok: str, part: tuple[int, int] = (0, 1), barrier
     """One process: read + decompress + parse every unit (units[k::n] for part=(k, n)), encode
     with the backend auto picks.  With a barrier, timing starts when all parts are ready."""
     from helixtok.backends import flat_encoder, hf_tokenizer
-    from helixtok.build import _choose_backend
+    from helixtok.backend_check import choose_backend
     from helixtok.config import BuildConfig
     from helixtok.sources import Tally, UnitReader, discover, plan_units
     from helixtok.tokenizer import inspect_tokenizer
@@ -63,7 +63,7 @@ def limit_seconds(corpus: str, tok: str, part: tuple[int, int] = (0, 1), barrier
     info = inspect_tokenizer(tok)
     files, _ = discover([corpus])
     units, _ = plan_units(files, unit_bytes=cfg.unit_bytes, text_field="text")
-    info, _ = _choose_backend(info, units, cfg)
+    info, _ = choose_backend(info, units, cfg)
     encode, _, _ = flat_encoder(info.backend, tok, cfg.special_tokens, hf_tokenizer(tok, cfg.special_tokens))
     if barrier is not None:
         barrier.wait()

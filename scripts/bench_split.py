@@ -19,7 +19,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import helixtok.sources as hs  # noqa: E402
 from helixtok.backends import flat_encoder  # noqa: E402
-from helixtok.build import _choose_backend, schedule  # noqa: E402
+from helixtok.backend_check import choose_backend  # noqa: E402
+from helixtok.build import schedule  # noqa: E402
 from helixtok.config import BuildConfig  # noqa: E402
 from helixtok.tokenizer import inspect_tokenizer  # noqa: E402
 
@@ -59,7 +60,7 @@ def main() -> None:
     t0 = time.perf_counter()
     units, _ = hs.plan_units(files, unit_bytes=config.unit_bytes, text_field="text")
     plan = time.perf_counter() - t0
-    info, check = _choose_backend(inspect_tokenizer(args.tokenizer), units, config)
+    info, check = choose_backend(inspect_tokenizer(args.tokenizer), units, config)
     encode = flat_encoder(info.backend, info.path, info.special_tokens, None)[0]
     whole = hs.Unit(0, files[0].kind, (files[0].path,), (files[0].name,))
     base = unit_seconds(whole, encode, config.batch_chars)
