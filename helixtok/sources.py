@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import bisect
+import contextlib
 import glob
 import gzip
 import hashlib
@@ -433,40 +434,102 @@ ZST_RANGES_PER_FRAME = 8
 ZST_GROUP_FRAMES = 4  # frames of undeclared size from which a .zst is cut between frames (no pass)
 
 
+# Builds a .gz file's seek index in a process of its own: indexed_gzip holds the GIL while it
+# indexes, and the line-cut pass (zlib, which checks every member's CRC) runs meanwhile.
+_GZ_INDEXER = """
+import sys, indexed_gzip
+path, out, spacing = sys.argv[1], sys.argv[2], int(sys.argv[3])
+try:
+    with open(path, "rb") as raw:
+        gz = indexed_gzip.IndexedGzipFile(fileobj=raw, spacing=spacing, readbuf_size=1 << 20)
+        gz.build_full_index()
+except Exception as e:
+    sys.exit(f"data:{e}")
+try:
+    gz.export_index(out)
+except OSError as e:
+    sys.exit(f"write:{e.strerror or e}")
+"""
+
+
 def _gzip_cuts(f: InputFile, unit_bytes: int, halt: threading.Event) -> tuple[str, list[tuple[int, int, int]]]:
     """Line-aligned ranges of a large .gz file's decompressed bytes, and a seek index (cached by
     name, size and stamp) that lets each worker start at its range.
 
     The ranges come from Python's gzip, which checks every member's CRC and length: indexed_gzip
-    alone returns a stream cut short, without an error, for a file truncated mid-deflate.
+    alone returns a stream cut short, without an error, for a file truncated mid-deflate.  The
+    index of a local file is built meanwhile in another process (planning a 642 MB file: 4.3 s
+    one pass after the other).
     """
-    import indexed_gzip
+    import subprocess
+    import sys
 
     from .config import cache_root
 
     key = hashlib.sha256(f"{f.path}|{f.size}|{f.stamp}|{GZ_INDEX_SPACING}".encode()).hexdigest()
     index = os.path.join(cache_root(), "gzindex", key + ".idx")
+    tmp = f"{index}.{os.getpid()}.tmp"
+    indexer = None
+    if not os.path.isfile(index) and not is_url(f.path):
+        _cache_dir_for(index, f.path)
+        indexer = subprocess.Popen([sys.executable, "-c", _GZ_INDEXER, f.path, tmp, str(GZ_INDEX_SPACING)],
+                                   stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
-        with open_input(f.path) as raw:
-            cuts = list(_cuts_of(gzip.GzipFile(fileobj=raw), unit_bytes, halt=halt))
+        try:
+            with open_input(f.path) as raw:
+                cuts = list(_cuts_of(gzip.GzipFile(fileobj=raw), unit_bytes, halt=halt))
+        except (EOFError, OSError, zlib.error) as e:
+            raise _damaged(f.path, f.kind, e, "truncated or corrupt") from e
         if halt.is_set():
             return "", cuts
-        if os.path.isfile(index):
-            return index, cuts
+        if indexer is not None:
+            why = indexer.communicate()[1].decode(errors="replace").strip().splitlines()
+            if indexer.returncode:
+                kind, _, msg = (why[-1] if why else "data:exit status %d" % indexer.returncode).partition(":")
+                if kind == "write":
+                    raise _unwritable(index, f.path, msg)
+                raise _damaged(f.path, f.kind, ValueError(msg), "truncated or corrupt")
+            os.replace(tmp, index)
+        elif not os.path.isfile(index):
+            _index_here(f, index, tmp)
+        return index, cuts
+    finally:
+        if indexer is not None and indexer.poll() is None:
+            indexer.kill()
+            indexer.wait()
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+
+
+def _index_here(f: InputFile, index: str, tmp: str) -> None:
+    """The seek index built in this process (a URL: the indexer process could not read it)."""
+    import indexed_gzip
+
+    try:
         with open_input(f.path) as raw:
             gz = indexed_gzip.IndexedGzipFile(fileobj=raw, spacing=GZ_INDEX_SPACING, readbuf_size=1 << 20)
             gz.build_full_index()
     except (EOFError, OSError, zlib.error, indexed_gzip.ZranError) as e:
         raise _damaged(f.path, f.kind, e, "truncated or corrupt") from e
-    try:  # a cache that cannot be written is a setup problem, not a damaged input
-        os.makedirs(os.path.dirname(index), exist_ok=True)
-        tmp = f"{index}.{os.getpid()}.tmp"
+    _cache_dir_for(index, f.path)
+    try:
         gz.export_index(tmp)
         os.replace(tmp, index)
     except OSError as e:
-        raise ConfigError(f"cannot write the seek index for {f.path} to {index} ({e.strerror or e}); set "
-                          "HELIXTOK_CACHE to a writable folder") from e
-    return index, cuts
+        raise _unwritable(index, f.path, e.strerror or str(e)) from e
+
+
+def _cache_dir_for(index: str, path: str) -> None:
+    try:
+        os.makedirs(os.path.dirname(index), exist_ok=True)
+    except OSError as e:
+        raise _unwritable(index, path, e.strerror or str(e)) from e
+
+
+def _unwritable(index: str, path: str, why: str) -> ConfigError:
+    # A cache that cannot be written is a setup problem, not a damaged input.
+    return ConfigError(f"cannot write the seek index for {path} to {index} ({why}); set "
+                       "HELIXTOK_CACHE to a writable folder")
 
 
 def _line_aligned_cuts(path: str, size: int, unit_bytes: int) -> Iterator[tuple[int, int]]:

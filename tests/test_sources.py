@@ -1,7 +1,9 @@
 """Bad input: each case is either skipped and counted (with its location) or fails fast, clearly."""
 
 import filecmp
+import glob
 import gzip
+import hashlib
 import json
 import os
 import subprocess
@@ -562,9 +564,28 @@ def test_a_large_jsonl_gz_is_read_by_several_workers_with_the_same_bytes(tmp_pat
     with pytest.raises(ConfigError, match=r"cannot write the seek index for .*big\.jsonl\.gz .*HELIXTOK_CACHE"):
         do_build(tmp_path / "nocache", small_tok, c, seq_len=64, unit_bytes=len(data) // 7)
     monkeypatch.setenv("HELIXTOK_CACHE", cache)
+    # The same when the seek index cannot be written in place (its temporary name is a folder).
+    (c / "big.jsonl.gz").write_bytes(gzip.compress(data, mtime=2))
+    blocker = tmp_path / "cachedir"
+    monkeypatch.setenv("HELIXTOK_CACHE", str(blocker))
+    key = hashlib.sha256(f"{c / 'big.jsonl.gz'}|{os.path.getsize(c / 'big.jsonl.gz')}|"
+                         f"{os.stat(c / 'big.jsonl.gz').st_mtime_ns}|{64 << 10}".encode()).hexdigest()
+    os.makedirs(blocker / "gzindex" / f"{key}.idx.{os.getpid()}.tmp")
+    with pytest.raises(ConfigError, match=r"cannot write the seek index for .*big\.jsonl\.gz .*HELIXTOK_CACHE"):
+        do_build(tmp_path / "nowrite", small_tok, c, seq_len=64, unit_bytes=len(data) // 7)
+    monkeypatch.setenv("HELIXTOK_CACHE", cache)
     (c / "big.jsonl.gz").write_bytes(gzip.compress(data)[:-5000])
+    real_cuts = hs._cuts_of
+
+    def after_the_indexer(*a, **kw):  # indexed_gzip takes the truncated file: let it finish first
+        deadline = time.monotonic() + 20
+        while not glob.glob(os.path.join(cache, "gzindex", "*.tmp")) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return real_cuts(*a, **kw)
+    monkeypatch.setattr(hs, "_cuts_of", after_the_indexer)
     with pytest.raises(InputError, match=r"big\.jsonl\.gz: truncated or corrupt after line \d+"):
         do_build(tmp_path / "bad", small_tok, c, seq_len=64)
+    assert not glob.glob(os.path.join(cache, "gzindex", "*.tmp"))  # the index written for it is gone
 
 
 def test_a_line_is_named_by_its_place_in_the_file_or_by_its_range():
