@@ -123,16 +123,24 @@ def stamp(info: dict) -> str:
     return ""
 
 
+def local_stamp(st: os.stat_result) -> str:
+    """A local file's stamp: mtime, ctime and inode.  A file replaced, or rewritten with its old
+    size and mtime put back (cp -p, rsync -t, touch -r), has a new ctime, which no one can set
+    (git's index compares the same fields).  A chmod changes it too: that is reported as a
+    change, the safe side."""
+    return f"{st.st_mtime_ns}.{st.st_ctime_ns}.{st.st_ino}"
+
+
 @reports_storage_errors
-def current(path: str) -> tuple[int, int | str] | None:
+def current(path: str) -> tuple[int, str] | None:
     """(size, stamp) of a file or object as it is now (None if gone): what discovery recorded, read
-    again.  Locally the stamp is mtime_ns; an object's bypasses fsspec's listing cache."""
+    again.  Locally see local_stamp; an object's (its ETag or the like) bypasses fsspec's listing cache."""
     if not is_url(path):
         try:
             st = os.stat(path)
         except OSError:
             return None
-        return st.st_size, st.st_mtime_ns
+        return st.st_size, local_stamp(st)
     fs, p = filesystem(path)
     fs.invalidate_cache(p)
     try:

@@ -38,6 +38,7 @@ from .objstore import (
     expired,
     filesystem,
     is_url,
+    local_stamp,
     open_input,
     redact,
     reports_storage_errors,
@@ -120,7 +121,7 @@ class InputFile:
     name: str  # relative to the common root of all inputs: what the manifest records
     kind: str
     size: int
-    stamp: int | str  # changes when the content does: mtime_ns locally, the ETag (or like) of an object
+    stamp: str  # changes when the content does: see local_stamp; an object's ETag (or the like)
 
 
 # --------------------------------------------------------------------------- discovery
@@ -246,7 +247,7 @@ def discover(paths: list[str], *, exclude: str | None = None) -> tuple[list[Inpu
             raise InputError(f"{p}: permission denied; make it readable or leave it out")
         st = os.stat(p)
         files.append(InputFile(p, os.path.relpath(os.path.abspath(p), root), file_kind(p), st.st_size,
-                               st.st_mtime_ns))
+                               local_stamp(st)))
     # The manifest keeps warning locations relative to the corpus root, never host paths.
     top = os.path.commonpath([root] + [os.path.abspath(a) for a in paths if os.path.isdir(a)])
     prefix = top.rstrip(os.sep) + os.sep

@@ -103,6 +103,12 @@ def test_changed_option_or_input_refuses_resume(tmp_path, small_tok, monkeypatch
     monkeypatch.undo()
     with pytest.raises(ConfigError, match=r"unfinished build .*seq_len: 4 -> 8"):
         build([str(c)], out, small_tok, BuildConfig(seq_len=8, workers=1))
+    # Rewritten with the same size and its mtime put back (cp -p, rsync -t, touch -r): still another file.
+    st = os.stat(c / "a.txt")
+    (c / "a.txt").write_text("HELLO WORLD " * 100)
+    os.utime(c / "a.txt", ns=(st.st_atime_ns, st.st_mtime_ns))
+    with pytest.raises(ConfigError, match=r"input modified: a.txt"):
+        build([str(c)], out, small_tok, cfg)
     (c / "a.txt").write_text("hello world " * 101)
     with pytest.raises(ConfigError, match=r"input modified: a.txt"):
         build([str(c)], out, small_tok, cfg)

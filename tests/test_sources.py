@@ -569,7 +569,7 @@ def test_a_large_jsonl_gz_is_read_by_several_workers_with_the_same_bytes(tmp_pat
     blocker = tmp_path / "cachedir"
     monkeypatch.setenv("HELIXTOK_CACHE", str(blocker))
     key = hashlib.sha256(f"{c / 'big.jsonl.gz'}|{os.path.getsize(c / 'big.jsonl.gz')}|"
-                         f"{os.stat(c / 'big.jsonl.gz').st_mtime_ns}|{64 << 10}".encode()).hexdigest()
+                         f"{hs.local_stamp(os.stat(c / 'big.jsonl.gz'))}|{64 << 10}".encode()).hexdigest()
     os.makedirs(blocker / "gzindex" / f"{key}.idx.{os.getpid()}.tmp")
     with pytest.raises(ConfigError, match=r"cannot write the seek index for .*big\.jsonl\.gz .*HELIXTOK_CACHE"):
         do_build(tmp_path / "nowrite", small_tok, c, seq_len=64, unit_bytes=len(data) // 7)
