@@ -473,8 +473,9 @@ def _gzip_cuts(f: InputFile, unit_bytes: int, halt: threading.Event) -> tuple[st
     indexer = None
     if not os.path.isfile(index) and not is_url(f.path):
         _cache_dir_for(index, f.path)
-        indexer = subprocess.Popen([sys.executable, "-c", _GZ_INDEXER, f.path, tmp, str(GZ_INDEX_SPACING)],
-                                   stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        with contextlib.suppress(OSError):  # no interpreter to start (embedded Python): index here, after
+            indexer = subprocess.Popen([sys.executable, "-c", _GZ_INDEXER, f.path, tmp, str(GZ_INDEX_SPACING)],
+                                       stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         try:
             with open_input(f.path) as raw:
@@ -503,7 +504,8 @@ def _gzip_cuts(f: InputFile, unit_bytes: int, halt: threading.Event) -> tuple[st
 
 
 def _index_here(f: InputFile, index: str, tmp: str) -> None:
-    """The seek index built in this process (a URL: the indexer process could not read it)."""
+    """The seek index built in this process: for a URL (the indexer process reads local files
+    only), or where no interpreter could be started for it."""
     import indexed_gzip
 
     try:

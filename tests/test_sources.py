@@ -588,6 +588,23 @@ def test_a_large_jsonl_gz_is_read_by_several_workers_with_the_same_bytes(tmp_pat
     assert not glob.glob(os.path.join(cache, "gzindex", "*.tmp"))  # the index written for it is gone
 
 
+def test_a_gz_seek_index_is_built_here_when_no_process_can_be_started(tmp_path, dev_docs, monkeypatch):
+    import helixtok.sources as hs
+
+    monkeypatch.setattr(hs, "SPLIT_BYTES", 1)
+    monkeypatch.setattr(hs, "RANGE_MIN_BYTES", 1)
+    monkeypatch.setattr(hs, "GZ_INDEX_SPACING", 64 << 10)
+    data = "".join(json.dumps({"text": t}) + "\n" for t in dev_docs[:200]).encode()
+    (tmp_path / "big.jsonl.gz").write_bytes(gzip.compress(data))
+    files, _ = hs.discover([str(tmp_path / "big.jsonl.gz")])
+    want, _ = hs.plan_units(files, unit_bytes=len(data) // 5, text_field="text")
+    monkeypatch.setenv("HELIXTOK_CACHE", str(tmp_path / "other-cache"))
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "no-python"))
+    got, _ = hs.plan_units(files, unit_bytes=len(data) // 5, text_field="text")
+    assert len(got) > 3 and [u.to_json() for u in got] == [u.to_json() for u in want]
+    assert all(os.path.isfile(u.aux) and u.aux.startswith(str(tmp_path / "other-cache")) for u in got)
+
+
 def test_a_line_is_named_by_its_place_in_the_file_or_by_its_range():
     from helixtok.sources import Unit, line_ref
 
