@@ -402,3 +402,29 @@ def test_a_failed_pool_build_leaves_no_traceback_from_the_pool_thread(tmp_path, 
     with pytest.raises(InputError, match=r"a\.jsonl:2 .*malformed json \(--strict\)"):
         build([str(c)], str(tmp_path / "o"), small_tok, BuildConfig(seq_len=8, workers=2, strict=True))
     assert errors == []
+
+
+def test_kill_9_while_a_gz_is_indexed_leaves_no_indexer_behind(tmp_path, dev_docs):
+    """The process that builds a large .gz's seek index beside the planner dies with the build."""
+    import gzip
+    import json
+
+    (tmp_path / "big.jsonl.gz").write_bytes(gzip.compress("".join(json.dumps({"text": t}) + "\n"
+                                                                  for t in dev_docs[:200]).encode()))
+    code = f"""
+import helixtok.sources as hs
+hs.SPLIT_BYTES = hs.RANGE_MIN_BYTES = 1
+hs._GZ_INDEXER = hs._GZ_INDEXER.replace("import indexed_gzip", "import time; time.sleep(60); import indexed_gzip")
+files, _ = hs.discover([{str(tmp_path / "big.jsonl.gz")!r}])
+hs.plan_units(files, unit_bytes=1 << 16, text_field="text")
+"""
+    p = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, "HELIXTOK_CACHE": str(tmp_path / "cache")})
+    deadline, kids = time.time() + 30, []
+    while not kids and time.time() < deadline:
+        kids = _descendants(p.pid)
+        time.sleep(0.05)
+    assert kids, "the indexer never started"
+    time.sleep(0.5)  # past its start-up: asleep where the index is built
+    p.kill()
+    p.wait()
+    assert _gone_within(kids, 2)
