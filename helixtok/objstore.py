@@ -124,11 +124,12 @@ def stamp(info: dict) -> str:
 
 
 def local_stamp(st: os.stat_result) -> str:
-    """A local file's stamp: mtime, ctime and inode.  A file replaced, or rewritten with its old
-    size and mtime put back (cp -p, rsync -t, touch -r), has a new ctime, which no one can set
-    (git's index compares the same fields).  A chmod changes it too: that is reported as a
-    change, the safe side."""
-    return f"{st.st_mtime_ns}.{st.st_ctime_ns}.{st.st_ino}"
+    """A local file's stamp: mtime and ctime.  A file replaced, or rewritten with its old size and
+    mtime put back (cp -p, rsync -t, touch -r), has a new ctime, which no one can set (git's
+    index compares it too).  A chmod changes it as well: reported as a change, the safe side.
+    Not the inode: FUSE mounts number files afresh each time, and a resume after a remount
+    would be refused for nothing."""
+    return f"{st.st_mtime_ns}.{st.st_ctime_ns}"
 
 
 @reports_storage_errors
