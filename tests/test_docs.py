@@ -1,5 +1,6 @@
 """The Python snippets of README.md and docs/training.md, run as written against a real build and DataLoader."""
 
+import os
 import re
 from pathlib import Path
 from types import SimpleNamespace
@@ -149,55 +150,49 @@ def test_training_md_document_masking_snippet(workdir, monkeypatch):
     assert b["cu_seqlens"][-1] == 8 * 256 and b["max_seqlen"] <= 256
 
 
-def test_hf_trainer_recipe_runs_the_steps_stats_predicts(recipe_out, tmp_path):
+def test_trainer_recipes_run_the_steps_stats_predicts_and_lightning_resumes_exactly(recipe_out, tmp_path):
     """scripts/recipe_hf_trainer.py: transformers.Trainer with ChunkSampler; 3 does not divide the
-    batches, so the epoch-end partial accumulation window counts (as stats assumes)."""
-    import importlib.util
-    import subprocess
-    import sys
-
-    if importlib.util.find_spec("transformers") is None or importlib.util.find_spec("accelerate") is None:
-        pytest.skip("transformers/accelerate are not installed (they are in the [test] extra)")
-    from helixtok.stats import stats_for
-
-    B = next(b for b in (32, 24, 40) if stats_for(recipe_out, batch_size=b).batches_per_epoch % 3)
-    st = stats_for(recipe_out, batch_size=B, grad_accum=3)  # a partial window at the epoch end
-    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "recipe_hf_trainer.py"), recipe_out,
-                        "--batch-size", str(B), "--grad-accum", "3", "--output-dir", str(tmp_path)],
-                       capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert f"optimizer steps: Trainer ran {st.total_optimizer_steps}, helixtok stats said " \
-           f"{st.total_optimizer_steps}" in r.stdout
-
-
-def test_lightning_recipe_steps_equal_stats_and_resume_is_exact(recipe_out, tmp_path):
-    """scripts/recipe_lightning.py: use_distributed_sampler=False with ChunkSampler; stopped after 5
+    batches, so the epoch-end partial accumulation window counts (as stats assumes).
+    scripts/recipe_lightning.py: use_distributed_sampler=False with ChunkSampler; stopped after 5
     optimizer steps and resumed from the Lightning checkpoint, it trains on exactly the samples,
     in order, of the epoch ChunkSampler deals (what an uninterrupted run trains on), and runs
-    the optimizer steps `helixtok stats` predicts."""
+    the optimizer steps `helixtok stats` predicts.  The Trainer runs while Lightning does: each
+    child spends most of its time importing its framework (~6 s)."""
     import importlib.util
     import json
     import subprocess
     import sys
 
-    if importlib.util.find_spec("lightning") is None:
-        pytest.skip("lightning is not installed (it is in the [test] extra)")
+    for lib in ("transformers", "accelerate", "lightning"):
+        if importlib.util.find_spec(lib) is None:
+            pytest.skip(f"{lib} is not installed (it is in the [test] extra)")
+    from helixtok import ChunkSampler, MemmapChunkDataset
     from helixtok.stats import stats_for
 
     out = recipe_out
     B = next(b for b in (32, 24, 40) if stats_for(out, batch_size=b).batches_per_epoch % 3)
-    st = stats_for(out, batch_size=B, grad_accum=3)
+    st = stats_for(out, batch_size=B, grad_accum=3)  # a partial window at the epoch end
+    one_thread = {**os.environ, "OMP_NUM_THREADS": "1"}  # two children on the cores: no intra-op threads
+    hf = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "recipe_hf_trainer.py"), out, "--batch-size",
+                           str(B), "--grad-accum", "3", "--output-dir", str(tmp_path / "hf")],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=one_thread)
 
-    def recipe(*extra):
+    def lightning(*extra):
         r = subprocess.run([sys.executable, str(ROOT / "scripts" / "recipe_lightning.py"), out, "--batch-size",
-                            str(B), "--grad-accum", "3", *map(str, extra)], capture_output=True, text=True)
+                            str(B), "--grad-accum", "3", *map(str, extra)], capture_output=True, text=True,
+                           env=one_thread)
         assert r.returncode == 0, r.stderr[-3000:]
         return r.stdout
 
-    from helixtok import ChunkSampler, MemmapChunkDataset
-
-    recipe("--stop-after", 5, "--ckpt", tmp_path / "c.ckpt", "--seen", tmp_path / "a.json")
-    resumed = recipe("--resume", tmp_path / "c.ckpt", "--seen", tmp_path / "b.json")
+    try:
+        lightning("--stop-after", 5, "--ckpt", tmp_path / "c.ckpt", "--seen", tmp_path / "a.json")
+        resumed = lightning("--resume", tmp_path / "c.ckpt", "--seen", tmp_path / "b.json")
+        hf_out, hf_err = hf.communicate(timeout=300)
+    finally:
+        hf.kill()
+    assert hf.returncode == 0, hf_err[-3000:]
+    assert f"optimizer steps: Trainer ran {st.total_optimizer_steps}, helixtok stats said " \
+           f"{st.total_optimizer_steps}" in hf_out
     assert f"Lightning ran {st.total_optimizer_steps}, helixtok stats said {st.total_optimizer_steps}" in resumed
     ds = MemmapChunkDataset(out)
     epoch = ChunkSampler(ds, seed=0)  # the recipe's sampler, epoch 0: the uninterrupted run's samples
