@@ -162,7 +162,8 @@ def test_dead_worker_message_names_the_file_that_worker_was_reading(tmp_path, de
     plain = (dev_corpus / "jsonl" / "plain.jsonl").read_bytes()
     for name in ("a", "b", "c"):  # enough text that the workers are caught mid-file
         (corpus / f"{name}.jsonl").write_bytes(plain * 10)
-    p = start_cli(corpus, out, tokenizer_path, "--unit-size", "256KiB", "--backend", "hf")
+    # Units of several encode batches: a worker holds its file open while it tokenizes most of one.
+    p = start_cli(corpus, out, tokenizer_path, "--unit-size", "8MiB", "--backend", "hf")
     wait_for(str(out / STATE / "u*.part"), p)
     victim = reading = None
     while victim is None and p.poll() is None:
