@@ -46,7 +46,7 @@ def choose_backend(info: TokenizerInfo, units: list[Unit], config: BuildConfig,
     tried = {}
     for name in FAST if config.backend == "auto" else (config.backend,):
         ver = backend_version(name)
-        long = ver is not None and needs_long(name, ver, info.path, info.special_tokens)
+        long = ver is not None and needs_long(name, ver, info.sha256, info.special_tokens)
         if executor is not None and name == FAST[0] and ver is not None:
             # The workers have loaded this library's tokenizer (_warm): spare this process
             # loading it too (0.5 s for a 100k vocabulary).  tokenizers' ids are made here.
@@ -57,7 +57,7 @@ def choose_backend(info: TokenizerInfo, units: list[Unit], config: BuildConfig,
                 tried[name] = why
                 continue
             got = answers(encode, texts, long)
-        ok, why = judge(name, ver, info.path, info.special_tokens, tok, texts, got)
+        ok, why = judge(name, ver, info.sha256, info.special_tokens, tok, texts, got)
         if ok:
             return dataclasses.replace(info, backend=name, backend_version=ver), {
                 "chosen": name, "reason": "same ids as tokenizers on the corpus sample and the hostile sets",

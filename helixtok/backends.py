@@ -229,10 +229,8 @@ def _cache_file(kind: str, *key: str) -> str:
     return os.path.join(cache_root(), kind, digest + ".json")
 
 
-def _long_parity_file(name: str, version: str, path: str, special: str) -> str:
-    from .tokenizer import sha256_file
-
-    return _cache_file("parity", name, version, sha256_file(path), special)
+def _long_parity_file(name: str, version: str, sha: str, special: str) -> str:
+    return _cache_file("parity", name, version, sha, special)
 
 
 def _read_cache(path: str):
@@ -251,10 +249,10 @@ def _write_cache(path: str, value) -> None:
         os.replace(tmp, path)
 
 
-def cached_long_parity(name: str, version: str, path: str, special: str) -> tuple[bool, str] | None:
-    """long_parity's verdict when this machine has it, else None."""
+def cached_long_parity(name: str, version: str, sha: str, special: str) -> tuple[bool, str] | None:
+    """long_parity's verdict when this machine has it, else None (`sha`: the tokenizer file's sha256)."""
     with contextlib.suppress(TypeError, KeyError):
-        got = _read_cache(_long_parity_file(name, version, path, special))
+        got = _read_cache(_long_parity_file(name, version, sha, special))
         return bool(got["ok"]), str(got["why"])
     return None
 
@@ -263,12 +261,10 @@ def _ids_digest(ids) -> str:
     return hashlib.sha256(np.asarray(ids, dtype="<u4").tobytes()).hexdigest()
 
 
-def _hf_long_digests(tok, path: str, special: str) -> list[str]:
+def _hf_long_digests(tok, sha: str, special: str) -> list[str]:
     """A digest of tokenizers' ids for each LONG_HOSTILE text: the same for every backend checked
     against this tokenizer, so computed (~1 s) once per tokenizers version, file and policy."""
-    from .tokenizer import sha256_file
-
-    cached = _cache_file("hf-ids", backend_version("hf") or "", sha256_file(path), special)
+    cached = _cache_file("hf-ids", backend_version("hf") or "", sha, special)
     got = _read_cache(cached)
     if isinstance(got, list) and len(got) == len(LONG_HOSTILE):
         return got
@@ -278,15 +274,15 @@ def _hf_long_digests(tok, path: str, special: str) -> list[str]:
     return digests
 
 
-def long_parity(name: str, version: str, path: str, special: str, tok, digests: list[str]) -> tuple[bool, str]:
+def long_parity(name: str, version: str, sha: str, special: str, tok, digests: list[str]) -> tuple[bool, str]:
     """The verdict on LONG_HOSTILE from a backend's `digests` of it (see answers): it does not
     depend on the corpus, so it is cached per library version, tokenizer file and policy."""
     ok, why = True, ""
-    for text, got, want in zip(LONG_HOSTILE, digests, _hf_long_digests(tok, path, special)):
+    for text, got, want in zip(LONG_HOSTILE, digests, _hf_long_digests(tok, sha, special)):
         if got != want:
             ok, why = False, (got if got.startswith("failed") else f"ids differ on {text[:40]!r}")
             break
-    _write_cache(_long_parity_file(name, version, path, special), {"ok": ok, "why": why})
+    _write_cache(_long_parity_file(name, version, sha, special), {"ok": ok, "why": why})
     return ok, why
 
 
@@ -316,9 +312,9 @@ def answers(encode, texts: list[str], long: bool) -> tuple:
     return _encoded(encode, texts), digests
 
 
-def judge(name: str, version: str, path: str, special: str, tok, texts: list[str], got: tuple) -> tuple[bool, str]:
+def judge(name: str, version: str, sha: str, special: str, tok, texts: list[str], got: tuple) -> tuple[bool, str]:
     """(True, "") when a backend's answers (see answers) are tokenizers' ids: for each of `texts`
-    and, unless the verdict is cached, for LONG_HOSTILE.  tokenizers' ids of `texts` are made
+    and, unless the verdict is cached (per the tokenizer file's `sha`), for LONG_HOSTILE.  tokenizers' ids of `texts` are made
     64 texts at a time (their Encodings take ~100 bytes a character)."""
     encoded, digests = got
     if isinstance(encoded, str):
@@ -335,10 +331,10 @@ def judge(name: str, version: str, path: str, special: str, tok, texts: list[str
     if name == "tiktoken":  # its BPE is quadratic on a 1 MiB word: long runs go to tokenizers (WS_RUN)
         return True, ""
     if digests is None:
-        return cached_long_parity(name, version, path, special) or (False, "no verdict on the long inputs")
-    return long_parity(name, version, path, special, tok, digests)
+        return cached_long_parity(name, version, sha, special) or (False, "no verdict on the long inputs")
+    return long_parity(name, version, sha, special, tok, digests)
 
 
-def needs_long(name: str, version: str, path: str, special: str) -> bool:
+def needs_long(name: str, version: str, sha: str, special: str) -> bool:
     """Whether a backend's answers must include LONG_HOSTILE (no cached verdict on it)."""
-    return name != "tiktoken" and cached_long_parity(name, version, path, special) is None
+    return name != "tiktoken" and cached_long_parity(name, version, sha, special) is None
