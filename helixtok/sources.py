@@ -1059,7 +1059,7 @@ class UnitReader:
             # decompresses; None: to the end (stop == 0: a whole file).
             zst_range = u.kind == "jsonl.zst" and u.stop and u.start
             limit = None if not u.stop or u.frames else u.stop - u.start + (1 if zst_range else 0)
-            pos = 0  # bytes read
+            pos = seen = 0  # bytes read; frames of a run already looked at for its limit
             fast_field = self.text_field if orjson is not None else None
             try:
                 if zst_range:  # the line holding the byte before (a run: its first byte) is the range before's
@@ -1068,8 +1068,9 @@ class UnitReader:
                         pos += len(part)
                     pos += len(part)
                 for line in stream:
-                    if u.frames and limit is None:  # known once the next run's first frame has begun
-                        limit = next((d + 1 for c, d in z.frames if c >= u.stop), None)
+                    if u.frames and limit is None and len(z.frames) > seen:  # once the next run's first frame begins
+                        limit = next((d + 1 for c, d in z.frames[seen:] if c >= u.stop), None)
+                        seen = len(z.frames)
                     if limit is not None and pos >= limit:
                         if u.ends_file:  # frame headers planned without decompressing understated the data
                             raise OSError("corrupt zstd data: more than its frame headers declare")
