@@ -409,9 +409,9 @@ class _Pool:
         try:
             for _ in range(n):  # a spawn-context pool starts one process per task it cannot hand to an idle one
                 self.executor.submit(_warm, preload)
-        except BrokenProcessPool as e:
+        except BrokenProcessPool:
             self.kill()
-            raise _broke_starting(e) from None
+            raise
         # The worker processes: once the pool breaks it forgets them.
         self.procs = list((getattr(self.executor, "_processes", None) or {}).values())
 
@@ -516,10 +516,6 @@ def schedule(pending: list[Unit], unit_bytes: int, strict: bool = False) -> list
 
     big = sorted((u for u in pending if cost(u) > 2 * unit_bytes), key=lambda u: (-cost(u), u.index))
     return big + [u for u in pending if cost(u) <= 2 * unit_bytes]
-
-
-def _broke_starting(e: BrokenProcessPool) -> HelixtokError:
-    return HelixtokError(f"a worker process died while starting ({e}); rerun the same command to resume")
 
 
 def _watch_deaths(procs: list) -> list[int]:
@@ -649,15 +645,17 @@ def _build_locked(inputs: list[str], out: str, info: TokenizerInfo, config: Buil
     state = os.path.join(out, STATE)
     run_id = f"r{os.getpid()}x{secrets.token_hex(3)}"
     n_workers = min(config.num_workers, len(units))
-    workers = _Pool(n_workers, config, state, run_id, info.path) if n_workers > 1 else None
+    workers = None
     try:
+        workers = _Pool(n_workers, config, state, run_id, info.path) if n_workers > 1 else None
         return _build_started(out, info, config, overwrite, on_progress, task, files, units, warnings, state,
                               run_id, workers)
     except BaseException as e:
         if workers is not None:
             workers.kill()
-        if isinstance(e, BrokenProcessPool):  # the pool broke while starting (a submit or the check)
-            raise _broke_starting(e) from None
+        if isinstance(e, BrokenProcessPool):  # the pool broke while starting (a submit, the backend check)
+            raise HelixtokError(f"a worker process died while starting ({e}); rerun the same command to "
+                                "resume") from None
         raise
 
 
