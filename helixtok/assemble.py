@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import queue
+import threading
 
 import numpy as np
 
@@ -32,18 +34,52 @@ class Assembler:
     """Packs units' spill files into shards in `dest` (inside STATE until published).
 
     `add` takes journal entries in any order and assembles the finished prefix in unit order, so
-    the copy into shards overlaps the tokenizing of later units instead of following it.
+    the copy into shards overlaps the tokenizing of later units instead of following it.  With
+    `background`, it assembles in a thread of its own: for a build that tokenizes in this very
+    process, whose thread is busy (the copies, hashing and writes release the GIL).
     """
 
-    def __init__(self, dest: str, info: TokenizerInfo, config: BuildConfig, state: str, indices: list[int]):
+    def __init__(self, dest: str, info: TokenizerInfo, config: BuildConfig, state: str, indices: list[int],
+                 *, background: bool = False):
         self.info, self.config, self.state = info, config, state
         names = ("train", "val") if config.val_fraction > 0 else ("train",)
         self.splits = {s: _Split(dest, s, info, config) for s in names}
         self.indices = indices  # the units, in the order their tokens go into the shards
         self.done = 0  # how many of them are assembled
         self.waiting: dict[int, dict] = {}
+        self._queue = self._thread = None
+        self._error: BaseException | None = None
+        self._stop = False  # the build is failing: assemble nothing more
+        if background:
+            self._queue = queue.SimpleQueue()
+            self._thread = threading.Thread(target=self._behind, name="helixtok-assembly", daemon=True)
+            self._thread.start()
 
     def add(self, result: dict) -> None:
+        """Assemble what `result` completes; in the background, raise the assembly's error at
+        the next unit, so a failed write stops the build early."""
+        if self._thread is None:
+            return self._take(result)
+        if self._error is not None:
+            raise self._error
+        self._queue.put(result)
+
+    def _behind(self) -> None:
+        while (r := self._queue.get()) is not None:
+            if self._error is None and not self._stop:
+                try:
+                    self._take(r)
+                except BaseException as e:  # noqa: BLE001 - raised in the build's thread
+                    self._error = e
+
+    def _join(self) -> None:
+        """Wait until the thread has stopped: nothing writes into `dest` after this."""
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join()
+            self._thread = None
+
+    def _take(self, result: dict) -> None:
         self.waiting[result["index"]] = result
         while self.done < len(self.indices) and self.indices[self.done] in self.waiting:
             r = self.waiting.pop(self.indices[self.done])
@@ -51,7 +87,7 @@ class Assembler:
                 for name, sp in self.splits.items():
                     self._add_split(sp, r, name)
             except BaseException:
-                self.abort()
+                self._abort_writers()
                 raise
             self.done += 1
 
@@ -91,6 +127,9 @@ class Assembler:
 
     def finish(self) -> dict:
         """Close the last shards; returns the manifest's `splits`."""
+        self._join()
+        if self._error is not None:
+            raise self._error
         if self.waiting or self.done != len(self.indices):
             self.abort()
             raise HelixtokError(f"internal error: assembled {self.done} of {len(self.indices)} units")
@@ -112,5 +151,10 @@ class Assembler:
         return out
 
     def abort(self) -> None:
+        self._stop = True
+        self._join()
+        self._abort_writers()
+
+    def _abort_writers(self) -> None:
         for sp in self.splits.values():
             sp.writer.abort()

@@ -696,7 +696,8 @@ def _build_started(out, info, config, overwrite, on_progress, task, files, units
     asm = os.path.join(state, "assembly")
     shutil.rmtree(asm, ignore_errors=True)
     os.makedirs(asm)
-    assembler = Assembler(asm, info, config, state, [u.index for u in units])
+    # Tokenizing in this process (no pool) keeps its thread busy: the assembly gets a thread of its own.
+    assembler = Assembler(asm, info, config, state, [u.index for u in units], background=workers is None)
     refs = LineRefs(units)
 
     def took(r: dict) -> None:

@@ -240,13 +240,13 @@ def test_units_go_in_corpus_order_so_assembly_keeps_up(tmp_path, small_tok, monk
         write(tmp_path / "c" / f"{f}.jsonl", "".join(json.dumps({"text": " ".join(words[: 1 + (i * 7 + f) % 4] * (1 + i % 9))})
                                                   + "\n" for i in range(400)))
     assembled = []
-    real_add = assemble.Assembler.add
+    real_add = assemble.Assembler._take
 
     def add(self, result):
         real_add(self, result)
         assembled.append(self.done)
 
-    monkeypatch.setattr(assemble.Assembler, "add", add)
+    monkeypatch.setattr(assemble.Assembler, "_take", add)
     m = build([str(tmp_path / "c")], str(tmp_path / "out"), small_tok, BuildConfig(seq_len=16, workers=1, unit_bytes=4096))
     n = m["inputs"]["units"]
     assert n > 10

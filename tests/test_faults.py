@@ -4,6 +4,7 @@ import contextlib
 import errno
 import filecmp
 import glob
+import json
 import os
 import shutil
 import signal
@@ -216,6 +217,60 @@ def test_disk_full_is_a_clear_error_and_publishes_nothing(tmp_path, small_tok, m
     assert "rerun the same command to resume" in r.output
     assert not (tmp_path / "out" / "manifest.json").exists()
     assert not glob.glob(str(tmp_path / "out" / "*.bin"))
+
+
+@pytest.mark.parametrize("fails", ["assembly", "tokenizing"])
+def test_a_one_process_build_stops_its_assembly_thread_on_either_sides_error(tmp_path, small_tok, monkeypatch, fails):
+    """-j 1 assembles in a thread behind the tokenizing: a write error there stops the build at
+    the next unit (not after the whole corpus), a bad unit stops the assembly, and either way the
+    thread is joined before the build cleans up: nothing is left writing or half-written."""
+    import threading
+
+    from helixtok import assemble
+
+    c = tmp_path / "c"
+    c.mkdir()
+    for f in range(4):
+        (c / f"{f}.jsonl").write_text("".join(json.dumps({"text": f"hello world {i} " * 20}) + "\n" for i in range(300)))
+    if fails == "tokenizing":
+        with open(c / "2.jsonl", "a") as fh:
+            fh.write("{not json\n")
+    failed = threading.Event()
+    real_add, real_run = assemble.Assembler._take, hb.run_unit
+    ran, threads = [], set()
+
+    def add(self, result):
+        threads.add(threading.current_thread().name)
+        if fails == "assembly" and self.done == 2:
+            failed.set()
+            raise OSError(errno.ENOSPC, "No space left on device", "x")
+        if fails == "tokenizing":
+            time.sleep(0.02)  # the assembly lags: it is busy when the tokenizing fails
+        real_add(self, result)
+
+    def run_unit(unit, info):
+        if failed.is_set():
+            time.sleep(0.2)  # the thread has failed: give it time to hand its error over
+        ran.append(unit.index)
+        return real_run(unit, info)
+
+    monkeypatch.setattr(assemble.Assembler, "_take", add)
+    monkeypatch.setattr(hb, "run_unit", run_unit)
+    out = tmp_path / "out"
+    cfg = BuildConfig(seq_len=16, workers=1, unit_bytes=4096, strict=fails == "tokenizing")
+    with pytest.raises(Exception) as e:
+        build([str(c)], str(out), small_tok, cfg)
+    n = len(hb.plan_units(hb.discover([str(c)])[0], unit_bytes=4096, text_field="text")[0])
+    assert n > 20
+    if fails == "assembly":
+        assert "disk full while building" in str(e.value)
+        assert len(ran) <= 5  # the third unit's assembly failed: at most two more were tokenized
+    else:
+        assert "2.jsonl:301" in str(e.value) and "malformed json" in str(e.value)
+    assert threads == {"helixtok-assembly"}
+    assert not [t for t in threading.enumerate() if t.name == "helixtok-assembly"]
+    assert not (out / "manifest.json").exists()
+    assert not glob.glob(str(out / STATE / "assembly" / "*")) and not glob.glob(str(out / "*.bin"))
 
 
 def test_a_spill_file_damaged_after_its_journal_entry_is_tokenized_again(tmp_path, dev_corpus, tokenizer_path,
