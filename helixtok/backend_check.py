@@ -34,8 +34,10 @@ def choose_backend(info: TokenizerInfo, units: list[Unit], config: BuildConfig,
     """Pick the backend: the fastest library that gives tokenizers' ids on a sample of this
     corpus and the hostile sets (checked here, recorded in the manifest); else tokenizers.
     With an `executor` (the build's worker pool), the fastest library's ids come from a worker."""
-    from .backends import (FAST, answers, backend_version, flat_encoder, hf_tokenizer, judge, needs_long,
-                           parity_texts)
+    from concurrent.futures import ThreadPoolExecutor
+
+    from .backends import (FAST, answers, backend_version, flat_encoder, hf_answers, hf_tokenizer, judge,
+                           needs_long, parity_texts)
 
     hf = dataclasses.replace(info, backend="hf", backend_version=backend_version("hf"))
     if config.backend == "hf":
@@ -43,26 +45,34 @@ def choose_backend(info: TokenizerInfo, units: list[Unit], config: BuildConfig,
     tok = hf_tokenizer(info.path, info.special_tokens)
     sample = sample_texts(units, config)
     texts = parity_texts(tok, sample)
+    names = FAST if config.backend == "auto" else (config.backend,)
+    versions = {name: backend_version(name) for name in names}
+    long = {name: ver is not None and needs_long(name, ver, info.sha256, info.special_tokens)
+            for name, ver in versions.items()}
     tried = {}
-    for name in FAST if config.backend == "auto" else (config.backend,):
-        ver = backend_version(name)
-        long = ver is not None and needs_long(name, ver, info.sha256, info.special_tokens)
-        if executor is not None and name == FAST[0] and ver is not None:
-            # The workers have loaded this library's tokenizer (_warm): spare this process
-            # loading it too (0.5 s for a 100k vocabulary).  tokenizers' ids are made here.
-            got = executor.submit(worker_answers, name, info.path, info.special_tokens, texts, long).result()
-        else:
-            encode, ver, why = flat_encoder(name, info.path, info.special_tokens, tok)
-            if encode is None:
-                tried[name] = why
-                continue
-            got = answers(encode, texts, long)
-        ok, why = judge(name, ver, info.sha256, info.special_tokens, tok, texts, got)
-        if ok:
-            return dataclasses.replace(info, backend=name, backend_version=ver), {
-                "chosen": name, "reason": "same ids as tokenizers on the corpus sample and the hostile sets",
-                "sample_documents": len(sample), "rejected": tried}
-        tried[name] = why
+    # tokenizers' ids, the slow half of the check, are made in a thread (its encode releases the
+    # GIL) while the backend answers: here, or in a worker that is still starting.
+    with ThreadPoolExecutor(1, thread_name_prefix="helixtok-check") as side:
+        # The long inputs' digests only for the first backend: a fallback's come when it is tried.
+        want = side.submit(hf_answers, tok, texts, info.sha256, info.special_tokens, long[names[0]])
+        for name in names:
+            ver = versions[name]
+            if executor is not None and name == FAST[0] and ver is not None:
+                # The workers have loaded this library's tokenizer (_warm): spare this process
+                # loading it too (0.5 s for a 100k vocabulary).
+                got = executor.submit(worker_answers, name, info.path, info.special_tokens, texts, long[name]).result()
+            else:
+                encode, ver, why = flat_encoder(name, info.path, info.special_tokens, tok)
+                if encode is None:
+                    tried[name] = why
+                    continue
+                got = answers(encode, texts, long[name])
+            ok, why = judge(name, ver, info.sha256, info.special_tokens, tok, texts, got, want.result())
+            if ok:
+                return dataclasses.replace(info, backend=name, backend_version=ver), {
+                    "chosen": name, "reason": "same ids as tokenizers on the corpus sample and the hostile sets",
+                    "sample_documents": len(sample), "rejected": tried}
+            tried[name] = why
     if config.backend != "auto":
         raise TokenizerError(f"{info.path}: --backend {config.backend} is not exact for this tokenizer "
                              f"({tried[config.backend]}); use --backend hf")

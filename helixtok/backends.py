@@ -274,12 +274,14 @@ def _hf_long_digests(tok, sha: str, special: str) -> list[str]:
     return digests
 
 
-def long_parity(name: str, version: str, sha: str, special: str, tok, digests: list[str]) -> tuple[bool, str]:
-    """The verdict on LONG_HOSTILE from a backend's `digests` of it (see answers): it does not
-    depend on the corpus, so it is cached per library version, tokenizer file and policy."""
+def long_parity(name: str, version: str, sha: str, special: str, digests: list[str], want: list[str]
+                ) -> tuple[bool, str]:
+    """The verdict on LONG_HOSTILE from a backend's `digests` of it (see answers) against
+    tokenizers' (`want`): it does not depend on the corpus, so it is cached per library
+    version, tokenizer file and policy."""
     ok, why = True, ""
-    for text, got, want in zip(LONG_HOSTILE, digests, _hf_long_digests(tok, sha, special)):
-        if got != want:
+    for text, got, w in zip(LONG_HOSTILE, digests, want):
+        if got != w:
             ok, why = False, (got if got.startswith("failed") else f"ids differ on {text[:40]!r}")
             break
     _write_cache(_long_parity_file(name, version, sha, special), {"ok": ok, "why": why})
@@ -312,27 +314,37 @@ def answers(encode, texts: list[str], long: bool) -> tuple:
     return _encoded(encode, texts), digests
 
 
-def judge(name: str, version: str, sha: str, special: str, tok, texts: list[str], got: tuple) -> tuple[bool, str]:
-    """(True, "") when a backend's answers (see answers) are tokenizers' ids: for each of `texts`
-    and, unless the verdict is cached (per the tokenizer file's `sha`), for LONG_HOSTILE.  tokenizers' ids of `texts` are made
-    64 texts at a time (their Encodings take ~100 bytes a character)."""
+def hf_answers(tok, texts: list[str], sha: str, special: str, long: bool) -> tuple:
+    """tokenizers' side of the check, as answers() gives a backend's: (flat ids, lengths) of
+    `texts`, made 64 at a time (their Encodings take ~100 bytes a character), and with `long`
+    the digests of its ids of LONG_HOSTILE (cached)."""
+    return _flat(hf_ids(tok, texts, 64)), (_hf_long_digests(tok, sha, special) if long else None)
+
+
+def judge(name: str, version: str, sha: str, special: str, tok, texts: list[str], got: tuple, want: tuple
+          ) -> tuple[bool, str]:
+    """(True, "") when a backend's answers (see answers) are tokenizers' (`want`, see hf_answers):
+    for each of `texts` and, unless the verdict is cached (per the tokenizer file's `sha`), for
+    LONG_HOSTILE (tokenizers' digests of those made here when `want` has none)."""
     encoded, digests = got
     if isinstance(encoded, str):
         return False, encoded
     ids, lens = encoded
-    if len(lens) != len(texts) or int(np.sum(lens)) != len(ids):  # else zip() would compare a prefix
+    if len(lens) != len(texts) or int(np.sum(lens)) != len(ids):  # a prefix must not pass for the whole
         return False, f"gave {len(lens)} lengths and {len(ids)} ids for {len(texts)} texts"
-    ends = np.cumsum(lens)
-    for i in range(0, len(texts), 64):
-        want = hf_ids(tok, texts[i: i + 64])
-        for t, x, a, b in zip(texts[i: i + 64], want, (ends - lens)[i: i + 64], ends[i: i + 64]):
-            if ids[a:b].tolist() != x:
+    (want_ids, want_lens), want_digests = want
+    if not (np.array_equal(lens, want_lens) and np.array_equal(ids, want_ids)):
+        a, b = np.cumsum(lens) - lens, np.cumsum(want_lens) - want_lens
+        for t, i, j, n, m in zip(texts, a, b, lens, want_lens):
+            if not np.array_equal(ids[i: i + n], want_ids[j: j + m]):
                 return False, f"ids differ on {t[:40]!r}"
     if name == "tiktoken":  # its BPE is quadratic on a 1 MiB word: long runs go to tokenizers (WS_RUN)
         return True, ""
     if digests is None:
         return cached_long_parity(name, version, sha, special) or (False, "no verdict on the long inputs")
-    return long_parity(name, version, sha, special, tok, digests)
+    if want_digests is None:
+        want_digests = _hf_long_digests(tok, sha, special)
+    return long_parity(name, version, sha, special, digests, want_digests)
 
 
 def needs_long(name: str, version: str, sha: str, special: str) -> bool:

@@ -288,8 +288,19 @@ def test_the_check_refuses_a_backend_that_answers_for_fewer_texts(small_tok):
     texts = ["hello world", "the quick brown fox", "pack me"]
     encode, ver, _ = backends.flat_encoder("fastokens", small_tok, "text", tok)
     ids, lens = encode(texts)
+    want = backends.hf_answers(tok, texts, "sha", "text", False)
     # Judged as tiktoken's answers: those are not checked on the long inputs.
     for got in ((ids[: lens[0]], lens[:1]), (ids[:-1], lens)):  # one text answered; one id missing
-        ok, why = backends.judge("tiktoken", ver, "sha", "text", tok, texts, (got, None))
+        ok, why = backends.judge("tiktoken", ver, "sha", "text", tok, texts, (got, None), want)
         assert not ok and why.startswith("gave ")
-    assert backends.judge("tiktoken", ver, "sha", "text", tok, texts, ((ids, lens), None)) == (True, "")
+    assert backends.judge("tiktoken", ver, "sha", "text", tok, texts, ((ids, lens), None), want) == (True, "")
+    # The first text whose ids differ is named: one id changed, or the same ids cut otherwise.
+    wrong = ids.copy()
+    wrong[lens[0]] += 1
+    assert backends.judge("tiktoken", ver, "sha", "text", tok, texts, ((wrong, lens), None), want) == (
+        False, "ids differ on 'the quick brown fox'")
+    moved = lens.copy()
+    moved[1] -= 1
+    moved[2] += 1
+    assert backends.judge("tiktoken", ver, "sha", "text", tok, texts, ((ids, moved), None), want) == (
+        False, "ids differ on 'the quick brown fox'")
