@@ -2,11 +2,7 @@
 
 from __future__ import annotations
 
-import bisect
-import contextlib
 import glob
-import gzip
-import hashlib
 import io
 import json
 import os
@@ -24,7 +20,8 @@ try:
 except ImportError:  # optional speed-up: the stdlib path reads every line the same way
     orjson = None
 
-from .errors import ConfigError, InputError
+from .compressed import ZstdRaw, damaged, open_stream, plan_gzip, plan_zstd
+from .errors import InputError
 from .longdoc import (
     LONG_DOC_BYTES,
     SURROGATE,
@@ -370,11 +367,10 @@ def plan_units(files: list[InputFile], *, unit_bytes: int, text_field: str) -> t
 
     def ranges_of(f: InputFile) -> list[dict]:
         if f.kind == "jsonl.gz":
-            index, cuts = _gzip_cuts(f, range_bytes, halt)
+            index, cuts = plan_gzip(f, range_bytes, halt)
             return [dict(start=a, stop=b, first_line=line, est_bytes=b - a, aux=index) for a, b, line in cuts]
         # A file holding a smaller share of the corpus needs fewer ranges to keep all cores busy.
-        n = min(ZST_RANGES_PER_FRAME, -(-SPLIT_SHARE * f.size // packed_total))
-        return _zstd_plan(f, range_bytes, n, halt)
+        return plan_zstd(f, range_bytes, -(-SPLIT_SHARE * f.size // packed_total), halt)
 
     batch: list[InputFile] = []
 
@@ -425,127 +421,9 @@ def plan_units(files: list[InputFile], *, unit_bytes: int, text_field: str) -> t
 SPLIT_BYTES = 32 << 20  # compressed bytes from which one .gz/.zst file is read by several workers
 SPLIT_SHARE = 64  # ... and a file must also hold at least 1/64 of the corpus's compressed bytes
 RANGE_MIN_BYTES = 32 << 20  # decompressed bytes per range of a split file
-GZ_INDEX_SPACING = 4 << 20  # decompressed bytes between seek points: what a worker decompresses to skip
-# zstd cannot resume inside a frame: a range decompresses its frame from the start and discards the
-# bytes before it, (n - 1) / 2 frames of extra decompression for n ranges.  zstd decompresses ~1 GB/s
-# and fastokens tokenizes ~0.13 GB/s per core, so 8 ranges cost ~45% more CPU, and the frame no
-# longer waits for one worker (measured in docs/performance.md).  A file of many frames (pzstd, or
-# .zst files concatenated) is cut at frame boundaries at least RANGE_MIN_BYTES apart: no discarding.
-ZST_RANGES_PER_FRAME = 8
-ZST_GROUP_FRAMES = 4  # frames of undeclared size from which a .zst is cut between frames (no pass)
-
-
-# Builds a .gz file's seek index in a process of its own: indexed_gzip holds the GIL while it
-# indexes, and the line-cut pass (zlib, which checks every member's CRC) runs meanwhile.
-_GZ_INDEXER = """
-import ctypes, os, signal, sys
-try:  # killed with the build (Linux): an orphan would index on, and leave its file behind
-    ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
-except (OSError, AttributeError):
-    pass
-if os.getppid() != int(sys.argv[4]):  # the build died before that
-    sys.exit("data:the build is gone")
-import indexed_gzip
-path, out, spacing = sys.argv[1], sys.argv[2], int(sys.argv[3])
-try:
-    with open(path, "rb") as raw:
-        gz = indexed_gzip.IndexedGzipFile(fileobj=raw, spacing=spacing, readbuf_size=1 << 20)
-        gz.build_full_index()
-except Exception as e:
-    sys.exit(f"data:{e}")
-try:
-    gz.export_index(out)
-except OSError as e:
-    sys.exit(f"write:{e.strerror or e}")
-"""
-
-
-def _gzip_cuts(f: InputFile, unit_bytes: int, halt: threading.Event) -> tuple[str, list[tuple[int, int, int]]]:
-    """Line-aligned ranges of a large .gz file's decompressed bytes, and a seek index (cached by
-    name, size and stamp) that lets each worker start at its range.
-
-    The ranges come from Python's gzip, which checks every member's CRC and length: indexed_gzip
-    alone returns a stream cut short, without an error, for a file truncated mid-deflate.  The
-    index of a local file is built meanwhile in another process (planning a 642 MB file: 4.3 s
-    one pass after the other).
-    """
-    import subprocess
-    import sys
-
-    from .config import cache_root
-
-    key = hashlib.sha256(f"{f.path}|{f.size}|{f.stamp}|{GZ_INDEX_SPACING}".encode()).hexdigest()
-    index = os.path.join(cache_root(), "gzindex", key + ".idx")
-    tmp = f"{index}.{os.getpid()}.tmp"
-    indexer = None
-    if not os.path.isfile(index) and not is_url(f.path):
-        _cache_dir_for(index, f.path)
-        with contextlib.suppress(OSError):  # no interpreter to start (embedded Python): index here, after
-            indexer = subprocess.Popen([sys.executable, "-c", _GZ_INDEXER, f.path, tmp, str(GZ_INDEX_SPACING),
-                                        str(os.getpid())],
-                                       stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    try:
-        try:
-            with open_input(f.path) as raw:
-                cuts = list(_cuts_of(gzip.GzipFile(fileobj=raw), unit_bytes, halt=halt))
-        except (EOFError, OSError, zlib.error) as e:
-            raise _damaged(f.path, f.kind, e, "truncated or corrupt") from e
-        if halt.is_set():
-            return "", cuts
-        if indexer is not None:
-            why = indexer.communicate()[1].decode(errors="replace").strip().splitlines()
-            if indexer.returncode:
-                kind, _, msg = (why[-1] if why else "data:exit status %d" % indexer.returncode).partition(":")
-                if kind == "write":
-                    raise _unwritable(index, f.path, msg)
-                raise _damaged(f.path, f.kind, ValueError(msg), "truncated or corrupt")
-            os.replace(tmp, index)
-        elif not os.path.isfile(index):
-            _index_here(f, index, tmp)
-        return index, cuts
-    finally:
-        if indexer is not None and indexer.poll() is None:
-            indexer.kill()
-            indexer.wait()
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
-
-
-def _index_here(f: InputFile, index: str, tmp: str) -> None:
-    """The seek index built in this process: for a URL (the indexer process reads local files
-    only), or where no interpreter could be started for it."""
-    import indexed_gzip
-
-    try:
-        with open_input(f.path) as raw:
-            gz = indexed_gzip.IndexedGzipFile(fileobj=raw, spacing=GZ_INDEX_SPACING, readbuf_size=1 << 20)
-            gz.build_full_index()
-    except (EOFError, OSError, zlib.error, indexed_gzip.ZranError) as e:
-        raise _damaged(f.path, f.kind, e, "truncated or corrupt") from e
-    _cache_dir_for(index, f.path)
-    try:
-        gz.export_index(tmp)
-        os.replace(tmp, index)
-    except OSError as e:
-        raise _unwritable(index, f.path, e.strerror or str(e)) from e
-
-
-def _cache_dir_for(index: str, path: str) -> None:
-    try:
-        os.makedirs(os.path.dirname(index), exist_ok=True)
-    except OSError as e:
-        raise _unwritable(index, path, e.strerror or str(e)) from e
-
-
-def _unwritable(index: str, path: str, why: str) -> ConfigError:
-    # A cache that cannot be written is a setup problem, not a damaged input.
-    return ConfigError(f"cannot write the seek index for {path} to {index} ({why}); set "
-                       "HELIXTOK_CACHE to a writable folder")
-
-
 def _line_aligned_cuts(path: str, size: int, unit_bytes: int) -> Iterator[tuple[int, int]]:
     """Yield (start, stop) byte ranges that end just after the first newline at or past
-    start + unit_bytes (the same cuts as _cuts_of).  Only the bytes near each cut are read: the
+    start + unit_bytes (the same cuts as line_cuts).  Only the bytes near each cut are read: the
     planner does not scan the corpus; line numbers come from the workers (LineRefs)."""
     start = 0
     with open_input(path) as fh:
@@ -566,272 +444,12 @@ def _line_aligned_cuts(path: str, size: int, unit_bytes: int) -> Iterator[tuple[
             start = stop
 
 
-def _cuts_of(fh, unit_bytes: int, halt: threading.Event | None = None) -> Iterator[tuple[int, int, int]]:
-    """(start, stop, first line) of line-aligned ranges of fh's bytes, each at least unit_bytes.
-    Ends early, with a plan nobody uses, once `halt` is set (the planner failed or was stopped)."""
-    start, line, pos, lines_before = 0, 1, 0, 0
-    while True:
-        block = fh.read(8 << 20)
-        if not block or (halt is not None and halt.is_set()):
-            break
-        i = 0
-        while True:
-            target = start + unit_bytes - pos  # index in block where this unit is full
-            if target >= len(block):
-                lines_before += block.count(b"\n", i)
-                break
-            nl = block.find(b"\n", max(target, i))
-            if nl < 0:
-                lines_before += block.count(b"\n", i)
-                break
-            lines_before += block.count(b"\n", i, nl + 1)
-            stop = pos + nl + 1
-            yield start, stop, line
-            start, line, i = stop, lines_before + 1, nl + 1
-        pos += len(block)
-    if pos > start:
-        yield start, pos, line
-
-
-def _zstd_plan(f: InputFile, range_bytes: int, per_frame: int, halt: threading.Event) -> list[dict]:
-    """The ranges (Unit fields) of a large .zst file, planned without decompressing it where possible.
-
-    Every frame declares its size (zstd writes it for a file it compresses): the sizes come from
-    a walk over the frame and block headers, and the file is cut by decompressed offset
-    (_zstd_ranges).  At least ZST_GROUP_FRAMES frames of undeclared size (pzstd's output,
-    concatenated streams): cut between frames, by compressed offset (_zstd_frame_groups).
-    Fewer frames without sizes: decompressed once to measure them, then cut by offset.  Either
-    way a file that ends inside a frame is refused here.
-    """
-    try:
-        walked = _zstd_walk(f.path)
-        if all(size is not None for _, size in walked):
-            frames, produced = [], 0
-            for c, size in walked:
-                if size:
-                    frames.append((c, produced, size))
-                produced += size
-        elif len(walked) >= ZST_GROUP_FRAMES:
-            return [dict(start=a, stop=b, first_line=0, est_bytes=(b - a) * 4, seek=(a, 0), frames=True)
-                    for a, b in _zstd_frame_groups(walked, f.size, range_bytes)]
-        else:
-            with open_input(f.path) as raw:
-                z = _ZstdRaw(raw)
-                while z.read(8 << 20) and not halt.is_set():
-                    pass
-            ends = [d for _, d in z.frames[1:]] + [z.produced]
-            frames = [(c, d, e - d) for (c, d), e in zip(z.frames, ends) if e > d]
-    except (EOFError, OSError) as e:
-        raise _damaged(f.path, f.kind, e, "truncated or corrupt") from e
-    ranges = _zstd_ranges(frames, range_bytes, per_frame)
-    return [dict(start=a, stop=b, first_line=0, est_bytes=b - a, seek=seek, ends_file=i == len(ranges) - 1)
-            for i, (a, b, seek) in enumerate(ranges)]
-
-
-def _zstd_walk(path: str) -> list[tuple[int, int | None]]:
-    """(compressed offset, declared decompressed size or None) of each data frame of a .zst file,
-    from the frame and block headers alone.  Raises EOFError where the file ends inside a frame."""
-    import zstandard
-
-    frames = []
-    with open_input(path) as fh:
-        size = size_of(fh)
-        at = 0
-        while at < size:
-            fh.seek(at)
-            head = fh.read(18)  # the longest frame header
-            magic = int.from_bytes(head[:4], "little")
-            if len(head) >= 8 and magic & 0xFFFFFFF0 == 0x184D2A50:  # a skippable frame: no data
-                at += 8 + int.from_bytes(head[4:8], "little")
-                continue
-            try:
-                params = zstandard.get_frame_parameters(head)
-                at_blocks = at + zstandard.frame_header_size(head)
-            except zstandard.ZstdError as e:
-                if len(head) < 18 and magic == 0xFD2FB528:
-                    raise EOFError("zstd stream ends inside a frame header") from e
-                raise OSError(f"corrupt zstd data: {e}") from e
-            pos = at_blocks
-            while True:  # 3-byte block headers: last-block bit, type, size
-                fh.seek(pos)
-                bh = fh.read(3)
-                if len(bh) < 3:
-                    raise EOFError("zstd stream ends inside a frame")
-                h = int.from_bytes(bh, "little")
-                kind, n = (h >> 1) & 3, h >> 3
-                pos += 3 + (1 if kind == 1 else n)  # an RLE block stores one byte
-                if h & 1:
-                    break
-            pos += 4 if params.has_checksum else 0
-            if pos > size:
-                raise EOFError("zstd stream ends inside a frame")
-            known = params.content_size != zstandard.CONTENTSIZE_UNKNOWN
-            frames.append((at, params.content_size if known else None))
-            at = pos
-    return frames
-
-
-def _zstd_frame_groups(walked: list[tuple[int, int | None]], size: int, range_bytes: int) -> list[tuple[int, int]]:
-    """(start, stop) compressed offsets of runs of whole frames, each about range_bytes of text
-    (estimated at 4x its compressed size); the first starts at the file's start.
-
-    A run owns the lines that begin from the second byte of its first frame up to the first
-    byte of the next run's first frame (the first run: from the start): the same rule as a cut
-    by offset one byte into a frame, with the offset learnt by the reader as it decompresses."""
-    groups, a = [], 0
-    for c, _ in walked[1:]:
-        if (c - a) * 4 >= range_bytes:
-            groups.append((a, c))
-            a = c
-    return groups + [(a, size)]
-
-
-def _zstd_ranges(frames: list[tuple[int, int, int]], range_bytes: int, per_frame: int
-                 ) -> list[tuple[int, int, tuple[int, int]]]:
-    """(start, stop, seek point) of decompressed byte ranges covering a .zst file's frames.
-
-    Cut by offset, not at line ends, so no pass over the data is needed: a range owns the lines
-    that begin inside it, and its reader finds the first of them from the byte before `start`.
-    That byte must lie in the frame the reader starts from (zstd cannot resume inside a frame,
-    so each range reads its frame from the beginning and discards up to there): a cut at a frame
-    boundary goes one byte into the frame.  Ranges are at least range_bytes; a frame is cut into
-    at most `per_frame`.
-    """
-    cuts = [0]
-    for _, d, size in frames:
-        if d > 0 and d + 1 - cuts[-1] >= range_bytes:
-            cuts.append(d + 1)
-        pieces = min(per_frame, max(1, size // range_bytes))
-        cuts += [d + j * size // pieces for j in range(1, pieces) if d + j * size // pieces > cuts[-1]]
-    total = frames[-1][1] + frames[-1][2] if frames else 0
-    cuts = [c for c in cuts if c < total] + [total]
-
-    starts = [d for _, d, _ in frames]
-
-    def seek(a: int) -> tuple[int, int]:  # the frame holding byte a - 1
-        return frames[bisect.bisect_right(starts, a - 1) - 1][:2] if a else (0, 0)
-
-    return [(a, b, seek(a)) for a, b in zip(cuts, cuts[1:])]
-
-
-class _ZstdRaw(io.RawIOBase):
-    """Decompress zstd frame after frame; a file that ends inside a frame raises EOFError.
-
-    (zstandard's stream_reader returns a clean EOF on a truncated frame: silent data loss.)
-    `frames` lists (compressed offset, decompressed offset) of each frame begun so far; `offset`
-    is where in the file `raw` is positioned (the start of a frame).
-    """
-
-    def __init__(self, raw, offset: int = 0):
-        import zstandard
-
-        self._zstd = zstandard
-        self._raw = raw
-        self._d = zstandard.ZstdDecompressor().decompressobj()
-        self._buf = memoryview(b"")
-        self._started = False
-        self._fed = offset  # compressed bytes read, as a file offset
-        self.produced = 0  # decompressed bytes made
-        self.frames: list[tuple[int, int]] = []
-
-    def readable(self) -> bool:
-        return True
-
-    def _fill(self) -> bool:
-        """Decompress the next block of input; False at the end of the stream."""
-        data = self._raw.read(1 << 20)
-        if not data:
-            if self._started:
-                raise EOFError("zstd stream ends inside a frame")
-            return False
-        at, self._fed = self._fed, self._fed + len(data)
-        out = []
-        while data:
-            if not self._started:
-                self.frames.append((at, self.produced))
-                self._started = True
-            try:
-                out.append(self._d.decompress(data))
-            except self._zstd.ZstdError as e:
-                raise OSError(f"corrupt zstd data: {e}") from e
-            self.produced += len(out[-1])
-            if self._d.eof:  # a new frame may follow (concatenated .zst files are valid)
-                data = self._d.unused_data
-                at = self._fed - len(data)
-                self._d = self._zstd.ZstdDecompressor().decompressobj()
-                self._started = False
-            else:
-                data = b""
-        self._buf = memoryview(b"".join(out))
-        return True
-
-    def read(self, size: int = -1) -> bytes:
-        """Up to `size` bytes; with a large size, one decompressed block as made (no extra copy)."""
-        if size is None or size < 0:
-            return self.readall()
-        while not self._buf:
-            if not self._fill():
-                return b""
-        if size < len(self._buf):
-            out, self._buf = self._buf[:size].tobytes(), self._buf[size:]
-            return out
-        out = self._buf.obj if len(self._buf) == len(self._buf.obj) else self._buf.tobytes()
-        self._buf = memoryview(b"")
-        return out
-
-    def readinto(self, b) -> int:
-        while not self._buf:
-            if not self._fill():
-                return 0
-        n = min(len(b), len(self._buf))
-        b[:n] = self._buf[:n]
-        self._buf = self._buf[n:]
-        return n
-
-    def skip(self, n: int) -> None:
-        """Decompress and discard n bytes (to reach a range inside a frame)."""
-        while n > 0:
-            if not self._buf and not self._fill():
-                raise EOFError(f"zstd stream ends {n} bytes before the range")
-            k = min(n, len(self._buf))
-            self._buf = self._buf[k:]
-            n -= k
-
-
-def _open_stream(path: str, kind: str, raw: io.BufferedReader):
-    if kind == "jsonl.gz":
-        return io.BufferedReader(gzip.GzipFile(fileobj=raw), 1 << 20)
-    if kind == "jsonl.zst":
-        return io.BufferedReader(_ZstdRaw(raw), 1 << 20)
-    return raw
-
-
-def _complete_lines(path: str, kind: str) -> int:
-    """Newlines readable before a compressed stream breaks (slow path, for the error message only):
-    the buffered reader fails on the block holding the damage, before the lines ahead of it."""
-    n = 0
-    with open_input(path) as raw:
-        stream = gzip.GzipFile(fileobj=raw) if kind == "jsonl.gz" else _ZstdRaw(raw) if kind == "jsonl.zst" else raw
-        try:
-            # read1: one decompression step at a time, so no block is lost when the next one fails
-            while block := getattr(stream, "read1", stream.read)(1 << 16):
-                n += block.count(b"\n")
-        except Exception:  # noqa: BLE001 - the damage we are locating
-            pass
-    return n
-
-
-def _damaged(path: str, kind: str, e: BaseException, what: str) -> InputError:
-    return InputError(f"{path}: {what} after line {_complete_lines(path, kind)}, its last complete line ({e}); "
-                      "re-create the file or leave it out")
-
-
 def _check_jsonl_head(f: InputFile, text_field: str) -> None:
     """Fail fast when the first record lacks the text field: that is a wrong --text-field, not bad data."""
     first = None
     try:
         with open_input(f.path) as raw:
-            for lineno, line in enumerate(_open_stream(f.path, f.kind, raw), 1):
+            for lineno, line in enumerate(open_stream(f.path, f.kind, raw), 1):
                 if line.strip():
                     if len(line) > LONG_DOC_BYTES:  # its field names suffice: do not parse a huge text
                         line = skeleton(line)[0]
@@ -1049,9 +667,9 @@ class UnitReader:
                 stream = io.BufferedReader(stream, 1 << 20)
             elif u.kind == "jsonl.zst" and u.stop:  # a range of a large .zst: from its frame's start
                 raw.seek(u.seek[0])
-                stream = io.BufferedReader(z := _ZstdRaw(raw, u.seek[0]), 1 << 20)
+                stream = io.BufferedReader(z := ZstdRaw(raw, u.seek[0]), 1 << 20)
             else:
-                stream = _open_stream(path, u.kind, raw)
+                stream = open_stream(path, u.kind, raw)
             if u.kind == "jsonl":
                 raw.seek(u.start)
             # A range owns the lines that begin before `limit` bytes into what it reads (a .zst range
@@ -1123,10 +741,10 @@ class UnitReader:
             except (EOFError, OSError, zlib.error) as e:
                 if expired(e):
                     raise
-                raise _damaged(path, u.kind, e, "truncated or corrupt") from e
+                raise damaged(path, u.kind, e, "truncated or corrupt") from e
             except Exception as e:
                 if type(e).__name__ == "ZstdError":
-                    raise _damaged(path, u.kind, e, "corrupt zstd stream") from e
+                    raise damaged(path, u.kind, e, "corrupt zstd stream") from e
                 raise
 
     def _field(self, obj, where: str, resolve=None) -> str | LongText | None:

@@ -468,9 +468,10 @@ def test_kill_9_while_a_gz_is_indexed_leaves_no_indexer_behind(tmp_path, dev_doc
     (tmp_path / "big.jsonl.gz").write_bytes(gzip.compress("".join(json.dumps({"text": t}) + "\n"
                                                                   for t in dev_docs[:200]).encode()))
     code = f"""
+import helixtok.compressed as hc
 import helixtok.sources as hs
 hs.SPLIT_BYTES = hs.RANGE_MIN_BYTES = 1
-hs._GZ_INDEXER = hs._GZ_INDEXER.replace("import indexed_gzip", "import time; time.sleep(60); import indexed_gzip")
+hc._GZ_INDEXER = hc._GZ_INDEXER.replace("import indexed_gzip", "import time; time.sleep(60); import indexed_gzip")
 files, _ = hs.discover([{str(tmp_path / "big.jsonl.gz")!r}])
 hs.plan_units(files, unit_bytes=1 << 16, text_field="text")
 """

@@ -18,10 +18,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
+import helixtok.compressed as hc
 from helixtok.build import build
 from helixtok.config import BuildConfig
 from helixtok.errors import ConfigError, InputError
-from helixtok.sources import LineRefs, Tally, UnitReader, _cuts_of, discover, plan_units
+from helixtok.sources import LineRefs, Tally, UnitReader, discover, plan_units
 
 
 def do_build(tmp_path, tok, *paths, **kw):
@@ -184,12 +185,12 @@ def test_a_large_jsonl_zst_is_read_by_several_workers_with_the_same_bytes(tmp_pa
     monkeypatch.setattr(hs, "SPLIT_BYTES", 1)
     monkeypatch.setattr(hs, "RANGE_MIN_BYTES", 1)
     f = hs.discover([str(c)])[0][0]
-    monkeypatch.setattr(hs, "ZST_RANGES_PER_FRAME", 7)
+    monkeypatch.setattr(hc, "ZST_RANGES_PER_FRAME", 7)
     fills = []
-    real_fill = hs._ZstdRaw._fill
+    real_fill = hc.ZstdRaw._fill
     with monkeypatch.context() as m:  # (the check of the first record decompresses the file's head)
         m.setattr(hs, "_check_jsonl_head", lambda *a: None)
-        m.setattr(hs._ZstdRaw, "_fill", lambda self: fills.append(1) or real_fill(self))
+        m.setattr(hc.ZstdRaw, "_fill", lambda self: fills.append(1) or real_fill(self))
         units = hs.plan_units([f], unit_bytes=len(data) // 20, text_field="text")[0]
     assert not fills  # nothing decompressed to plan
     assert [u.start for u in units[1:]] == [u.stop for u in units[:-1]]
@@ -254,10 +255,11 @@ def test_zst_ranges_read_every_line_once(tmp_path_factory, monkeypatch, texts, b
                     for a, b in zip(bounds, bounds[1:]))
     p = tmp_path_factory.mktemp("z") / "a.jsonl.zst"
     p.write_bytes(blob)
-    for name, value in (("SPLIT_BYTES", 1), ("RANGE_MIN_BYTES", range_bytes), ("ZST_RANGES_PER_FRAME", per_frame)):
-        monkeypatch.setattr(hs, name, value)  # the same three every example
+    for mod, name, value in ((hs, "SPLIT_BYTES", 1), (hs, "RANGE_MIN_BYTES", range_bytes),
+                             (hc, "ZST_RANGES_PER_FRAME", per_frame)):
+        monkeypatch.setattr(mod, name, value)  # the same three every example
     units = hs.plan_units(discover([str(p)])[0], unit_bytes=1, text_field="text")[0]
-    by_frames = not sized and len(bounds) - 1 >= hs.ZST_GROUP_FRAMES
+    by_frames = not sized and len(bounds) - 1 >= hc.ZST_GROUP_FRAMES
     assert all(u.frames == by_frames for u in units)
     got, counted = [], 0
     for u in units:
@@ -327,7 +329,7 @@ def test_several_large_compressed_files_are_planned_side_by_side(tmp_path, small
     whole, ow = do_build(tmp_path / "whole", small_tok, c, seq_len=64, workers=2)
     monkeypatch.setattr(hs, "SPLIT_BYTES", 1)
     monkeypatch.setattr(hs, "RANGE_MIN_BYTES", 1)
-    monkeypatch.setattr(hs, "GZ_INDEX_SPACING", 64 << 10)
+    monkeypatch.setattr(hc, "GZ_INDEX_SPACING", 64 << 10)
     units = hs.plan_units(hs.discover([str(c)])[0], unit_bytes=len(a) // 6, text_field="text")[0]
     kinds = [u.kind for u in units]
     g, z = kinds.count("jsonl.gz"), kinds.count("jsonl.zst")
@@ -362,7 +364,7 @@ def test_a_failing_plan_stops_the_passes_it_started(tmp_path, monkeypatch):
         time.sleep(0.005)
         return block if len(reads) < 1000 else b""
 
-    monkeypatch.setattr(hs._ZstdRaw, "read", endless)
+    monkeypatch.setattr(hc.ZstdRaw, "read", endless)
     with pytest.raises(InputError, match=r"a\.jsonl:1: record has no field 'text'"):
         hs.plan_units(hs.discover([str(c)])[0], unit_bytes=1 << 20, text_field="text")
     assert 0 < len(reads) < 1000
@@ -420,7 +422,7 @@ def test_jsonl_units_cover_every_line_once(tmp_path_factory, lines, unit):
     units, _ = plan_units(files, unit_bytes=unit, text_field="text")
     # The planner seeks to each cut; the cuts are those of a scan of the whole file.
     with open(p, "rb") as fh:
-        assert [(u.start, u.stop) for u in units] == [(a, b) for a, b, _ in _cuts_of(fh, unit)]
+        assert [(u.start, u.stop) for u in units] == [(a, b) for a, b, _ in hc.line_cuts(fh, unit)]
     got, where = [], []
     refs = LineRefs(units)
     for u in units:
@@ -550,7 +552,7 @@ def test_a_large_jsonl_gz_is_read_by_several_workers_with_the_same_bytes(tmp_pat
     whole, ow = do_build(tmp_path / "whole", small_tok, c, seq_len=64, workers=2)
     monkeypatch.setattr(hs, "SPLIT_BYTES", 1)
     monkeypatch.setattr(hs, "RANGE_MIN_BYTES", 1)
-    monkeypatch.setattr(hs, "GZ_INDEX_SPACING", 64 << 10)
+    monkeypatch.setattr(hc, "GZ_INDEX_SPACING", 64 << 10)
     split, osp = do_build(tmp_path / "split", small_tok, c, seq_len=64, workers=2, unit_bytes=len(data) // 7)
     assert whole["inputs"]["units"] == 1 and split["inputs"]["units"] >= 6
     assert split["skipped"]["malformed_json"]["examples"] == ["big.jsonl.gz:238 (Expecting property name "
@@ -575,14 +577,14 @@ def test_a_large_jsonl_gz_is_read_by_several_workers_with_the_same_bytes(tmp_pat
         do_build(tmp_path / "nowrite", small_tok, c, seq_len=64, unit_bytes=len(data) // 7)
     monkeypatch.setenv("HELIXTOK_CACHE", cache)
     (c / "big.jsonl.gz").write_bytes(gzip.compress(data)[:-5000])
-    real_cuts = hs._cuts_of
+    real_cuts = hc.line_cuts
 
     def after_the_indexer(*a, **kw):  # indexed_gzip takes the truncated file: let it finish first
         deadline = time.monotonic() + 20
         while not glob.glob(os.path.join(cache, "gzindex", "*.tmp")) and time.monotonic() < deadline:
             time.sleep(0.01)
         return real_cuts(*a, **kw)
-    monkeypatch.setattr(hs, "_cuts_of", after_the_indexer)
+    monkeypatch.setattr(hc, "line_cuts", after_the_indexer)
     with pytest.raises(InputError, match=r"big\.jsonl\.gz: truncated or corrupt after line \d+"):
         do_build(tmp_path / "bad", small_tok, c, seq_len=64)
     assert not glob.glob(os.path.join(cache, "gzindex", "*.tmp"))  # the index written for it is gone
@@ -593,7 +595,7 @@ def test_a_gz_seek_index_is_built_here_when_no_process_can_be_started(tmp_path, 
 
     monkeypatch.setattr(hs, "SPLIT_BYTES", 1)
     monkeypatch.setattr(hs, "RANGE_MIN_BYTES", 1)
-    monkeypatch.setattr(hs, "GZ_INDEX_SPACING", 64 << 10)
+    monkeypatch.setattr(hc, "GZ_INDEX_SPACING", 64 << 10)
     data = "".join(json.dumps({"text": t}) + "\n" for t in dev_docs[:200]).encode()
     (tmp_path / "big.jsonl.gz").write_bytes(gzip.compress(data))
     files, _ = hs.discover([str(tmp_path / "big.jsonl.gz")])
