@@ -36,8 +36,8 @@ def choose_backend(info: TokenizerInfo, units: list[Unit], config: BuildConfig,
     With an `executor` (the build's worker pool), the fastest library's ids come from a worker."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from .backends import (FAST, answers, backend_version, flat_encoder, hf_answers, hf_tokenizer, judge,
-                           needs_long, parity_texts)
+    from .backends import (FAST, answers, backend_version, digests_apart, flat_encoder, hf_answers, hf_tokenizer,
+                           judge, needs_long, parity_texts)
 
     hf = dataclasses.replace(info, backend="hf", backend_version=backend_version("hf"))
     if config.backend == "hf":
@@ -49,25 +49,31 @@ def choose_backend(info: TokenizerInfo, units: list[Unit], config: BuildConfig,
     versions = {name: backend_version(name) for name in names}
     long = {name: ver is not None and needs_long(name, ver, info.sha256, info.special_tokens)
             for name, ver in versions.items()}
-    tried = {}
-    # tokenizers' ids, the slow half of the check, are made in a thread (its encode releases the
-    # GIL) while the backend answers: here, or in a worker that is still starting.
+    tried, hf_long = {}, None
+    key = (info.path, info.sha256, info.special_tokens)
+    # tokenizers' ids of the sample, the slow half of the check, are made in a thread (its encode
+    # releases the GIL) while the backend answers, here or in a worker; the long inputs are
+    # encoded in other processes meanwhile (see digests_apart).
     with ThreadPoolExecutor(1, thread_name_prefix="helixtok-check") as side:
-        # The long inputs' digests only for the first backend: a fallback's come when it is tried.
-        want = side.submit(hf_answers, tok, texts, info.sha256, info.special_tokens, long[names[0]])
+        want = side.submit(hf_answers, tok, texts)
         for name in names:
             ver = versions[name]
-            if executor is not None and name == FAST[0] and ver is not None:
-                # The workers have loaded this library's tokenizer (_warm): spare this process
-                # loading it too (0.5 s for a 100k vocabulary).
-                got = executor.submit(worker_answers, name, info.path, info.special_tokens, texts, long[name]).result()
-            else:
+            # The workers have loaded the first library's tokenizer (_warm): spare this process
+            # loading it too (0.5 s for a 100k vocabulary).
+            in_worker = executor is not None and name == FAST[0] and ver is not None
+            if not in_worker:
                 encode, ver, why = flat_encoder(name, info.path, info.special_tokens, tok)
                 if encode is None:
                     tried[name] = why
                     continue
-                got = answers(encode, texts, long[name])
-            ok, why = judge(name, ver, info.sha256, info.special_tokens, tok, texts, got, want.result())
+            if long[name]:  # started first, to be encoded beside the answers
+                hf_long = hf_long or digests_apart("hf", *key, executor)
+                theirs = digests_apart(name, *key, executor)
+            got = (executor.submit(worker_answers, name, info.path, info.special_tokens, texts).result()
+                   if in_worker else answers(encode, texts))
+            got_long, want_long = (theirs(), hf_long()) if long[name] else (None, None)
+            ok, why = judge(name, ver, info.sha256, info.special_tokens, texts, (got, got_long),
+                            (want.result(), want_long))
             if ok:
                 return dataclasses.replace(info, backend=name, backend_version=ver), {
                     "chosen": name, "reason": "same ids as tokenizers on the corpus sample and the hostile sets",
@@ -80,10 +86,10 @@ def choose_backend(info: TokenizerInfo, units: list[Unit], config: BuildConfig,
                 "sample_documents": len(sample)}
 
 
-def worker_answers(name: str, path: str, special: str, texts: list[str], long: bool) -> tuple:
+def worker_answers(name: str, path: str, special: str, texts: list[str]):
     """A backend's answers for the check, computed in a worker process that has (or will reuse)
     its tokenizer loaded: the main process never loads it (0.5 s for a 100k vocabulary)."""
     from .backends import answers, flat_encoder
 
     encode, _, why = flat_encoder(name, path, special, None)
-    return answers(encode, texts, long) if encode is not None else (why, None)
+    return answers(encode, texts) if encode is not None else why

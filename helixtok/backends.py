@@ -7,6 +7,8 @@ import hashlib
 import json
 import os
 import re
+import subprocess
+import sys
 from functools import lru_cache
 from itertools import chain
 
@@ -261,7 +263,7 @@ def _ids_digest(ids) -> str:
     return hashlib.sha256(np.asarray(ids, dtype="<u4").tobytes()).hexdigest()
 
 
-def _hf_long_digests(tok, sha: str, special: str) -> list[str]:
+def hf_long_digests(tok, sha: str, special: str) -> list[str]:
     """A digest of tokenizers' ids for each LONG_HOSTILE text: the same for every backend checked
     against this tokenizer, so computed (~1 s) once per tokenizers version, file and policy."""
     cached = _cache_file("hf-ids", backend_version("hf") or "", sha, special)
@@ -272,6 +274,62 @@ def _hf_long_digests(tok, sha: str, special: str) -> list[str]:
     digests = [_ids_digest(hf_ids(tok, [t])[0]) for t in LONG_HOSTILE]
     _write_cache(cached, digests)
     return digests
+
+
+def long_digests(name: str, path: str, sha: str, special: str) -> list[str]:
+    """`name`'s digest of its ids of each LONG_HOSTILE text, or why it failed on one (tokenizers'
+    cached): what digests_apart has another process compute."""
+    if name == "hf":
+        return hf_long_digests(hf_tokenizer(path, special), sha, special)
+    encode, _, why = flat_encoder(name, path, special, None)
+    out = []
+    for t in LONG_HOSTILE:
+        got = answers(encode, [t]) if encode is not None else f"failed: {why}"
+        out.append(got if isinstance(got, str) else _ids_digest(got[0]))
+    return out
+
+
+_LONG_CHILD = """
+import ctypes, json, signal, sys
+try:  # killed with the build (Linux): an orphan would encode on for nothing
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+except (OSError, AttributeError):
+    pass
+from helixtok.backends import long_digests
+print(json.dumps(long_digests(*sys.argv[1:5])))
+"""
+
+
+def digests_apart(name: str, path: str, sha: str, special: str, executor=None):
+    """A function returning long_digests(name, ...), computed meanwhile in another process:
+    a library takes up to ~400 bytes a character of the 1 MiB inputs, heap that a build's main
+    process would keep.  In a worker of `executor`, else in a child process (here if none can
+    start or it fails).  Call it from the thread that runs the build: the child dies with the
+    thread that started it."""
+    if name == "hf":
+        got = _read_cache(_cache_file("hf-ids", backend_version("hf") or "", sha, special))
+        if isinstance(got, list) and len(got) == len(LONG_HOSTILE):
+            return lambda: got
+    if executor is not None:
+        return executor.submit(long_digests, name, path, sha, special).result
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the helixtok this process runs
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)}
+    try:
+        child = subprocess.Popen([sys.executable, "-c", _LONG_CHILD, name, path, sha, special], env=env,
+                                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    except OSError:  # no interpreter to start (embedded Python)
+        return lambda: long_digests(name, path, sha, special)
+
+    @lru_cache(maxsize=1)
+    def result() -> list[str]:
+        out = child.communicate()[0]
+        with contextlib.suppress(ValueError):
+            got = json.loads(out)
+            if child.returncode == 0 and isinstance(got, list) and len(got) == len(LONG_HOSTILE) and all(
+                    isinstance(d, str) for d in got):
+                return got
+        return long_digests(name, path, sha, special)
+    return result
 
 
 def long_parity(name: str, version: str, sha: str, special: str, digests: list[str], want: list[str]
@@ -293,39 +351,26 @@ def parity_texts(tok, sample: list[str]) -> list[str]:
     return HOSTILE + special_probes(tok) + sample
 
 
-def _encoded(encode, texts: list[str]):
-    """encode(texts): (flat ids, lengths), or why it failed."""
+def answers(encode, texts: list[str]):
+    """A backend's side of the check, computed where it is loaded: encode(texts), that is its
+    (flat ids, lengths) of `texts`, or why it failed."""
     try:
         return encode(texts)
     except Exception as e:  # noqa: BLE001 - a backend that fails on some text is not exact
         return f"failed on a text ({type(e).__name__}: {str(e)[:80]})"
 
 
-def answers(encode, texts: list[str], long: bool) -> tuple:
-    """What the backend check needs from a backend, computed where it is loaded: its (flat ids,
-    lengths) of `texts` or why it failed, and with `long` the digest of its ids of each
-    LONG_HOSTILE text (or why it failed on it)."""
-    digests = None
-    if long:
-        digests = []
-        for t in LONG_HOSTILE:
-            got = _encoded(encode, [t])
-            digests.append(got if isinstance(got, str) else _ids_digest(got[0]))
-    return _encoded(encode, texts), digests
-
-
-def hf_answers(tok, texts: list[str], sha: str, special: str, long: bool) -> tuple:
+def hf_answers(tok, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
     """tokenizers' side of the check, as answers() gives a backend's: (flat ids, lengths) of
-    `texts`, made 64 at a time (their Encodings take ~100 bytes a character), and with `long`
-    the digests of its ids of LONG_HOSTILE (cached)."""
-    return _flat(hf_ids(tok, texts, 64)), (_hf_long_digests(tok, sha, special) if long else None)
+    `texts`, made 64 at a time (their Encodings take ~100 bytes a character)."""
+    return _flat(hf_ids(tok, texts, 64))
 
 
-def judge(name: str, version: str, sha: str, special: str, tok, texts: list[str], got: tuple, want: tuple
+def judge(name: str, version: str, sha: str, special: str, texts: list[str], got: tuple, want: tuple
           ) -> tuple[bool, str]:
-    """(True, "") when a backend's answers (see answers) are tokenizers' (`want`, see hf_answers):
-    for each of `texts` and, unless the verdict is cached (per the tokenizer file's `sha`), for
-    LONG_HOSTILE (tokenizers' digests of those made here when `want` has none)."""
+    """(True, "") when a backend's (answers, long_digests or None) in `got` are tokenizers' (`want`,
+    the same from hf_answers and long_digests): for each of `texts` and, unless the verdict is
+    cached (per the tokenizer file's `sha`), for LONG_HOSTILE."""
     encoded, digests = got
     if isinstance(encoded, str):
         return False, encoded
@@ -342,8 +387,6 @@ def judge(name: str, version: str, sha: str, special: str, tok, texts: list[str]
         return True, ""
     if digests is None:
         return cached_long_parity(name, version, sha, special) or (False, "no verdict on the long inputs")
-    if want_digests is None:
-        want_digests = _hf_long_digests(tok, sha, special)
     return long_parity(name, version, sha, special, digests, want_digests)
 
 

@@ -6,16 +6,22 @@ library.  Tests marked with `shared_dev` use the larger ../shared/corpus/dev and
 
 from __future__ import annotations
 
+import atexit
 import glob
 import gzip
 import json
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
 
-# Backend parity verdicts are cached per user; the tests keep theirs to this run.
-os.environ.setdefault("HELIXTOK_CACHE", os.path.join(os.environ.get("TMPDIR", "/tmp"), f"helixtok-test-cache-{os.getpid()}"))
+# Backend parity verdicts and seek indexes are cached per user; the tests keep theirs to this
+# run, in a folder removed when it ends.
+if "HELIXTOK_CACHE" not in os.environ:
+    os.environ["HELIXTOK_CACHE"] = tempfile.mkdtemp(prefix="helixtok-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["HELIXTOK_CACHE"], ignore_errors=True)
 
 def _find_dev() -> Path | None:
     """The optional large tier: $HELIXTOK_DEV_CORPUS, else ../shared/corpus/dev beside the checkout."""

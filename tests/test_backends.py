@@ -1,7 +1,9 @@
 """Every backend builds the same bytes as tokenizers, or is refused with one line: three tokenizer shapes."""
 
+import inspect
 import json
 import os
+import textwrap
 from functools import lru_cache
 
 import pytest
@@ -189,7 +191,7 @@ def test_a_pool_build_checks_the_backend_in_a_worker(tmp_path, dev_corpus, shape
         return real(*key)
     counted.cache_clear = real.cache_clear
     monkeypatch.setattr(backends, "_fast_tokenizer", counted)  # in this process only: workers are spawned
-    batches, hf_tokenizer = [], backends.hf_tokenizer
+    batches, longest, hf_tokenizer = [], [], backends.hf_tokenizer
 
     class Counted:  # tokenizers' Encodings take ~100 bytes a character: never the whole sample at once
         def __init__(self, tok):
@@ -200,6 +202,7 @@ def test_a_pool_build_checks_the_backend_in_a_worker(tmp_path, dev_corpus, shape
 
         def encode_batch_fast(self, texts, **kw):
             batches.append(len(texts))
+            longest.append(max(map(len, texts)))
             return self.tok.encode_batch_fast(texts, **kw)
     monkeypatch.setattr(backends, "hf_tokenizer", lambda path, special: Counted(hf_tokenizer(path, special)))
     monkeypatch.setenv("HELIXTOK_CACHE", str(tmp_path / "fresh-cache"))  # nothing known about the long inputs
@@ -207,6 +210,8 @@ def test_a_pool_build_checks_the_backend_in_a_worker(tmp_path, dev_corpus, shape
     assert len(os.listdir(tmp_path / "fresh-cache" / "parity")) == 1  # the verdict, judged from the worker's digests
     assert pool["inputs"]["units"] > 2 and loads == []
     assert sum(batches) > 64 and max(batches) <= 64
+    # tokenizers' ids of the 1 MiB inputs (~400 bytes a character) were made in a worker too
+    assert max(longest) < 40_000
     assert pool["tokenizer"]["backend"] == here["tokenizer"]["backend"] == "fastokens"
     assert pool["tokenizer"]["backend_check"]["sample_documents"] == here["tokenizer"]["backend_check"][
         "sample_documents"] > 0
@@ -235,7 +240,8 @@ def test_an_inline_build_tokenizes_with_the_library_its_check_loaded(tmp_path, d
 def test_a_backend_wrong_only_on_a_long_input_is_refused_and_the_references_are_cached(tmp_path, small_tok,
                                                                                       monkeypatch):
     """The long hostile inputs are checked against digests of tokenizers' ids, computed once per
-    tokenizer file and reused for every backend and build; a changed file is checked again."""
+    tokenizer file (in a child process: never in the build's own) and reused for every backend
+    and build; a changed file is checked again."""
     from helixtok import backends
 
     monkeypatch.setenv("HELIXTOK_CACHE", str(tmp_path / "cache"))
@@ -259,6 +265,10 @@ def test_a_backend_wrong_only_on_a_long_input_is_refused_and_the_references_are_
         long_hf.extend(len(t) for t in texts if len(t) >= 40_000)
         return real_hf_ids(tok, texts, group)
     monkeypatch.setattr(backends, "flat_encoder", off_on_long_x)
+    # The long inputs are encoded in a child process: it gets the same fault.
+    fault = inspect.getsource(off_on_long_x)
+    monkeypatch.setattr(backends, "_LONG_CHILD", "import helixtok.backends as b\nreal_encoder = b.flat_encoder\n"
+                        + textwrap.dedent(fault) + "b.flat_encoder = off_on_long_x\n" + backends._LONG_CHILD)
     monkeypatch.setattr(backends, "hf_ids", counted)
     corpus = tmp_path / "c"
     corpus.mkdir()
@@ -266,18 +276,29 @@ def test_a_backend_wrong_only_on_a_long_input_is_refused_and_the_references_are_
     cfg = dict(seq_len=8, workers=1, special_tokens="extract")  # where gigatoken is exact too
     with pytest.raises(TokenizerError, match=r"--backend fastokens is not exact for this tokenizer \(ids differ on 'xxxx"):
         build([str(corpus)], str(tmp_path / "o1"), small_tok, BuildConfig(backend="fastokens", **cfg))
-    assert len(long_hf) == len(backends.LONG_HOSTILE)  # tokenizers' ids of each long input, once
+    def made():
+        d = tmp_path / "cache" / "hf-ids"
+        return {n: os.stat(d / n).st_ino for n in os.listdir(d)}  # a new inode when written again
+    first = made()
+    assert len(first) == 1 and long_hf == []  # tokenizers' ids of the long inputs, once, in a child
     m = build([str(corpus)], str(tmp_path / "o2"), small_tok, BuildConfig(**cfg))
     assert m["tokenizer"]["backend"] == "gigatoken"
     assert m["tokenizer"]["backend_check"]["rejected"]["fastokens"].startswith("ids differ on 'xxxx")
-    assert len(long_hf) == len(backends.LONG_HOSTILE)  # the next backends compared with the digests
+    assert made() == first  # the next backends compared with the same digests
     with open(small_tok) as fh:
         spec = json.load(fh)
     with open(small_tok, "w") as fh:  # other bytes (the same tokenizer): no verdict or digest applies
         json.dump(spec, fh, indent=1)
     with pytest.raises(TokenizerError, match="ids differ on 'xxxx"):
         build([str(corpus)], str(tmp_path / "o3"), small_tok, BuildConfig(backend="fastokens", **cfg))
-    assert len(long_hf) == 2 * len(backends.LONG_HOSTILE)
+    assert len(made()) == 2 and long_hf == []
+    # A child that fails (no memory, say): the digests are made in this process instead.
+    monkeypatch.setattr(backends, "_LONG_CHILD", "raise SystemExit(3)")
+    with open(small_tok, "w") as fh:
+        json.dump(spec, fh, indent=2)
+    with pytest.raises(TokenizerError, match="ids differ on 'xxxx"):
+        build([str(corpus)], str(tmp_path / "o4"), small_tok, BuildConfig(backend="fastokens", **cfg))
+    assert len(made()) == 3 and len(long_hf) == len(backends.LONG_HOSTILE)
 
 
 def test_the_check_refuses_a_backend_that_answers_for_fewer_texts(small_tok):
@@ -288,19 +309,19 @@ def test_the_check_refuses_a_backend_that_answers_for_fewer_texts(small_tok):
     texts = ["hello world", "the quick brown fox", "pack me"]
     encode, ver, _ = backends.flat_encoder("fastokens", small_tok, "text", tok)
     ids, lens = encode(texts)
-    want = backends.hf_answers(tok, texts, "sha", "text", False)
+    want = (backends.hf_answers(tok, texts), None)
     # Judged as tiktoken's answers: those are not checked on the long inputs.
     for got in ((ids[: lens[0]], lens[:1]), (ids[:-1], lens)):  # one text answered; one id missing
-        ok, why = backends.judge("tiktoken", ver, "sha", "text", tok, texts, (got, None), want)
+        ok, why = backends.judge("tiktoken", ver, "sha", "text", texts, (got, None), want)
         assert not ok and why.startswith("gave ")
-    assert backends.judge("tiktoken", ver, "sha", "text", tok, texts, ((ids, lens), None), want) == (True, "")
+    assert backends.judge("tiktoken", ver, "sha", "text", texts, ((ids, lens), None), want) == (True, "")
     # The first text whose ids differ is named: one id changed, or the same ids cut otherwise.
     wrong = ids.copy()
     wrong[lens[0]] += 1
-    assert backends.judge("tiktoken", ver, "sha", "text", tok, texts, ((wrong, lens), None), want) == (
+    assert backends.judge("tiktoken", ver, "sha", "text", texts, ((wrong, lens), None), want) == (
         False, "ids differ on 'the quick brown fox'")
     moved = lens.copy()
     moved[1] -= 1
     moved[2] += 1
-    assert backends.judge("tiktoken", ver, "sha", "text", tok, texts, ((ids, moved), None), want) == (
+    assert backends.judge("tiktoken", ver, "sha", "text", texts, ((ids, moved), None), want) == (
         False, "ids differ on 'the quick brown fox'")
