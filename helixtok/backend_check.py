@@ -66,14 +66,13 @@ def choose_backend(info: TokenizerInfo, units: list[Unit], config: BuildConfig,
                 if encode is None:
                     tried[name] = why
                     continue
+            theirs = None
             if long[name]:  # started first, to be encoded beside the answers
                 hf_long = hf_long or digests_apart("hf", *key, executor)
                 theirs = digests_apart(name, *key, executor)
             got = (executor.submit(worker_answers, name, info.path, info.special_tokens, texts).result()
                    if in_worker else answers(encode, texts))
-            got_long, want_long = (theirs(), hf_long()) if long[name] else (None, None)
-            ok, why = judge(name, ver, info.sha256, info.special_tokens, texts, (got, got_long),
-                            (want.result(), want_long))
+            ok, why = judge(name, ver, info.sha256, info.special_tokens, texts, (got, theirs), (want.result(), hf_long))
             if ok:
                 return dataclasses.replace(info, backend=name, backend_version=ver), {
                     "chosen": name, "reason": "same ids as tokenizers on the corpus sample and the hostile sets",

@@ -8,7 +8,6 @@ import json
 import os
 import re
 import subprocess
-import sys
 from functools import lru_cache
 from itertools import chain
 
@@ -263,16 +262,24 @@ def _ids_digest(ids) -> str:
     return hashlib.sha256(np.asarray(ids, dtype="<u4").tobytes()).hexdigest()
 
 
+def _hf_long_file(sha: str, special: str) -> str:
+    return _cache_file("hf-ids", backend_version("hf") or "", sha, special)
+
+
+def _cached_hf_long(sha: str, special: str) -> list[str] | None:
+    got = _read_cache(_hf_long_file(sha, special))
+    return got if isinstance(got, list) and len(got) == len(LONG_HOSTILE) else None
+
+
 def hf_long_digests(tok, sha: str, special: str) -> list[str]:
     """A digest of tokenizers' ids for each LONG_HOSTILE text: the same for every backend checked
     against this tokenizer, so computed (~1 s) once per tokenizers version, file and policy."""
-    cached = _cache_file("hf-ids", backend_version("hf") or "", sha, special)
-    got = _read_cache(cached)
-    if isinstance(got, list) and len(got) == len(LONG_HOSTILE):
+    got = _cached_hf_long(sha, special)
+    if got is not None:
         return got
     # One text at a time: tokenizers' Encodings take ~100 bytes a character.
     digests = [_ids_digest(hf_ids(tok, [t])[0]) for t in LONG_HOSTILE]
-    _write_cache(cached, digests)
+    _write_cache(_hf_long_file(sha, special), digests)
     return digests
 
 
@@ -290,11 +297,7 @@ def long_digests(name: str, path: str, sha: str, special: str) -> list[str]:
 
 
 _LONG_CHILD = """
-import ctypes, json, signal, sys
-try:  # killed with the build (Linux): an orphan would encode on for nothing
-    ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
-except (OSError, AttributeError):
-    pass
+import json, sys
 from helixtok.backends import long_digests
 print(json.dumps(long_digests(*sys.argv[1:5])))
 """
@@ -305,18 +308,15 @@ def digests_apart(name: str, path: str, sha: str, special: str, executor=None):
     a library takes up to ~400 bytes a character of the 1 MiB inputs, heap that a build's main
     process would keep.  In a worker of `executor`, else in a child process (here if none can
     start or it fails).  Call it from the thread that runs the build: the child dies with the
-    thread that started it."""
-    if name == "hf":
-        got = _read_cache(_cache_file("hf-ids", backend_version("hf") or "", sha, special))
-        if isinstance(got, list) and len(got) == len(LONG_HOSTILE):
-            return lambda: got
+    thread that started it (children.die_with_parent)."""
+    if name == "hf" and (got := _cached_hf_long(sha, special)) is not None:
+        return lambda: got
     if executor is not None:
         return executor.submit(long_digests, name, path, sha, special).result
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the helixtok this process runs
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)}
+    from .children import start_helper
+
     try:
-        child = subprocess.Popen([sys.executable, "-c", _LONG_CHILD, name, path, sha, special], env=env,
-                                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        child = start_helper(_LONG_CHILD, name, path, sha, special, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     except OSError:  # no interpreter to start (embedded Python)
         return lambda: long_digests(name, path, sha, special)
 
@@ -334,7 +334,7 @@ def digests_apart(name: str, path: str, sha: str, special: str, executor=None):
 
 def long_parity(name: str, version: str, sha: str, special: str, digests: list[str], want: list[str]
                 ) -> tuple[bool, str]:
-    """The verdict on LONG_HOSTILE from a backend's `digests` of it (see answers) against
+    """The verdict on LONG_HOSTILE from a backend's `digests` of it (see long_digests) against
     tokenizers' (`want`): it does not depend on the corpus, so it is cached per library
     version, tokenizer file and policy."""
     ok, why = True, ""
@@ -370,7 +370,8 @@ def judge(name: str, version: str, sha: str, special: str, texts: list[str], got
           ) -> tuple[bool, str]:
     """(True, "") when a backend's (answers, long_digests or None) in `got` are tokenizers' (`want`,
     the same from hf_answers and long_digests): for each of `texts` and, unless the verdict is
-    cached (per the tokenizer file's `sha`), for LONG_HOSTILE."""
+    cached (per the tokenizer file's `sha`), for LONG_HOSTILE.  The digests are functions
+    (digests_apart), waited for only when the sample agrees."""
     encoded, digests = got
     if isinstance(encoded, str):
         return False, encoded
@@ -387,9 +388,9 @@ def judge(name: str, version: str, sha: str, special: str, texts: list[str], got
         return True, ""
     if digests is None:
         return cached_long_parity(name, version, sha, special) or (False, "no verdict on the long inputs")
-    return long_parity(name, version, sha, special, digests, want_digests)
+    return long_parity(name, version, sha, special, digests(), want_digests())
 
 
 def needs_long(name: str, version: str, sha: str, special: str) -> bool:
-    """Whether a backend's answers must include LONG_HOSTILE (no cached verdict on it)."""
+    """Whether a backend's long_digests must be compared (no cached verdict on LONG_HOSTILE)."""
     return name != "tiktoken" and cached_long_parity(name, version, sha, special) is None

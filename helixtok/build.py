@@ -27,6 +27,7 @@ import numpy as np
 from . import __version__
 from .assemble import Assembler
 from .backend_check import choose_backend
+from .children import die_with_parent
 from .config import BuildConfig
 from .errors import ConfigError, HelixtokError, InputError
 from .longdoc import LongText, stripped, utf8_len
@@ -56,37 +57,11 @@ class Progress:
 _W: dict = {}
 
 
-def _die_with_parent(parent: int) -> None:
-    """Exit as soon as the build process is gone, even while blocked waiting for work.
-
-    An orphan that went on writing could race a resumed build; on Linux the kernel kills us
-    (PR_SET_PDEATHSIG), elsewhere a thread polls.  The parent may have died before this ran.
-    """
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        ok = libc.prctl(1, signal.SIGKILL, 0, 0, 0) == 0  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        ok = False
-    if os.getppid() != parent:
-        os._exit(1)
-    if not ok:
-        import threading
-
-        def watch() -> None:
-            while os.getppid() == parent:
-                time.sleep(0.5)
-            os._exit(1)
-
-        threading.Thread(target=watch, daemon=True).start()
-
-
 def _init_worker(config: BuildConfig, state_dir: str, run_id: str, counters, slots, parent: int | None) -> None:
     if parent is not None:
         # The parent handles Ctrl-C and stops us; a KeyboardInterrupt traceback per worker helps nobody.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-        _die_with_parent(parent)
+        die_with_parent(parent)
     # One process per core: rayon threads inside each would oversubscribe the cores
     # (and --workers 1 means one core).
     os.environ["TOKENIZERS_PARALLELISM"] = "false"

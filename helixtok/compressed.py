@@ -31,14 +31,9 @@ ZST_GROUP_FRAMES = 4  # frames of undeclared size from which a .zst is cut betwe
 
 # Builds a .gz file's seek index in a process of its own: indexed_gzip holds the GIL while it
 # indexes, and the line-cut pass (zlib, which checks every member's CRC) runs meanwhile.
+# It dies with the build (start_helper): an orphan would index on, and leave its file behind.
 _GZ_INDEXER = """
-import ctypes, os, signal, sys
-try:  # killed with the build (Linux): an orphan would index on, and leave its file behind
-    ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
-except (OSError, AttributeError):
-    pass
-if os.getppid() != int(sys.argv[4]):  # the build died before that
-    sys.exit("data:the build is gone")
+import sys
 import indexed_gzip
 path, out, spacing = sys.argv[1], sys.argv[2], int(sys.argv[3])
 try:
@@ -64,7 +59,8 @@ def plan_gzip(f: InputFile, unit_bytes: int, halt: threading.Event) -> tuple[str
     one pass after the other).
     """
     import subprocess
-    import sys
+
+    from .children import start_helper
 
     from .config import cache_root
 
@@ -75,9 +71,8 @@ def plan_gzip(f: InputFile, unit_bytes: int, halt: threading.Event) -> tuple[str
     if not os.path.isfile(index) and not is_url(f.path):
         _cache_dir_for(index, f.path)
         with contextlib.suppress(OSError):  # no interpreter to start (embedded Python): index here, after
-            indexer = subprocess.Popen([sys.executable, "-c", _GZ_INDEXER, f.path, tmp, str(GZ_INDEX_SPACING),
-                                        str(os.getpid())],
-                                       stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+            indexer = start_helper(_GZ_INDEXER, f.path, tmp, str(GZ_INDEX_SPACING),
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         try:
             with open_input(f.path) as raw:

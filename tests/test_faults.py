@@ -466,7 +466,6 @@ def test_a_failed_pool_build_leaves_no_traceback_from_the_pool_thread(tmp_path, 
 def test_kill_9_while_a_gz_is_indexed_leaves_no_indexer_behind(tmp_path, dev_docs):
     """The process that builds a large .gz's seek index beside the planner dies with the build."""
     import gzip
-    import json
 
     (tmp_path / "big.jsonl.gz").write_bytes(gzip.compress("".join(json.dumps({"text": t}) + "\n"
                                                                   for t in dev_docs[:200]).encode()))
