@@ -49,35 +49,43 @@ def choose_backend(info: TokenizerInfo, units: list[Unit], config: BuildConfig,
     versions = {name: backend_version(name) for name in names}
     long = {name: ver is not None and needs_long(name, ver, info.sha256, info.special_tokens)
             for name, ver in versions.items()}
-    tried, hf_long = {}, None
+    tried, hf_long, apart = {}, None, []
     key = (info.path, info.sha256, info.special_tokens)
     # tokenizers' ids of the sample, the slow half of the check, are made in a thread (its encode
     # releases the GIL) while the backend answers, here or in a worker; the long inputs are
-    # encoded in other processes meanwhile (see digests_apart).
+    # encoded in other processes meanwhile (see digests_apart), stopped once not needed.
     with ThreadPoolExecutor(1, thread_name_prefix="helixtok-check") as side:
         want = side.submit(hf_answers, tok, texts)
-        for name in names:
-            ver = versions[name]
-            # The workers have loaded the first library's tokenizer (_warm): spare this process
-            # loading it too (0.5 s for a 100k vocabulary).
-            in_worker = executor is not None and name == FAST[0] and ver is not None
-            if not in_worker:
-                encode, ver, why = flat_encoder(name, info.path, info.special_tokens, tok)
-                if encode is None:
-                    tried[name] = why
-                    continue
-            theirs = None
-            if long[name]:  # started first, to be encoded beside the answers
-                hf_long = hf_long or digests_apart("hf", *key, executor)
-                theirs = digests_apart(name, *key, executor)
-            got = (executor.submit(worker_answers, name, info.path, info.special_tokens, texts).result()
-                   if in_worker else answers(encode, texts))
-            ok, why = judge(name, ver, info.sha256, info.special_tokens, texts, (got, theirs), (want.result(), hf_long))
-            if ok:
-                return dataclasses.replace(info, backend=name, backend_version=ver), {
-                    "chosen": name, "reason": "same ids as tokenizers on the corpus sample and the hostile sets",
-                    "sample_documents": len(sample), "rejected": tried}
-            tried[name] = why
+        try:
+            for name in names:
+                ver = versions[name]
+                # The workers have loaded the first library's tokenizer (_warm): spare this process
+                # loading it too (0.5 s for a 100k vocabulary).
+                in_worker = executor is not None and name == FAST[0] and ver is not None
+                if not in_worker:
+                    encode, ver, why = flat_encoder(name, info.path, info.special_tokens, tok)
+                    if encode is None:
+                        tried[name] = why
+                        continue
+                theirs = None
+                if long[name]:  # started first, to be encoded beside the answers
+                    hf_long = hf_long or digests_apart("hf", *key, executor)
+                    theirs = digests_apart(name, *key, executor)
+                    apart += [hf_long, theirs]
+                got = (executor.submit(worker_answers, name, info.path, info.special_tokens, texts).result()
+                       if in_worker else answers(encode, texts))
+                ok, why = judge(name, ver, info.sha256, info.special_tokens, texts, (got, theirs),
+                                (want.result(), hf_long))
+                if ok:
+                    return dataclasses.replace(info, backend=name, backend_version=ver), {
+                        "chosen": name, "reason": "same ids as tokenizers on the corpus sample and the hostile sets",
+                        "sample_documents": len(sample), "rejected": tried}
+                tried[name] = why
+                if theirs is not None:
+                    theirs.drop()  # refused on the sample: its long inputs no longer matter
+        finally:
+            for a in apart:
+                a.drop()
     if config.backend != "auto":
         raise TokenizerError(f"{info.path}: --backend {config.backend} is not exact for this tokenizer "
                              f"({tried[config.backend]}); use --backend hf")

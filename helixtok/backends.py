@@ -303,33 +303,58 @@ print(json.dumps(long_digests(*sys.argv[1:5])))
 """
 
 
-def digests_apart(name: str, path: str, sha: str, special: str, executor=None):
-    """A function returning long_digests(name, ...), computed meanwhile in another process:
-    a library takes up to ~400 bytes a character of the 1 MiB inputs, heap that a build's main
-    process would keep.  In a worker of `executor`, else in a child process (here if none can
-    start or it fails).  Call it from the thread that runs the build: the child dies with the
-    thread that started it (children.die_with_parent)."""
+class Apart:
+    """long_digests(name, ...) being computed in another process: call it for them (made here
+    if that process failed), or drop() it when they are no longer wanted."""
+
+    def __init__(self, args: tuple, child=None, future=None, value: list[str] | None = None):
+        self._args, self._child, self._future, self._value = args, child, future, value
+
+    def __call__(self) -> list[str]:
+        if self._value is None:
+            self._value = (self._future.result() if self._future is not None
+                           else self._childs() or long_digests(*self._args))
+        return self._value
+
+    def _childs(self) -> list[str] | None:
+        if self._child is None:
+            return None
+        out = self._child.communicate()[0]
+        with contextlib.suppress(ValueError):
+            got = json.loads(out)
+            if self._child.returncode == 0 and isinstance(got, list) and len(got) == len(LONG_HOSTILE) and all(
+                    isinstance(d, str) for d in got):
+                return got
+        return None
+
+    def drop(self) -> None:
+        """Stop the other process's work if it is still going: a refused backend's digests would
+        take a core from the build for seconds.  (Called afterwards, it computes them here.)"""
+        if self._value is None and self._future is not None:
+            self._future.cancel()  # a worker that already started it finishes it
+        elif self._value is None and self._child is not None:
+            self._child.kill()  # nothing if it has exited
+            self._child.communicate()  # reaped, its pipe closed
+        self._child = self._future = None
+
+
+def digests_apart(name: str, path: str, sha: str, special: str, executor=None) -> Apart:
+    """long_digests(name, ...), computed meanwhile in another process: a library takes up to
+    ~400 bytes a character of the 1 MiB inputs, heap that a build's main process would keep.
+    In a worker of `executor`, else in a child process (here if none can start or it fails).
+    Call it from the thread that runs the build: the child dies with the thread that started it
+    (children.die_with_parent)."""
+    args = (name, path, sha, special)
     if name == "hf" and (got := _cached_hf_long(sha, special)) is not None:
-        return lambda: got
+        return Apart(args, value=got)
     if executor is not None:
-        return executor.submit(long_digests, name, path, sha, special).result
+        return Apart(args, future=executor.submit(long_digests, *args))
     from .children import start_helper
 
     try:
-        child = start_helper(_LONG_CHILD, name, path, sha, special, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        return Apart(args, child=start_helper(_LONG_CHILD, *args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL))
     except OSError:  # no interpreter to start (embedded Python)
-        return lambda: long_digests(name, path, sha, special)
-
-    @lru_cache(maxsize=1)
-    def result() -> list[str]:
-        out = child.communicate()[0]
-        with contextlib.suppress(ValueError):
-            got = json.loads(out)
-            if child.returncode == 0 and isinstance(got, list) and len(got) == len(LONG_HOSTILE) and all(
-                    isinstance(d, str) for d in got):
-                return got
-        return long_digests(name, path, sha, special)
-    return result
+        return Apart(args)
 
 
 def long_parity(name: str, version: str, sha: str, special: str, digests: list[str], want: list[str]

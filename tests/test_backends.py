@@ -1,5 +1,6 @@
 """Every backend builds the same bytes as tokenizers, or is refused with one line: three tokenizer shapes."""
 
+import dataclasses
 import inspect
 import json
 import os
@@ -143,7 +144,6 @@ def test_the_tokenizer_inspect_loaded_is_handed_on_once_and_never_when_the_file_
 def test_workers_load_the_likely_backend_early_and_drop_it_when_another_is_chosen(shapes):
     """Pool workers load fastokens' tokenizer while the main process checks backends; the Encoder
     reuses it when fastokens is chosen, and it is freed when another backend is."""
-    import dataclasses
 
     from helixtok import backends
     from helixtok import build as hb
@@ -299,6 +299,46 @@ def test_a_backend_wrong_only_on_a_long_input_is_refused_and_the_references_are_
     with pytest.raises(TokenizerError, match="ids differ on 'xxxx"):
         build([str(corpus)], str(tmp_path / "o4"), small_tok, BuildConfig(backend="fastokens", **cfg))
     assert len(made()) == 3 and len(long_hf) == len(backends.LONG_HOSTILE)
+
+
+def test_the_long_input_processes_of_a_refused_backend_are_stopped(tmp_path, small_tok, monkeypatch):
+    """A backend refused on the sample has no use for its digests of the long inputs, nor the
+    build for tokenizers': the processes making them are killed, not left to take cores from
+    the build (or from the next backend's check) for seconds."""
+    from helixtok import backends, children
+
+    monkeypatch.setenv("HELIXTOK_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(backends, "_LONG_CHILD", "import time\ntime.sleep(60)\n" + backends._LONG_CHILD)
+    started, real = [], children.start_helper
+    monkeypatch.setattr(children, "start_helper", lambda *a, **k: started.append(real(*a, **k)) or started[-1])
+    corpus = tmp_path / "c"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text("the quick brown fox <|endoftext|> jumps over the lazy dog " * 50)
+    cfg = BuildConfig(seq_len=8, workers=1, special_tokens="text", backend="gigatoken")  # inexact there
+    with pytest.raises(TokenizerError, match="--backend gigatoken is not exact for this tokenizer"):
+        build([str(corpus)], str(tmp_path / "o"), small_tok, cfg)
+    assert len(started) == 2 and [p.returncode for p in started] == [-9, -9]  # tokenizers' and gigatoken's
+
+    # --backend auto: fastokens (made wrong on the sample) is refused, and its process is gone
+    # before the next backend's starts; that one and tokenizers' answer at once, alike.
+    monkeypatch.setattr(backends, "_LONG_CHILD", "import json, sys, time\nif sys.argv[1] == 'fastokens':\n"
+                        "    time.sleep(60)\nprint(json.dumps(['d'] * 7))\n")
+    real_encoder = backends.flat_encoder
+
+    def wrong_fastokens(name, *args):
+        encode, ver, why = real_encoder(name, *args)
+        if name == "fastokens" and encode is not None:
+            return (lambda texts: (encode(texts)[0] + 1, encode(texts)[1])), ver, why
+        return encode, ver, why
+    monkeypatch.setattr(backends, "flat_encoder", wrong_fastokens)
+    alive_at_start = []
+    monkeypatch.setattr(children, "start_helper", lambda *a, **k: alive_at_start.append(
+        [p.poll() is None for p in started]) or started.append(real(*a, **k)) or started[-1])
+    started.clear()
+    m = build([str(corpus)], str(tmp_path / "o2"), small_tok, dataclasses.replace(
+        cfg, backend="auto", special_tokens="extract"))
+    assert m["tokenizer"]["backend"] == "gigatoken" and "fastokens" in m["tokenizer"]["backend_check"]["rejected"]
+    assert alive_at_start == [[], [True], [True, False]]  # tokenizers', fastokens' (killed), gigatoken's
 
 
 def test_the_check_refuses_a_backend_that_answers_for_fewer_texts(small_tok):

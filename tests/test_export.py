@@ -77,44 +77,64 @@ def test_helixlm_export_refuses_what_the_store_cannot_hold(tmp_path, helix_build
     assert r.exit_code == 1 and "Traceback" not in r.output
 
 
-# megatron-core runs in a child process: importing it costs ~130 MB that pytest would keep.
+# megatron-core runs in one child process for the module: importing it costs ~130 MB that pytest
+# would keep, and ~8 s, paid once.  Each request is a line [cmd, [(prefix, arg), ...]]; each job's
+# answer (or its error) comes back as one line.
 MEGATRON = """
-import json, sys, warnings
+import json, sys, traceback, warnings
 warnings.simplefilter("ignore")  # Transformer Engine / Apex are not installed
 import numpy as np, torch
 from megatron.core.datasets.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
-cmd = sys.argv[1]
-for prefix, arg in json.loads(sys.argv[2]):  # several jobs: one import of megatron-core (~5 s)
+
+def job(cmd, prefix, arg):
     if cmd == "read":
         ds = IndexedDataset(prefix)
-        print(json.dumps({"len": len(ds), "document_indices": ds.document_indices.tolist(),
-                          "dtype": str(ds[0].dtype), "tokens": int(ds.sequence_lengths.sum()),
-                          "docs": {str(i % len(ds)): ds[i % len(ds)].tolist() for i in arg}}))
-    else:  # write: arg = [sequences, indices of the sequences that end a document]
-        b = IndexedDatasetBuilder(prefix + ".bin", dtype=np.uint16)
-        for k, sq in enumerate(arg[0]):
-            b.add_item(torch.tensor(sq))
-            if k in arg[1]:
-                b.end_document()
-        b.finalize(prefix + ".idx")
+        return {"len": len(ds), "document_indices": ds.document_indices.tolist(), "dtype": str(ds[0].dtype),
+                "tokens": int(ds.sequence_lengths.sum()),
+                "docs": {str(i % len(ds)): ds[i % len(ds)].tolist() for i in arg}}
+    b = IndexedDatasetBuilder(prefix + ".bin", dtype=np.uint16)  # arg: [sequences, those ending a document]
+    for k, sq in enumerate(arg[0]):
+        b.add_item(torch.tensor(sq))
+        if k in arg[1]:
+            b.end_document()
+    b.finalize(prefix + ".idx")
+    return {}
+
+for line in sys.stdin:
+    cmd, jobs = json.loads(line)
+    for prefix, arg in jobs:
+        try:
+            print(json.dumps(job(cmd, prefix, arg)), flush=True)
+        except Exception:
+            print(json.dumps({"error": traceback.format_exc()}), flush=True)
 """
 
 
-def megatron_core(cmd, *jobs):
-    """megatron-core reading or writing each (prefix, arg) job, in one child process."""
+@pytest.fixture(scope="module")
+def megatron_core():
+    """megatron_core(cmd, *jobs): megatron-core reading or writing each (prefix, arg) job."""
     import importlib.util
 
     if importlib.util.find_spec("megatron") is None:  # not imported here: only looked up
         pytest.skip("megatron-core is not installed (it is in the [test] extra)")
-    r = subprocess.run([sys.executable, "-c", MEGATRON, cmd, json.dumps([(str(p), a) for p, a in jobs])],
-                       capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return [json.loads(line) for line in r.stdout.splitlines()]
+    child = subprocess.Popen([sys.executable, "-c", MEGATRON], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+
+    def ask(cmd, *jobs):
+        child.stdin.write(json.dumps([cmd, [(str(p), a) for p, a in jobs]]) + "\n")
+        child.stdin.flush()
+        got = [json.loads(child.stdout.readline() or '{"error": "megatron-core child died"}') for _ in jobs]
+        assert all("error" not in g for g in got), (got, child.poll() is not None and child.stderr.read()[-3000:])
+        return got
+
+    yield ask
+    child.stdin.close()
+    child.wait(timeout=30)
 
 
 @pytest.mark.parametrize("shards", ["several", "one"])
 def test_megatron_export_reads_back_with_megatron_core(tmp_path, dev_corpus, tokenizer_path, dev_packed, dev_ids,
-                                                       shards):
+                                                       megatron_core, shards):
     src = dev_packed
     if shards == "one":
         src = str(tmp_path / "one")
@@ -151,7 +171,8 @@ def _read_txt_ids(dev_corpus, tokenizer_path):
             yield tok.encode(text, add_special_tokens=False).ids
 
 
-def test_megatron_import_round_trips_and_reads_megatron_cores_own_files(tmp_path, dev_packed, tokenizer_path, small_tok):
+def test_megatron_import_round_trips_and_reads_megatron_cores_own_files(tmp_path, dev_packed, tokenizer_path, small_tok,
+                                                                         megatron_core):
     from helixtok import MemmapChunkDataset
 
     prefix = str(tmp_path / "mg" / "c")

@@ -56,17 +56,24 @@ def _rank_indices(args):
     return list(s)
 
 
-def test_multi_process_ranks_agree_without_communication():
+@pytest.fixture(scope="module")
+def rank_pool():
+    """Four spawned processes for the tests of ranks in separate processes: shared, as each
+    costs ~1.5 s of imports (torch) to start."""
+    with mp.get_context("spawn").Pool(4) as pool:
+        yield pool
+
+
+def test_multi_process_ranks_agree_without_communication(rank_pool):
     """Ranks in separate processes compute their slices from (seed, epoch) alone: disjoint, covering."""
     n, W = 10_007, 4
     orders = []
-    with mp.get_context("spawn").Pool(W) as pool:
-        for epoch in (0, 1):
-            parts = pool.map(_rank_indices, [(n, r, W, epoch) for r in range(W)])
-            flat = [i for p in parts for i in p]
-            assert len(flat) == len(set(flat)) == (n // W) * W
-            assert parts[0] == _rank_indices((n, 0, W, epoch))  # the same slice in any process
-            orders.append(flat)
+    for epoch in (0, 1):
+        parts = rank_pool.map(_rank_indices, [(n, r, W, epoch) for r in range(W)])
+        flat = [i for p in parts for i in p]
+        assert len(flat) == len(set(flat)) == (n // W) * W
+        assert parts[0] == _rank_indices((n, 0, W, epoch))  # the same slice in any process
+        orders.append(flat)
     assert orders[0] != orders[1]  # set_epoch reshuffles
 
 
@@ -110,15 +117,12 @@ def _rank_run(args):
 
 
 @pytest.mark.parametrize("W1,W2", [(2, 3), (4, 2)])
-def test_elastic_resume_on_another_world_size_loses_and_repeats_nothing(W1, W2):
-    import multiprocessing as mp
-
+def test_elastic_resume_on_another_world_size_loses_and_repeats_nothing(rank_pool, W1, W2):
     GB, n, steps = 12, 1000, 7  # a fixed global batch: per-rank B = GB / W
-    with mp.get_context("spawn").Pool(4) as pool:
-        before = pool.map(_rank_run, [(n, W1, r, GB // W1, steps, None) for r in range(W1)])
-        state = before[0][1]
-        assert state["global_consumed"] == steps * GB and all(b[1]["global_consumed"] == steps * GB for b in before)
-        after = pool.map(_rank_run, [(n, W2, r, GB // W2, None, state) for r in range(W2)])
+    before = rank_pool.map(_rank_run, [(n, W1, r, GB // W1, steps, None) for r in range(W1)])
+    state = before[0][1]
+    assert state["global_consumed"] == steps * GB and all(b[1]["global_consumed"] == steps * GB for b in before)
+    after = rank_pool.map(_rank_run, [(n, W2, r, GB // W2, None, state) for r in range(W2)])
     seen = [i for take, _, _ in before for i in take]
     rest = [i for take, _, _ in after for i in take]
     assert len(seen) == steps * GB and len(set(seen)) == len(seen)
