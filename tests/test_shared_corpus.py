@@ -18,8 +18,8 @@ from helixtok.verify import verify
 
 def test_dev_corpus_stream_equals_an_independent_recount(tmp_path, shared_dev_corpus, tokenizer_path):
     """Every document of the stream decodes back to its text, in corpus order, between end-of-text
-    ids; every fifth one, and those the chunking cut, has exactly tokenizers' ids.  (tokenizers
-    re-encoding all 61 MB took 16 s here; decoding it takes 2 s.)"""
+    ids; every tenth one, and those the chunking cut, has exactly tokenizers' ids.  (tokenizers
+    re-encoding all 61 MB took 16 s here; decoding it takes 2-4 s.)"""
     out = str(tmp_path / "out")
     m = build([str(shared_dev_corpus)], out, tokenizer_path, BuildConfig(seq_len=512, workers=2))
     assert m["totals"]["skipped_documents"] == 0
@@ -40,7 +40,7 @@ def test_dev_corpus_stream_equals_an_independent_recount(tmp_path, shared_dev_co
             assert text == batch[i], f"document {ndocs + i} does not decode to its text"
         if whole:
             pos = int(ends[ndocs + whole - 1]) + 1
-        check = [i for i in range(len(batch)) if (ndocs + i) % 5 == 0 or i >= whole]
+        check = [i for i in range(len(batch)) if (ndocs + i) % 10 == 0 or i >= whole]
         for i, e in zip(check, tok.encode_batch_fast([batch[i] for i in check], add_special_tokens=False)):
             ids = np.asarray(e.ids + [eos], dtype=np.uint16)
             a = starts[i] if i < whole else pos  # past the last eos: documents the chunking cut or dropped
