@@ -10,6 +10,9 @@ import re
 from .errors import ConfigError, HelixtokError, InputError
 
 READ_BLOCK = 8 << 20  # bytes per ranged GET when streaming an object
+# Local files are read through a 1 MiB buffer: with the default 8 KiB one, iterating the lines
+# of a .jsonl (documents of ~10 KB) took 0.66 s per 615 MB instead of 0.16 s (measured).
+LOCAL_BUFFER = 1 << 20
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 # Metadata fields that change when an object's content does, in order of preference:
 # S3 and compatible servers (ETag), GCS (generation, etag), HF Hub (blob id), then time.
@@ -95,7 +98,7 @@ def _chain(e: BaseException):
 def open_input(path: str):
     """A binary reader for a local path or a URL (streamed in READ_BLOCK ranged reads)."""
     if not is_url(path):
-        return open(path, "rb")
+        return open(path, "rb", buffering=LOCAL_BUFFER)
     fs, p = filesystem(path)
     try:
         return fs.open(p, "rb", block_size=READ_BLOCK)
