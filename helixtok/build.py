@@ -182,6 +182,8 @@ def _run_unit(unit: Unit, info: TokenizerInfo) -> dict:
             ids, lens = enc.encode(batch[s])
             files[s][0].write(ids.data)
             files[s][1].write(lens.astype("<i8").data)
+            # Counted once encoded: the libraries have (mostly) cached each text's UTF-8 by then.
+            text_bytes[s] += sum(map(utf8_len, batch[s]))
             docs[s] += len(lens)
             tokens[s] += len(ids)
             ntok += len(ids)
@@ -218,7 +220,6 @@ def _run_unit(unit: Unit, info: TokenizerInfo) -> dict:
             continue
         s = _split_of(text, cfg.val_fraction, cfg.split_seed) if cfg.val_fraction > 0 else 0
         batch[splits[s]].append(text)
-        text_bytes[splits[s]] += utf8_len(text)
         chars += len(text)
         if chars >= cfg.batch_chars:
             flush()
