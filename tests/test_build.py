@@ -145,6 +145,21 @@ def test_hand_made_jsonl_exact(tmp_path, small_tok):
     assert "  leading and trailing  " in tok.decode(stream, skip_special_tokens=True)
 
 
+@pytest.mark.parametrize("strip", [False, True])
+def test_text_bytes_are_the_utf8_bytes_of_the_documents_as_tokenized(tmp_path, small_tok, strip):
+    """Per split and in total; non-ASCII text, a lone surrogate escape (repaired), and a document
+    long enough to be read and encoded in pieces."""
+    texts = ["hello world", "  Ωμέγα straße  ", "日本語のテキスト 😀👍🏽", "x\ud800y", "plain ascii " * 40]
+    lines = [json.dumps({"text": t}) for t in texts] + ['{"text": "' + "naïve café " * 30_000 + '"}']
+    write(tmp_path / "c" / "a.jsonl", "\n".join(lines) + "\n")
+    m = build([str(tmp_path / "c")], str(tmp_path / "out"), small_tok,
+              BuildConfig(seq_len=4, workers=1, strip=strip, val_fraction=0.4, long_doc_bytes=100_000))
+    docs = [t.replace("\ud800", "\ufffd") for t in texts] + ["naïve café " * 30_000]
+    want = sum(len((d.strip() if strip else d).encode()) for d in docs)
+    got = {s: v["text_bytes"] for s, v in m["splits"].items()}
+    assert m["totals"]["text_bytes"] == sum(got.values()) == want and all(got.values()), got
+
+
 def test_bos_and_document_padding_with_pad_equal_eos(tmp_path, small_tok):
     write(tmp_path / "c" / "a.txt", "hello world hello world")
     write(tmp_path / "c" / "b.txt", "fox")
