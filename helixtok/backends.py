@@ -313,10 +313,10 @@ class Apart:
     def __call__(self) -> list[str]:
         if self._value is None:
             self._value = (self._future.result() if self._future is not None
-                           else self._childs() or long_digests(*self._args))
+                           else self._from_child() or long_digests(*self._args))
         return self._value
 
-    def _childs(self) -> list[str] | None:
+    def _from_child(self) -> list[str] | None:
         if self._child is None:
             return None
         out = self._child.communicate()[0]
