@@ -117,19 +117,30 @@ def megatron_core():
 
     if importlib.util.find_spec("megatron") is None:  # not imported here: only looked up
         pytest.skip("megatron-core is not installed (it is in the [test] extra)")
+    import tempfile
+
+    err = tempfile.TemporaryFile("w+")  # a file, not a pipe: a chatty child never blocks on it
     child = subprocess.Popen([sys.executable, "-c", MEGATRON], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True)
+                             stderr=err, text=True)
 
     def ask(cmd, *jobs):
         child.stdin.write(json.dumps([cmd, [(str(p), a) for p, a in jobs]]) + "\n")
         child.stdin.flush()
         got = [json.loads(child.stdout.readline() or '{"error": "megatron-core child died"}') for _ in jobs]
-        assert all("error" not in g for g in got), (got, child.poll() is not None and child.stderr.read()[-3000:])
+        if any("error" in g for g in got):
+            err.seek(0)
+            pytest.fail(f"megatron-core: {got}\n{err.read()[-3000:]}")
         return got
 
-    yield ask
-    child.stdin.close()
-    child.wait(timeout=30)
+    try:
+        yield ask
+    finally:
+        child.stdin.close()
+        try:
+            child.wait(timeout=30)
+        finally:
+            child.kill()
+            err.close()
 
 
 @pytest.mark.parametrize("shards", ["several", "one"])
