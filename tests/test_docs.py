@@ -36,8 +36,10 @@ class TinyLM(torch.nn.Module):
 
     def forward(self, input_ids, labels, attention_mask, **_):
         self.batches += 1
-        logits = self.head(self.emb(input_ids))
-        loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
+        # The next token at every 16th position: the loops' arithmetic is under test, and the full
+        # (batch, seq, vocab) logits cost ~60 ms a batch on a CPU.
+        logits = self.head(self.emb(input_ids[:, :-1:16]))
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels[:, 1::16].flatten())
         return SimpleNamespace(loss=loss)
 
 
