@@ -133,14 +133,34 @@ def test_ctrl_c_exits_130_and_resumes(tmp_path, dev_corpus, tokenizer_path, dev_
     same_folder(out, dev_packed)
 
 
+def _children(pid) -> list[int]:
+    """pid's child processes, from /proc (those of each of its threads: a pool starts workers from
+    a thread).  Not pgrep: a process started per look, every 20 ms, took a core from the build
+    under test."""
+    kids = []
+    for f in glob.glob(f"/proc/{pid}/task/*/children"):
+        with contextlib.suppress(OSError):
+            with open(f) as fh:
+                kids += [int(k) for k in fh.read().split()]
+    return kids
+
+
+def _descendants(pid) -> list[int]:
+    out, todo = [], [pid]
+    while todo:
+        kids = _children(todo.pop())
+        out += kids
+        todo += kids
+    return out
+
+
 def test_dead_worker_fails_promptly_with_location(tmp_path, dev_corpus, tokenizer_path):
     out = tmp_path / "out"
     p = start_cli(dev_corpus, out, tokenizer_path, "--backend", "hf")  # slow enough to be caught mid-build
     wait_for(str(out / STATE / "u*.part"), p)
-    kids = subprocess.run(["pgrep", "-P", str(p.pid)], capture_output=True, text=True).stdout.split()
-    workers = [k for k in kids if "spawn_main" in open(f"/proc/{k}/cmdline").read()]
+    workers = [k for k in _children(p.pid) if "spawn_main" in open(f"/proc/{k}/cmdline").read()]
     assert workers
-    os.kill(int(workers[0]), signal.SIGKILL)
+    os.kill(workers[0], signal.SIGKILL)
     _, err = p.communicate(timeout=60)
     assert p.returncode == 1
     assert "a worker process died while tokenizing" in err and str(dev_corpus) in err
@@ -168,17 +188,16 @@ def test_dead_worker_message_names_the_file_that_worker_was_reading(tmp_path, de
     wait_for(str(out / STATE / "u*.part"), p)
     victim = reading = None
     while victim is None and p.poll() is None:
-        kids = subprocess.run(["pgrep", "-P", str(p.pid)], capture_output=True, text=True).stdout.split()
-        for k in kids:
+        for k in _children(p.pid):
             with contextlib.suppress(OSError):
                 if "spawn_main" not in open(f"/proc/{k}/cmdline").read():
                     continue
-            os.kill(int(k), signal.SIGSTOP)  # frozen: it cannot move on to another file
+            os.kill(k, signal.SIGSTOP)  # frozen: it cannot move on to another file
             reading = _open_input(k, corpus)
             if reading:
-                victim = int(k)
+                victim = k
                 break
-            os.kill(int(k), signal.SIGCONT)
+            os.kill(k, signal.SIGCONT)
     assert victim, "no worker was caught reading an input"
     os.kill(victim, signal.SIGKILL)
     _, err = p.communicate(timeout=60)
@@ -190,8 +209,7 @@ def test_hung_worker_fails_promptly_with_location(tmp_path, dev_corpus, tokenize
     out = tmp_path / "out"
     p = start_cli(dev_corpus, out, tokenizer_path, "--stall-timeout", "3")
     wait_for(str(out / STATE / "u*.part"), p)
-    kids = subprocess.run(["pgrep", "-P", str(p.pid)], capture_output=True, text=True).stdout.split()
-    workers = [int(k) for k in kids if "spawn_main" in open(f"/proc/{k}/cmdline").read()]
+    workers = [k for k in _children(p.pid) if "spawn_main" in open(f"/proc/{k}/cmdline").read()]
     for w in workers:
         os.kill(w, signal.SIGSTOP)  # a worker that neither works nor dies
     t = time.time()
@@ -317,22 +335,6 @@ def test_too_many_open_files_is_one_line_with_the_fix(tmp_path, small_corpus, sm
     assert r.exit_code == 1 and "Traceback" not in r.output
     assert (f"too many open files ({small_corpus / 'a.txt'}); raise the limit (ulimit -n 4096) or use fewer "
             "--workers, then rerun the same command to resume") in r.output
-
-
-def _descendants(pid):
-    """Every process below pid, from /proc (children of each of its threads: a pool starts
-    workers from a thread).  Not pgrep: one per level every 20 ms took a core from the build
-    under test."""
-    out, todo = [], [pid]
-    while todo:
-        kids = []
-        for f in glob.glob(f"/proc/{todo.pop()}/task/*/children"):
-            with contextlib.suppress(OSError):
-                with open(f) as fh:
-                    kids += [int(k) for k in fh.read().split()]
-        out += kids
-        todo += kids
-    return out
 
 
 def _alive(pid):
