@@ -180,6 +180,16 @@ def small_corpus(tmp_path, dev_corpus) -> Path:
     return c
 
 
+@pytest.fixture(scope="module")
+def apart():
+    """A spawned process, one per module that asks, for work whose heap pytest would keep for the
+    rest of the run (glibc does not give it back): many builds, tokenizers' buffers for 1 MiB."""
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as ex:
+        yield ex
+
 
 @pytest.fixture(autouse=True, scope="module")
 def _give_memory_back():

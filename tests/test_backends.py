@@ -102,18 +102,8 @@ def _build_with_each_backend(corpus: list[str], shapes: dict, special: str, root
     return got
 
 
-@pytest.fixture(scope="module")
-def child():
-    """One spawned process for the builds whose heap pytest should not keep."""
-    import multiprocessing as mp
-    from concurrent.futures import ProcessPoolExecutor
-
-    with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as ex:
-        yield ex
-
-
 @pytest.mark.parametrize("special", ["text", "extract"])
-def test_every_backend_gives_tokenizers_bytes_or_is_refused(tmp_path, dev_corpus, shapes, special, child):
+def test_every_backend_gives_tokenizers_bytes_or_is_refused(tmp_path, dev_corpus, shapes, special, apart):
     lines, size = [], 0
     for line in open(dev_corpus / "jsonl" / "plain.jsonl", encoding="utf-8"):  # ~300 KB of its documents
         lines.append(line)
@@ -121,7 +111,7 @@ def test_every_backend_gives_tokenizers_bytes_or_is_refused(tmp_path, dev_corpus
         if size > 300_000:
             break
     (tmp_path / "c.jsonl").write_text("".join(lines), encoding="utf-8")
-    got = child.submit(_build_with_each_backend, [str(tmp_path / "c.jsonl")], shapes, special, str(tmp_path)).result()
+    got = apart.submit(_build_with_each_backend, [str(tmp_path / "c.jsonl")], shapes, special, str(tmp_path)).result()
     table = {}
     for shape in shapes:
         ref, want = got[shape, "hf"]
