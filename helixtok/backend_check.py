@@ -69,9 +69,11 @@ def choose_backend(info: TokenizerInfo, units: list[Unit], config: BuildConfig,
                         continue
                 theirs = None
                 if long[name]:  # started first, to be encoded beside the answers
-                    hf_long = hf_long or digests_apart("hf", *key, executor)
+                    if hf_long is None:
+                        hf_long = digests_apart("hf", *key, executor)
+                        apart.append(hf_long)
                     theirs = digests_apart(name, *key, executor)
-                    apart += [hf_long, theirs]
+                    apart.append(theirs)
                 got = (executor.submit(worker_answers, name, info.path, info.special_tokens, texts).result()
                        if in_worker else answers(encode, texts))
                 ok, why = judge(name, ver, info.sha256, info.special_tokens, texts, (got, theirs),

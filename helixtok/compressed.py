@@ -61,7 +61,6 @@ def plan_gzip(f: InputFile, unit_bytes: int, halt: threading.Event) -> tuple[str
     import subprocess
 
     from .children import start_helper
-
     from .config import cache_root
 
     key = hashlib.sha256(f"{f.path}|{f.size}|{f.stamp}|{GZ_INDEX_SPACING}".encode()).hexdigest()

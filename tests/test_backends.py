@@ -339,7 +339,10 @@ def test_the_long_input_processes_of_a_refused_backend_are_stopped(tmp_path, sma
     def wrong_fastokens(name, *args):
         encode, ver, why = real_encoder(name, *args)
         if name == "fastokens" and encode is not None:
-            return (lambda texts: (encode(texts)[0] + 1, encode(texts)[1])), ver, why
+            def off_by_one(texts):
+                ids, lens = encode(texts)
+                return ids + 1, lens
+            return off_by_one, ver, why
         return encode, ver, why
     monkeypatch.setattr(backends, "flat_encoder", wrong_fastokens)
     alive_at_start = []
