@@ -8,6 +8,7 @@ import json
 import os
 import re
 import subprocess
+import threading
 from functools import lru_cache
 from itertools import chain
 
@@ -189,14 +190,14 @@ def flat_encoder(name: str, path: str, special: str, tok):
             # One thread: a build runs one worker process per core (--workers), and its own
             # thread pool would make each worker compete with the others for cores.
             os.environ.setdefault("FASTOKENS_BPE_THREADS", "1")
-            ft = _fast_tokenizer("fastokens", path, os.stat(path).st_mtime_ns)
+            ft = _loaded("fastokens", path)
 
             def encode(texts):
                 ids, offs = ft.encode_batch_flat(texts, add_special_tokens=False,
                                                  split_special_tokens=special == "text")
                 return np.frombuffer(ids, dtype="<u4"), np.diff(np.frombuffer(offs, dtype="<u8")).astype(np.int64)
         else:
-            gt = _fast_tokenizer("gigatoken", path, os.stat(path).st_mtime_ns)
+            gt = _loaded("gigatoken", path)
 
             def encode(texts):
                 return _flat(gt.encode_batch_list(texts, parallel=False))
@@ -218,8 +219,36 @@ def _fast_tokenizer(lib: str, path: str, mtime_ns: int):
     return gigatoken.Tokenizer(path)
 
 
+_ahead: dict[tuple, threading.Thread] = {}
+
+
+def load_ahead(lib: str, path: str) -> None:
+    """Start loading `lib`'s tokenizer for `path` in a thread: the fast libraries release the GIL
+    while they load (~1.2 s for a 100k vocabulary), so a build that tokenizes in this process
+    inspects the tokenizer, plans its work and samples the corpus meanwhile."""
+    key = (lib, path, os.stat(path).st_mtime_ns)
+
+    def load() -> None:
+        with contextlib.suppress(Exception):  # _loaded loads it again and says why it cannot
+            _fast_tokenizer(*key)
+    # Not a daemon: a daemon thread that returns from the library while Python shuts down aborts
+    # the process ("FATAL: exception not rethrown"); a failed build joins it (forget_fast_tokenizers).
+    _ahead[key] = threading.Thread(target=load, name="helixtok-load")
+    _ahead[key].start()
+
+
+def _loaded(lib: str, path: str):
+    """_fast_tokenizer's, after the load started ahead of it (if any) has ended: never loaded twice."""
+    key = (lib, path, os.stat(path).st_mtime_ns)
+    if (t := _ahead.pop(key, None)) is not None:
+        t.join()
+    return _fast_tokenizer(*key)
+
+
 def forget_fast_tokenizers() -> None:
     """Free the fast tokenizers this process loaded (for a check or ahead of one) and will not use."""
+    while _ahead:
+        _ahead.popitem()[1].join()  # a load still under way would fill the cache after the clear
     _fast_tokenizer.cache_clear()
 
 

@@ -4,6 +4,8 @@ import dataclasses
 import inspect
 import json
 import os
+import subprocess
+import sys
 import textwrap
 from functools import lru_cache
 
@@ -246,6 +248,40 @@ def test_an_inline_build_tokenizes_with_the_library_its_check_loaded(tmp_path, d
     m = build(corpus, str(tmp_path / "out"), shapes["gpt2-like"],
               BuildConfig(seq_len=256, workers=1, backend="gigatoken", special_tokens="extract"))
     assert m["tokenizer"]["backend"] == "gigatoken" and loads == ["gigatoken"]
+
+
+def test_an_inline_build_loads_the_likely_library_ahead_and_a_failure_meanwhile_exits_cleanly(
+        tmp_path, dev_corpus, shapes, monkeypatch):
+    """A build that tokenizes in its own process starts loading fastokens' tokenizer in a thread
+    before it inspects the tokenizer (the load releases the GIL): loaded once, in that thread, and
+    used.  A build that fails while the load runs exits with its one-line error: it waits for the
+    load, since a thread stopped at exit inside the library aborts the process."""
+    import threading
+
+    from helixtok import backends
+
+    where, real = [], backends._fast_tokenizer
+
+    def counted(*key):
+        where.append((key[0], threading.current_thread().name))
+        return real(*key)
+    real.cache_clear()
+    monkeypatch.setattr(backends, "_fast_tokenizer", lru_cache(maxsize=2)(counted))  # counts loads
+    corpus = str(dev_corpus / "jsonl" / "plain.jsonl")
+    tok = shapes["llama3-like (uint32)"]
+    m = build([corpus], str(tmp_path / "out"), tok, BuildConfig(seq_len=256, workers=1))
+    assert m["tokenizer"]["backend"] == "fastokens" and where == [("fastokens", "helixtok-load")]
+    real.cache_clear()
+    backends._fast_tokenizer.cache_clear()
+
+    with pytest.raises(TokenizerError, match="eos token 'nope' is not in the vocabulary"):
+        build([corpus], str(tmp_path / "bad"), tok, BuildConfig(seq_len=256, workers=1, eos_token="nope"))
+    assert where[1:] == [("fastokens", "helixtok-load")]  # refused while it loaded ...
+    assert not [t for t in threading.enumerate() if t.name == "helixtok-load"]  # ... and it has ended
+    p = subprocess.run([sys.executable, "-m", "helixtok.cli", "build", corpus, str(tmp_path / "bad"), "-t", tok,
+                        "-j", "1", "-q", "--eos-token", "nope"], capture_output=True, text=True)
+    assert p.returncode == 1 and p.stderr.splitlines() == [f"Error: {tok}: eos token 'nope' is not in the vocabulary"]
+    assert not (tmp_path / "bad").exists()
 
 
 def test_a_backend_wrong_only_on_a_long_input_is_refused_and_the_references_are_cached(tmp_path, small_tok,
