@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import queue
 import threading
@@ -10,11 +12,16 @@ import numpy as np
 
 from .config import BuildConfig
 from .errors import HelixtokError
+from .manifest import write_json_atomic
 from .pack import PackCounts, StreamPacker, document_chunks
 from .shards import ShardWriter
 from .tokenizer import TokenizerInfo
 
 ASSEMBLY_TOKENS = 1 << 22  # tokens per slice when assembling: memory stays flat (16 MiB at uint32)
+# Assembled tokens between checkpoints (64 MiB at uint32); each costs a flush and a small JSON,
+# and lets the spill files of the units it covers go.
+CHECKPOINT_TOKENS = 1 << 24
+CHECKPOINT = "assembly.json"
 
 
 class _Split:
@@ -29,6 +36,18 @@ class _Split:
         self.counts = PackCounts()
         self.produced = self.documents = self.text_bytes = 0
 
+    def mark(self) -> dict:
+        return {"writer": self.writer.mark(), "packer": self.packer.mark(), "counts": vars(self.counts).copy(),
+                "produced": self.produced, "documents": self.documents, "text_bytes": self.text_bytes}
+
+    def reopen(self, mark: dict) -> bool:
+        if not self.writer.reopen(mark["writer"]):
+            return False
+        self.packer.reopen(mark["packer"])
+        self.counts = PackCounts(**mark["counts"])
+        self.produced, self.documents, self.text_bytes = mark["produced"], mark["documents"], mark["text_bytes"]
+        return True
+
 
 class Assembler:
     """Packs units' spill files into shards in `dest` (inside STATE until published).
@@ -37,6 +56,10 @@ class Assembler:
     the copy into shards overlaps the tokenizing of later units instead of following it.  With
     `background`, it assembles in a thread of its own: for a build that tokenizes in this very
     process, whose thread is busy (the copies, hashing and writes release the GIL).
+
+    Every CHECKPOINT_TOKENS it records where it stands in STATE/assembly.json and deletes the
+    spill files of the units assembled: a resumed build goes on from there (`resumed`), and the
+    spill files' pages are reused for the shards' instead of the page cache holding every token twice.
     """
 
     def __init__(self, dest: str, info: TokenizerInfo, config: BuildConfig, state: str, indices: list[int],
@@ -47,13 +70,46 @@ class Assembler:
         self.indices = indices  # the units, in the order their tokens go into the shards
         self.done = 0  # how many of them are assembled
         self.waiting: dict[int, dict] = {}
+        self._before: set[int] = set()  # the units a resumed assembly had assembled
+        self._spent: list[dict] = []  # units assembled since the last checkpoint
+        self._since = 0  # their tokens
         self._queue = self._thread = None
         self._error: BaseException | None = None
         self._stop = False  # the build is failing: assemble nothing more
         if background:
-            self._queue = queue.SimpleQueue()
-            self._thread = threading.Thread(target=self._behind, name="helixtok-assembly", daemon=True)
-            self._thread.start()
+            self._start()
+
+    def _start(self) -> None:
+        self._queue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._behind, name="helixtok-assembly", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def resumed(cls, dest: str, info: TokenizerInfo, config: BuildConfig, state: str, indices: list[int],
+                *, background: bool = False) -> "Assembler | None":
+        """The assembly a stopped build checkpointed in `state`, reopened; None if there is none
+        or its files do not hold what it records (after a power loss): then assemble afresh."""
+        try:
+            with open(os.path.join(state, CHECKPOINT)) as fh:
+                mark = json.load(fh)
+            if mark["indices"] != indices or set(mark["splits"]) != ({"train", "val"} if config.val_fraction > 0
+                                                                     else {"train"}):
+                return None
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+        self = cls(dest, info, config, state, indices)
+        try:
+            ok = all(sp.reopen(mark["splits"][name]) for name, sp in self.splits.items())
+        except (OSError, ValueError, KeyError, TypeError):
+            ok = False
+        if not ok:
+            self._stop_writers()
+            return None
+        self.done = mark["done"]
+        self._before = set(indices[:self.done])
+        if background:
+            self._start()
+        return self
 
     def add(self, result: dict) -> None:
         """Assemble what `result` completes; in the background, raise the assembly's error at
@@ -80,16 +136,36 @@ class Assembler:
             self._thread = None
 
     def _take(self, result: dict) -> None:
+        if result["index"] in self._before:
+            return  # assembled before this build resumed
         self.waiting[result["index"]] = result
         while self.done < len(self.indices) and self.indices[self.done] in self.waiting:
             r = self.waiting.pop(self.indices[self.done])
             try:
                 for name, sp in self.splits.items():
                     self._add_split(sp, r, name)
+                self.done += 1
+                self._spent.append(r)
+                self._since += sum(r["tokens"].values())
+                if self._since >= CHECKPOINT_TOKENS:
+                    self._checkpoint()
             except BaseException:
-                self._abort_writers()
+                self._stop_writers()
                 raise
-            self.done += 1
+
+    def _checkpoint(self) -> None:
+        """Record where the assembly stands (its files flushed), then delete the spill files it
+        no longer needs.  Not fsynced, like the spill files: after a power loss `resumed`
+        finds the shard being written shorter than recorded, or other bytes, and refuses it."""
+        write_json_atomic(os.path.join(self.state, CHECKPOINT), {
+            "done": self.done, "indices": self.indices,
+            "splits": {name: sp.mark() for name, sp in self.splits.items()}}, durable=False)
+        for r in self._spent:
+            for files in r["spill"].values():
+                for n, *_ in files:
+                    with contextlib.suppress(OSError):
+                        os.remove(os.path.join(self.state, n))
+        self._spent, self._since = [], 0
 
     def _add_split(self, sp: _Split, r: dict, split: str) -> None:
         cfg, dtype, L = self.config, self.info.dtype, self.config.seq_len
@@ -148,13 +224,16 @@ class Assembler:
                 "text_bytes": sp.text_bytes, "dropped_tokens": sp.counts.dropped_tokens,
                 "dropped_documents": sp.counts.dropped_documents, "shards": shards,
             }
+        # Every shard is committed: a build stopped while publishing them goes on from here.
+        self._checkpoint()
         return out
 
     def abort(self) -> None:
+        """Stop: what is written stays, for a resumed build to go on from the last checkpoint."""
         self._stop = True
         self._join()
-        self._abort_writers()
+        self._stop_writers()
 
-    def _abort_writers(self) -> None:
+    def _stop_writers(self) -> None:
         for sp in self.splits.values():
-            sp.writer.abort()
+            sp.writer.stop()

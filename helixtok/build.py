@@ -25,7 +25,7 @@ from typing import Callable
 import numpy as np
 
 from . import __version__
-from .assemble import Assembler
+from .assemble import CHECKPOINT, Assembler
 from .backend_check import choose_backend
 from .backends import FAST, forget_fast_tokenizers, load_ahead
 from .children import die_with_parent
@@ -322,8 +322,10 @@ def _describe_change(old: dict, new: dict) -> str:
     return "; ".join(parts) or "work units changed"
 
 
-def _trusted_results(state: str, units: list[Unit]) -> dict[int, dict]:
-    """Journal entries of finished units whose spill files are all there with the sizes recorded.
+def _trusted_results(state: str, units: list[Unit], assembled: set[int]) -> dict[int, dict] | None:
+    """Journal entries of finished units: those `assembled` (a checkpoint covers them: their
+    spill files may be gone) and those whose spill files are all there with the size and CRC
+    recorded; None if an assembled unit has no readable entry (then the checkpoint is of no use).
 
     Read once, at start: the lock guarantees no other build writes here, and an orphan that
     journals late only ever names its own run's files, which this run then does not use.
@@ -333,14 +335,16 @@ def _trusted_results(state: str, units: list[Unit]) -> dict[int, dict]:
         try:
             with open(done_path(state, u.index)) as fh:
                 r = json.load(fh)
-            ok = r["index"] == u.index and "lines" in r and all(
-                _spill_intact(os.path.join(state, n), size, crc) for files in r["spill"].values() for n, size, crc in files)
+            ok = r["index"] == u.index and "lines" in r and (u.index in assembled or all(
+                _spill_intact(os.path.join(state, n), size, crc) for files in r["spill"].values() for n, size, crc in files))
         except (OSError, ValueError, KeyError, TypeError):
             ok = False
         if ok:
             trusted[u.index] = r
-    keep = {n for r in trusted.values() for files in r["spill"].values() for n, _, _ in files}
-    for e in os.listdir(state):  # spill files of runs that did not finish their unit
+        elif u.index in assembled:
+            return None
+    keep = {n for i, r in trusted.items() if i not in assembled for files in r["spill"].values() for n, _, _ in files}
+    for e in os.listdir(state):  # spill files of runs that did not finish their unit, or no longer needed
         if e.startswith("u") and e not in keep and not e.endswith(".done.json"):
             with contextlib.suppress(OSError):
                 os.remove(os.path.join(state, e))
@@ -669,14 +673,27 @@ def _build_started(out, info, config, overwrite, on_progress, task, files, units
     if not resume:
         write_json_atomic(os.path.join(state, "plan.json"), plan)
 
-    trusted = _trusted_results(state, units) if resume else {}
+    asm = os.path.join(state, "assembly")
+    indices = [u.index for u in units]
+    # Tokenizing in this process (no pool) keeps its thread busy: the assembly gets a thread of its own.
+    background = workers is None
+    assembler = trusted = None
+    if resume:
+        _unpublish(out, state, asm)
+        assembler = Assembler.resumed(asm, info, config, state, indices, background=background)
+        trusted = _trusted_results(state, units, set(indices[:assembler.done]) if assembler else set())
+        if trusted is None:
+            assembler.abort()
+            assembler, trusted = None, _trusted_results(state, units, set())
+    if assembler is None:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(state, CHECKPOINT))
+        shutil.rmtree(asm, ignore_errors=True)
+        os.makedirs(asm)
+        assembler = Assembler(asm, info, config, state, indices, background=background)
+    trusted = trusted or {}
     pending = [u for u in units if u.index not in trusted]
     done_bytes = sum(u.est_bytes for u in units if u.index in trusted)
-    asm = os.path.join(state, "assembly")
-    shutil.rmtree(asm, ignore_errors=True)
-    os.makedirs(asm)
-    # Tokenizing in this process (no pool) keeps its thread busy: the assembly gets a thread of its own.
-    assembler = Assembler(asm, info, config, state, [u.index for u in units], background=workers is None)
     refs = LineRefs(units)
 
     def took(r: dict) -> None:
@@ -748,6 +765,21 @@ def _check_unchanged(files) -> None:
     for f in files:
         if current(f.path) != (f.size, f.stamp):
             raise InputError(f"{f.path}: changed while the build read it; rerun when the corpus is stable")
+
+
+def _unpublish(out: str, state: str, asm: str) -> None:
+    """Move back into `asm` what a build stopped while publishing had moved into OUT (publish.json
+    names them), so that its checkpointed assembly is whole again."""
+    try:
+        with open(os.path.join(state, PUBLISH)) as fh:
+            names = json.load(fh)["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return
+    for n in names if isinstance(names, list) else []:
+        if not isinstance(n, str) or os.sep in n or n in (".", "..") or os.path.islink(os.path.join(out, n)):
+            continue  # publish.json only ever names plain files directly in OUT
+        if os.path.isfile(os.path.join(out, n)) and not os.path.exists(os.path.join(asm, n)):
+            os.replace(os.path.join(out, n), os.path.join(asm, n))
 
 
 def _publish(out: str, state: str, asm: str, splits: dict, manifest: dict) -> None:

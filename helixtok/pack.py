@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,6 +31,17 @@ class StreamPacker:
         self.carry = np.empty(0, dtype)
         self.pending = np.empty(0, np.int64)  # document starts in the carry, stream positions
         self.pos = 0  # tokens of the stream seen so far
+
+    def mark(self) -> dict:
+        return {"pos": self.pos, "pending": self.pending.tolist(),
+                "carry": base64.b64encode(self.carry.astype(self.carry.dtype.newbyteorder("<")).tobytes()).decode()}
+
+    def reopen(self, mark: dict) -> None:
+        """Go on from `mark` (a packer made with the same arguments, its writer reopened)."""
+        self.pos = mark["pos"]
+        self.pending = np.array(mark["pending"], np.int64)
+        self.carry = np.frombuffer(base64.b64decode(mark["carry"]), self.carry.dtype.newbyteorder("<")).astype(
+            self.carry.dtype)
 
     def add(self, ids: np.ndarray, starts: np.ndarray) -> None:
         """ids: the next slice of the stream; starts: sorted stream positions of document starts

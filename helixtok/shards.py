@@ -48,6 +48,36 @@ class _HashedFile:
         if os.path.exists(self.tmp):
             os.remove(self.tmp)
 
+    def mark(self) -> list:
+        """[bytes written, their sha256]: flushed into the file, where `reopen` finds them."""
+        self.fh.flush()
+        return [self.bytes, self.sha.copy().hexdigest()]
+
+    @classmethod
+    def reopen(cls, final: str, mark: list) -> "_HashedFile | None":
+        """The file a stopped build was writing, cut back to `mark` (its bytes hashed again), to
+        write on; None if it does not hold those bytes (they never reached the disk)."""
+        self = cls.__new__(cls)
+        self.final = final
+        self.tmp = os.path.join(os.path.dirname(final), "." + os.path.basename(final) + ".tmp")
+        if not os.path.exists(self.tmp) and os.path.exists(final):
+            os.replace(final, self.tmp)  # it was committed after the mark: written on since
+        try:
+            self.fh = open(self.tmp, "r+b")
+        except FileNotFoundError:
+            return None
+        size, want = mark
+        self.sha, self.bytes = hashlib.sha256(), 0
+        if os.fstat(self.fh.fileno()).st_size >= size:
+            self.fh.truncate(size)
+            while self.bytes < size and (block := self.fh.read(min(8 << 20, size - self.bytes))):
+                self.sha.update(block)
+                self.bytes += len(block)
+        if self.bytes != size or self.sha.hexdigest() != want:
+            self.fh.close()
+            return None
+        return self
+
 
 @dataclass
 class ShardWriter:
@@ -118,3 +148,38 @@ class ShardWriter:
         for f in (self._bin, self._side):
             if f is not None:
                 f.abort()
+
+    def stop(self) -> None:
+        """Close the files being written, keeping them: a resumed build reopens them (reopen)."""
+        for f in (self._bin, self._side):
+            if f is not None:
+                f.fh.close()
+        self._bin = self._side = None
+
+    def mark(self) -> dict:
+        """Where this writer stands, flushed to its files: what `reopen` needs to go on from here."""
+        return {"shards": [dict(e) for e in self.shards], "num_chunks": self.num_chunks, "in_shard": self._in_shard,
+                "docs_in_shard": self._docs_in_shard, "bin": self._bin and self._bin.mark(),
+                "side": self._side and self._side.mark()}
+
+    def reopen(self, mark: dict) -> bool:
+        """Go on from `mark` (a writer made with the same arguments); False if the files on disk
+        do not hold what it records (then nothing is usable)."""
+        for e in mark["shards"]:
+            side_bytes = (e["num_chunks"] * VALID_DTYPE.itemsize if self.sidecar == "valid"
+                          else e["docs"]["count"] * DOCS_DTYPE.itemsize)
+            for name, size in ((e["path"], e["bytes"]), (e[self.sidecar]["path"], side_bytes)):
+                path = os.path.join(self.out_dir, name)
+                if not os.path.isfile(path) or os.path.getsize(path) != size:  # committed: fsynced first
+                    return False
+        self.shards = [dict(e) for e in mark["shards"]]
+        self.num_chunks, self._in_shard, self._docs_in_shard = (mark["num_chunks"], mark["in_shard"],
+                                                                mark["docs_in_shard"])
+        if mark["bin"] is not None:
+            stem = os.path.join(self.out_dir, f"{self.split}-{len(self.shards):05d}")
+            self._bin = _HashedFile.reopen(stem + ".bin", mark["bin"])
+            self._side = _HashedFile.reopen(f"{stem}.{self.sidecar}", mark["side"])
+            if self._bin is None or self._side is None:
+                self.stop()
+                return False
+        return True

@@ -91,6 +91,145 @@ def test_interrupted_assembly_resumes_identically(tmp_path, dev_corpus, tokenize
     same_folder(out, dev_packed)
 
 
+def _stopped_after(n_units: int, monkeypatch):
+    """Make an inline build stop (Ctrl-C) when it starts its n-th unit, its assembly checkpointed
+    after every unit; returns the list of the units the build tokenizes (all of its runs)."""
+    from helixtok import assemble
+
+    monkeypatch.setattr(assemble, "CHECKPOINT_TOKENS", 1)
+    ran, real = [], hb.run_unit
+
+    stop = [True]
+
+    def counted(unit, info):
+        if len(ran) == n_units and stop and stop.pop():  # once
+            time.sleep(0.5)  # the assembly thread catches up with what is tokenized
+            raise KeyboardInterrupt
+        ran.append(unit.index)
+        return real(unit, info)
+    monkeypatch.setattr(hb, "run_unit", counted)
+    return ran
+
+
+@pytest.mark.parametrize("options", [dict(), dict(val_fraction=0.2), dict(packing="document", val_fraction=0.2)],
+                         ids=["packed", "packed+val", "document+val"])
+def test_a_checkpointed_assembly_resumes_where_it_stopped(tmp_path, dev_corpus, tokenizer_path, options,
+                                                          monkeypatch):
+    """The assembly records where it stands (assembly.json) and deletes the spill files of the
+    units it covers; a resumed build reopens the shard being written, cut back to the record, and
+    tokenizes only the units after it: the dataset of an undisturbed build, byte for byte."""
+    cfg = BuildConfig(seq_len=512, workers=1, shard_bytes=1 << 18, unit_bytes=UNIT, **options)
+    ref = str(tmp_path / "ref")
+    build([str(dev_corpus)], ref, tokenizer_path, cfg)
+    out = str(tmp_path / "out")
+    ran = _stopped_after(5, monkeypatch)
+    with pytest.raises(KeyboardInterrupt):
+        build([str(dev_corpus)], out, tokenizer_path, cfg)
+    with open(os.path.join(out, STATE, "assembly.json")) as fh:
+        mark = json.load(fh)
+    covered = mark["indices"][:mark["done"]]
+    assert mark["done"] == 5 and ran == covered
+    assert glob.glob(os.path.join(out, STATE, "assembly", ".*.bin.tmp"))  # a shard was being written
+    assert not glob.glob(os.path.join(out, STATE, "u*.tok"))  # every assembled unit's spill files are gone
+    ran.clear()
+    build([str(dev_corpus)], out, tokenizer_path, cfg)
+    assert ran and not set(ran) & set(covered) and len(ran) == len(mark["indices"]) - 5
+    same_folder(out, ref)
+
+
+@pytest.mark.parametrize("damage", ["byte", "short", "closed shard gone"])
+def test_a_checkpoint_its_files_do_not_match_is_dropped_and_its_units_tokenized_again(
+        tmp_path, dev_corpus, tokenizer_path, damage, monkeypatch):
+    """As after a power loss (neither the checkpoint nor the shard being written is fsynced): the
+    shard being written holds other bytes than recorded, or fewer, or a shard is gone.  The resume
+    drops the checkpoint and tokenizes the units it covered again; the dataset is still exact."""
+    cfg = BuildConfig(seq_len=512, workers=1, shard_bytes=1 << 18, unit_bytes=UNIT)
+    ref = str(tmp_path / "ref")
+    build([str(dev_corpus)], ref, tokenizer_path, cfg)
+    out = str(tmp_path / "out")
+    ran = _stopped_after(5, monkeypatch)
+    with pytest.raises(KeyboardInterrupt):
+        build([str(dev_corpus)], out, tokenizer_path, cfg)
+    asm = os.path.join(out, STATE, "assembly")
+    (tmp,) = glob.glob(os.path.join(asm, ".*.bin.tmp"))
+    if damage == "byte":
+        with open(tmp, "r+b") as fh:
+            b = fh.read(1)
+            fh.seek(0)
+            fh.write(bytes([b[0] ^ 1]))
+    elif damage == "short":
+        os.truncate(tmp, os.path.getsize(tmp) - 2)
+    else:
+        os.remove(os.path.join(asm, "train-00000.bin"))
+    ran.clear()
+    m = build([str(dev_corpus)], out, tokenizer_path, cfg)
+    assert len(ran) == m["inputs"]["units"]
+    same_folder(out, ref)
+
+
+def test_a_build_stopped_while_publishing_publishes_without_tokenizing_again(tmp_path, dev_corpus, tokenizer_path,
+                                                                              dev_packed, monkeypatch):
+    """The assembly's last checkpoint covers every unit (their spill files are gone): a build
+    stopped after some shards moved into OUT moves them back and publishes, tokenizing nothing."""
+    cfg = BuildConfig(seq_len=512, workers=1, shard_bytes=1 << 20, unit_bytes=UNIT)
+    out = str(tmp_path / "out")
+    real, moved = os.replace, []
+
+    def stop_after_two(a, b):  # into OUT: two files, then Ctrl-C
+        if os.path.dirname(b) == out:
+            if len(moved) == 2:
+                raise KeyboardInterrupt
+            moved.append(b)
+        real(a, b)
+    with monkeypatch.context() as mp:
+        mp.setattr(hb.os, "replace", stop_after_two)
+        with pytest.raises(KeyboardInterrupt):
+            build([str(dev_corpus)], out, tokenizer_path, cfg)
+    assert len(glob.glob(os.path.join(out, "train-*"))) == 2 and not os.path.exists(os.path.join(out, "manifest.json"))
+    ran = _stopped_after(-1, monkeypatch)
+    build([str(dev_corpus)], out, tokenizer_path, cfg)
+    assert ran == []
+    same_folder(out, dev_packed)
+
+
+def test_kill_9_at_random_moments_with_a_checkpoint_after_every_unit(tmp_path, dev_corpus, tokenizer_path):
+    """kill -9 anywhere in a build whose assembly checkpoints after every unit (shard closes,
+    checkpoint writes, spill deletions, publishing): each rerun goes on, and the dataset finally
+    published is an undisturbed build's."""
+    import random
+
+    corpus = dev_corpus / "txt"
+    args = ["-L", "128", "-q", "--shard-size", "64KiB", "--unit-size", "64KiB", "--val-fraction", "0.1"]
+    code = "import helixtok.assemble as a; a.CHECKPOINT_TOKENS = 1; from helixtok.cli import main; main()"
+
+    def cli(out, j, checkpoints=True):
+        pre = ["-c", code] if checkpoints else ["-m", "helixtok.cli"]
+        return subprocess.Popen([sys.executable, *pre, "build", str(corpus), str(out), "-t", tokenizer_path, *args,
+                                 "-j", j], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    ref = tmp_path / "ref"
+    assert cli(ref, "2", checkpoints=False).wait() == 0
+    rng = random.Random(12)
+    out = tmp_path / "out"
+    checkpointed = 0
+    for cycle in range(8):
+        p = cli(out, "12"[cycle % 2])
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            p.wait(timeout=rng.uniform(0.4, 1.4))
+        p.kill()
+        _, err = p.communicate(timeout=30)
+        assert p.returncode in (0, -9), err
+        checkpointed += (out / STATE / "assembly.json").exists()
+        if (out / "manifest.json").exists():
+            same_folder(out, ref, ignore=(STATE, ".helixtok-lock"))
+            shutil.rmtree(out)
+        time.sleep(0.2)  # orphaned workers notice their parent is gone and exit
+    last = cli(out, "1")
+    assert last.wait() == 0, last.communicate()
+    same_folder(out, ref)
+    assert checkpointed >= 2  # reruns went on from checkpoints
+
+
 def test_changed_option_or_input_refuses_resume(tmp_path, small_tok, monkeypatch):
     c = tmp_path / "c"
     c.mkdir()
@@ -302,9 +441,12 @@ def test_a_spill_file_damaged_after_its_journal_entry_is_tokenized_again(tmp_pat
     def stop(*a, **kw):
         raise KeyboardInterrupt
 
+    from helixtok import assemble
+
     out = str(tmp_path / "out")
     cfg = BuildConfig(seq_len=512, workers=2, shard_bytes=1 << 20, unit_bytes=UNIT)
-    monkeypatch.setattr(hb, "_check_unchanged", stop)
+    monkeypatch.setattr(assemble, "CHECKPOINT_TOKENS", 1 << 60)  # no checkpoint: every spill file is kept
+    monkeypatch.setattr(assemble.Assembler, "finish", stop)
     with pytest.raises(KeyboardInterrupt):
         build([str(dev_corpus)], out, tokenizer_path, cfg)
     monkeypatch.undo()
