@@ -111,14 +111,24 @@ def _stopped_after(n_units: int, monkeypatch):
     return ran
 
 
-@pytest.mark.parametrize("options", [dict(), dict(val_fraction=0.2), dict(packing="document", val_fraction=0.2)],
-                         ids=["packed", "packed+val", "document+val"])
+SMALL_SHARDS = dict(seq_len=512, workers=1, shard_bytes=1 << 18, unit_bytes=UNIT)
+
+
+@pytest.fixture(scope="module")
+def small_shards(tmp_path_factory, dev_corpus, tokenizer_path) -> str:
+    out = str(tmp_path_factory.mktemp("small-shards") / "out")
+    build([str(dev_corpus)], out, tokenizer_path, BuildConfig(**SMALL_SHARDS))
+    return out
+
+
+@pytest.mark.parametrize("options", [dict(val_fraction=0.2), dict(packing="document", val_fraction=0.2)],
+                         ids=["packed+val", "document+val"])
 def test_a_checkpointed_assembly_resumes_where_it_stopped(tmp_path, dev_corpus, tokenizer_path, options,
                                                           monkeypatch):
     """The assembly records where it stands (assembly.json) and deletes the spill files of the
     units it covers; a resumed build reopens the shard being written, cut back to the record, and
     tokenizes only the units after it: the dataset of an undisturbed build, byte for byte."""
-    cfg = BuildConfig(seq_len=512, workers=1, shard_bytes=1 << 18, unit_bytes=UNIT, **options)
+    cfg = BuildConfig(**SMALL_SHARDS, **options)
     ref = str(tmp_path / "ref")
     build([str(dev_corpus)], ref, tokenizer_path, cfg)
     out = str(tmp_path / "out")
@@ -139,13 +149,11 @@ def test_a_checkpointed_assembly_resumes_where_it_stopped(tmp_path, dev_corpus, 
 
 @pytest.mark.parametrize("damage", ["byte", "short", "closed shard gone"])
 def test_a_checkpoint_its_files_do_not_match_is_dropped_and_its_units_tokenized_again(
-        tmp_path, dev_corpus, tokenizer_path, damage, monkeypatch):
+        tmp_path, dev_corpus, tokenizer_path, small_shards, damage, monkeypatch):
     """As after a power loss (neither the checkpoint nor the shard being written is fsynced): the
     shard being written holds other bytes than recorded, or fewer, or a shard is gone.  The resume
     drops the checkpoint and tokenizes the units it covered again; the dataset is still exact."""
-    cfg = BuildConfig(seq_len=512, workers=1, shard_bytes=1 << 18, unit_bytes=UNIT)
-    ref = str(tmp_path / "ref")
-    build([str(dev_corpus)], ref, tokenizer_path, cfg)
+    cfg = BuildConfig(**SMALL_SHARDS)
     out = str(tmp_path / "out")
     ran = _stopped_after(5, monkeypatch)
     with pytest.raises(KeyboardInterrupt):
@@ -164,7 +172,7 @@ def test_a_checkpoint_its_files_do_not_match_is_dropped_and_its_units_tokenized_
     ran.clear()
     m = build([str(dev_corpus)], out, tokenizer_path, cfg)
     assert len(ran) == m["inputs"]["units"]
-    same_folder(out, ref)
+    same_folder(out, small_shards)
 
 
 def test_a_build_stopped_while_publishing_publishes_without_tokenizing_again(tmp_path, dev_corpus, tokenizer_path,
@@ -212,10 +220,13 @@ def test_kill_9_at_random_moments_with_a_checkpoint_after_every_unit(tmp_path, d
     rng = random.Random(12)
     out = tmp_path / "out"
     checkpointed = 0
-    for cycle in range(8):
+    for cycle in range(6):
         p = cli(out, "12"[cycle % 2])
+        t = time.time()  # from the first journal entry on: the assembly runs
+        while not glob.glob(str(out / STATE / "u*.done.json")) and p.poll() is None and time.time() - t < 60:
+            time.sleep(0.01)
         with contextlib.suppress(subprocess.TimeoutExpired):
-            p.wait(timeout=rng.uniform(0.4, 1.4))
+            p.wait(timeout=rng.uniform(0, 0.6))
         p.kill()
         _, err = p.communicate(timeout=30)
         assert p.returncode in (0, -9), err
