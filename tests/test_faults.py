@@ -524,8 +524,9 @@ def test_kill_9_leaves_no_process_behind_and_the_rerun_succeeds_first_time(tmp_p
 
 
 def test_stress_random_kills_and_concurrent_builds(tmp_path, dev_corpus, tokenizer_path):
-    """10 kill -9 at random moments, each followed by a rerun; then 8 builds at once into one OUT.
-    Every published dataset equals an uninterrupted build; no process outlives its build by 2 s."""
+    """6 kill -9 at random moments, each followed by a rerun; then 8 builds at once into one OUT.
+    Every published dataset equals an uninterrupted build; no process outlives its build by 2 s.
+    (test_kill_9_at_random_moments_with_a_checkpoint_after_every_unit kills 6 more, later in a build.)"""
     import random
 
     corpus = dev_corpus / "txt"
@@ -541,7 +542,7 @@ def test_stress_random_kills_and_concurrent_builds(tmp_path, dev_corpus, tokeniz
     rng = random.Random(9)
     out = tmp_path / "out"
     published = leftovers = 0
-    for cycle in range(10):
+    for cycle in range(6):
         p = cli(out, "-j", "2")
         deadline = time.time() + rng.uniform(0.3, 1.2)
         kids = []
@@ -573,7 +574,7 @@ def test_stress_random_kills_and_concurrent_builds(tmp_path, dev_corpus, tokeniz
         if c == 1:
             assert ("another helixtok process (pid" in e or "already holds a finished dataset" in e), e
     same_folder(out2, ref)
-    print(f"stress: 10 kill cycles ({published} finished before the kill), leftover processes {leftovers}; "
+    print(f"stress: 6 kill cycles ({published} finished before the kill), leftover processes {leftovers}; "
           f"concurrent: {codes.count(0)} of 8 published, {codes.count(1)} refused")
 
 
