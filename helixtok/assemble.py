@@ -22,6 +22,7 @@ ASSEMBLY_TOKENS = 1 << 22  # tokens per slice when assembling: memory stays flat
 # and lets the spill files of the units it covers go.
 CHECKPOINT_TOKENS = 1 << 24
 CHECKPOINT = "assembly.json"
+IN_FLIGHT = 4  # results handed to the assembly thread and not yet taken
 
 
 class _Split:
@@ -80,6 +81,9 @@ class Assembler:
             self._start()
 
     def _start(self) -> None:
+        # The build waits while the thread has IN_FLIGHT results to take: tokens handed over in
+        # memory never pile up (the thread takes every result in turn, so this cannot deadlock).
+        self._in_flight = threading.Semaphore(IN_FLIGHT)
         self._queue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._behind, name="helixtok-assembly", daemon=True)
         self._thread.start()
@@ -118,6 +122,7 @@ class Assembler:
             return self._take(result)
         if self._error is not None:
             raise self._error
+        self._in_flight.acquire()
         self._queue.put(result)
 
     def _behind(self) -> None:
@@ -127,6 +132,8 @@ class Assembler:
                     self._take(r)
                 except BaseException as e:  # noqa: BLE001 - raised in the build's thread
                     self._error = e
+            r.pop("memory", None)
+            self._in_flight.release()
 
     def _join(self) -> None:
         """Wait until the thread has stopped: nothing writes into `dest` after this."""
@@ -144,6 +151,7 @@ class Assembler:
             try:
                 for name, sp in self.splits.items():
                     self._add_split(sp, r, name)
+                r.pop("memory", None)  # the build keeps its results: not their tokens
                 self.done += 1
                 self._spent.append(r)
                 self._since += sum(r["tokens"].values())
@@ -170,21 +178,36 @@ class Assembler:
     def _add_split(self, sp: _Split, r: dict, split: str) -> None:
         cfg, dtype, L = self.config, self.info.dtype, self.config.seq_len
         sp.text_bytes += r["text_bytes"][split]
-        tok_path, len_path = (os.path.join(self.state, n) for n, *_ in r["spill"][split])
-        if os.path.getsize(len_path) == 0:
-            return
-        lens_all = np.fromfile(len_path, dtype="<i8")
+        if split in r.get("memory", ()):  # tokenized in this process: the arrays themselves
+            held_ids, held_lens = r["memory"][split]
+            if not held_lens:
+                return
+            ids = np.concatenate(held_ids) if len(held_ids) > 1 else held_ids[0]
+            lens_all = np.concatenate(held_lens) if len(held_lens) > 1 else held_lens[0]
+
+            def window(a: int, b: int) -> np.ndarray:
+                return ids[a:b]
+            tok_size = ids.nbytes
+        else:
+            tok_path, len_path = (os.path.join(self.state, n) for n, *_ in r["spill"][split])
+            if os.path.getsize(len_path) == 0:
+                return
+            lens_all = np.fromfile(len_path, dtype="<i8")
+            tok_size = os.path.getsize(tok_path)
+
+            # Mapped, not read: the packer hands the writer views of the spill file, so a token is
+            # copied once on its way into a shard.  One slice of ~ASSEMBLY_TOKENS is mapped at a
+            # time (packed: any token range; document packing: whole documents): memory stays flat.
+            def window(a: int, b: int) -> np.ndarray:
+                return np.memmap(tok_path, dtype=dtype, mode="r", offset=a * dtype.itemsize,
+                                 shape=(b - a,)).view(np.ndarray)
         ends = np.cumsum(lens_all)
         sp.documents += len(lens_all)
         sp.produced += int(ends[-1])
         total = int(ends[-1])
-        if os.path.getsize(tok_path) != total * dtype.itemsize:
-            raise HelixtokError(f"{tok_path}: not the size its journal says (changed during the build?); rerun")
-        # Mapped, not read: the packer hands the writer views of the spill file, so a token is
-        # copied once on its way into a shard.  One slice of ~ASSEMBLY_TOKENS is mapped at a time
-        # (packed: any token range; document packing: whole documents): memory stays flat.
-        def window(a: int, b: int) -> np.ndarray:
-            return np.memmap(tok_path, dtype=dtype, mode="r", offset=a * dtype.itemsize, shape=(b - a,)).view(np.ndarray)
+        if tok_size != total * dtype.itemsize:
+            raise HelixtokError(f"unit {r['index']}: its tokens are not the size its journal says (spill file "
+                                "changed during the build?); rerun")
 
         if cfg.packing == "packed":
             doc_starts = sp.packer.pos + np.concatenate(([0], ends[:-1]))

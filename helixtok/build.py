@@ -72,7 +72,9 @@ def _init_worker(config: BuildConfig, state_dir: str, run_id: str, counters, slo
             slot = next(i for i in range(0, len(slots), 2) if slots[i] == 0)
             slots[slot] = os.getpid()
             slots[slot + 1] = -1
-    _W.update(config=config, state=state_dir, run=run_id, counters=counters, slots=slots, slot=slot)
+    # Tokenizing in the build's own process (no pool): a unit's tokens go to the assembly in memory.
+    _W.update(config=config, state=state_dir, run=run_id, counters=counters, slots=slots, slot=slot,
+              spool=SPOOL_BYTES if parent is None else 0)
 
 
 def _warm(preload: tuple[str, str] | None) -> None:
@@ -162,7 +164,7 @@ def _run_unit(unit: Unit, info: TokenizerInfo) -> dict:
     splits = ("train", "val") if cfg.val_fraction > 0 else ("train",)
     # Spill files carry this run's id: an orphan of an earlier run can never write into them.
     names = {s: (f"u{unit.index:06d}.{run}.{s}.tok", f"u{unit.index:06d}.{run}.{s}.len") for s in splits}
-    files = {s: [_Spill(os.path.join(state, n + ".part")) for n in names[s]] for s in splits}
+    files = {s: [_Spill(os.path.join(state, n + ".part"), _W["spool"]) for n in names[s]] for s in splits}
     docs = {s: 0 for s in splits}
     tokens = {s: 0 for s in splits}
     text_bytes = {s: 0 for s in splits}  # UTF-8 bytes of the documents as tokenized
@@ -179,8 +181,8 @@ def _run_unit(unit: Unit, info: TokenizerInfo) -> dict:
             if not batch[s]:
                 continue
             ids, lens = enc.encode(batch[s])
-            files[s][0].write(ids.data)
-            files[s][1].write(lens.astype("<i8").data)
+            files[s][0].write(ids)
+            files[s][1].write(lens.astype("<i8"))
             # Counted once encoded: the libraries have (mostly) cached each text's UTF-8 by then.
             text_bytes[s] += sum(map(utf8_len, batch[s]))
             docs[s] += len(lens)
@@ -204,8 +206,8 @@ def _run_unit(unit: Unit, info: TokenizerInfo) -> dict:
                     nbytes[0] += utf8_len(p)
                     yield p
 
-            n = enc.encode_stream(counted(pieces()), lambda ids: files[s][0].write(ids.data))
-            files[s][1].write(np.array([n], dtype="<i8").data)
+            n = enc.encode_stream(counted(pieces()), files[s][0].write)
+            files[s][1].write(np.array([n], dtype="<i8"))
             docs[s] += 1
             tokens[s] += n
             text_bytes[s] += nbytes[0]
@@ -224,17 +226,25 @@ def _run_unit(unit: Unit, info: TokenizerInfo) -> dict:
             flush()
     flush()
     _bump(counters, unit.est_bytes - last_consumed, 0, 0)  # close the gap of estimated sizes
-    spill = {}
+    spill, memory = {}, {}
     for s in splits:
+        if all(fh.held is not None for fh in files[s]):
+            memory[s] = tuple(fh.held for fh in files[s])  # no file: the journal names none that exists
         for fh in files[s]:
-            fh.close()
-        for n in names[s]:
-            os.replace(os.path.join(state, n + ".part"), os.path.join(state, n))
+            fh.close(keep=s in memory)
+        if s not in memory:
+            for n in names[s]:
+                os.replace(os.path.join(state, n + ".part"), os.path.join(state, n))
         spill[s] = [[n, fh.size, fh.crc] for n, fh in zip(names[s], files[s])]
     result = {"index": unit.index, "run": run, "spill": spill, "documents": docs, "tokens": tokens,
               "text_bytes": text_bytes, "lines": reader.lines, "skipped": tally.to_json()}
     write_json_atomic(done_path(state, unit.index), result, durable=False)
+    if memory:
+        result["memory"] = memory  # {split: (id arrays, length arrays)}, for the assembly in this process
     return result
+
+
+SPOOL_BYTES = 16 << 20  # a unit's tokens (or lengths) kept in memory by a build without workers
 
 
 class _Spill:
@@ -243,19 +253,46 @@ class _Spill:
     Spill files are not fsynced: they live for one build, mostly in the page cache (a kill -9
     leaves them intact).  After a power loss a journal entry may name a spill file whose data
     never reached the disk: a resumed build checks size and CRC before it trusts a unit.
+
+    With `spool`, the arrays written are held in memory (`held`) until they exceed that many
+    bytes, and only then written to the file: a build that tokenizes in its own process hands a
+    unit's arrays to its assembly without writing and reading them back.  Such a unit is not
+    resumable until an assembly checkpoint covers it (its journal entry names no file).
     """
 
-    def __init__(self, path: str):
-        self.fh = open(path, "wb")
+    def __init__(self, path: str, spool: int = 0):
+        self.path, self.spool = path, spool
+        self.fh = None
+        self.held: list[np.ndarray] | None = []
         self.size = self.crc = 0
+        if not spool:
+            self._open()
 
-    def write(self, buf) -> None:
-        self.fh.write(buf)
-        self.crc = zlib.crc32(buf, self.crc)
-        self.size += memoryview(buf).nbytes
+    def _open(self) -> None:
+        self.fh = open(self.path, "wb")
+        for a in self.held:
+            self._write(a)
+        self.held = None
 
-    def close(self) -> None:
-        self.fh.close()
+    def _write(self, arr: np.ndarray) -> None:
+        self.fh.write(arr.data)
+        self.crc = zlib.crc32(arr.data, self.crc)
+
+    def write(self, arr: np.ndarray) -> None:
+        self.size += arr.nbytes
+        if self.held is not None and self.size <= self.spool:
+            self.held.append(arr)  # each array is new: nothing writes into it later
+            return
+        if self.fh is None:
+            self._open()
+        self._write(arr)
+
+    def close(self, keep: bool = False) -> None:
+        """keep: the arrays stay in memory (for the assembly); else all of it goes to the file."""
+        if not keep and self.fh is None:
+            self._open()
+        if self.fh is not None:
+            self.fh.close()
 
 
 def _spill_intact(path: str, size: int, crc: int) -> bool:
@@ -407,7 +444,9 @@ def _run_units(units: list[Unit], pending: list[Unit], info: TokenizerInfo, conf
                on_result: Callable[[dict], None], workers: _Pool | None) -> list[dict]:
     """Tokenize the pending units; each journal entry goes to `on_result` as soon as it is in."""
     total_bytes = sum(u.est_bytes for u in units)
-    order = schedule(pending, config.unit_bytes, config.strict)
+    # One process: corpus order, so that every unit is assembled as soon as it is handed over
+    # (in memory: none waits for an earlier one).
+    order = schedule(pending, config.unit_bytes, config.strict or workers is None)
     units_done = len(units) - len(pending)
     t_last = 0.0
     results = []
@@ -474,7 +513,7 @@ def _run_units(units: list[Unit], pending: list[Unit], info: TokenizerInfo, conf
     return results
 
 
-def schedule(pending: list[Unit], unit_bytes: int, strict: bool = False) -> list[Unit]:
+def schedule(pending: list[Unit], unit_bytes: int, in_order: bool = False) -> list[Unit]:
     """The order units go to the workers (the output's order does not depend on it).
 
     Corpus order, so that the finished prefix, which assembly needs, grows while later units
@@ -482,10 +521,10 @@ def schedule(pending: list[Unit], unit_bytes: int, strict: bool = False) -> list
     nearly all of them (1 s of a 6 s build idle on two cores).  Units costing over twice
     unit_bytes (a large text file or row group, a .zst range that discards what precedes it in
     its frame) go first, costliest first, so that none of them is the last to finish.
-    --strict: corpus order only, to stop at the first bad input soon.
+    in_order: corpus order only (--strict, to stop at the first bad input soon; one process).
     """
     pending = sorted(pending, key=lambda u: u.index)
-    if strict:
+    if in_order:
         return pending
 
     def cost(u: Unit) -> int:  # discarding decompressed bytes runs ~6x faster than tokenizing them

@@ -280,4 +280,4 @@ def test_schedule_puts_costly_units_first_then_corpus_order():
              Unit(5, "jsonl.zst", ("e",), ("e",), start=12 * U, stop=13 * U, est_bytes=U, seek=(0, 0)),
              Unit(6, "jsonl", ("f",), ("f",), est_bytes=200)]
     assert [u.index for u in schedule(units[::-1], U)] == [2, 4, 5, 0, 1, 3, 6]
-    assert [u.index for u in schedule(units[::-1], U, strict=True)] == list(range(7))
+    assert [u.index for u in schedule(units[::-1], U, in_order=True)] == list(range(7))

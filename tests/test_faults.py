@@ -147,11 +147,11 @@ def test_a_checkpointed_assembly_resumes_where_it_stopped(tmp_path, dev_corpus, 
     same_folder(out, ref)
 
 
-@pytest.mark.parametrize("damage", ["byte", "short", "closed shard gone"])
+@pytest.mark.parametrize("damage", ["byte", "closed shard gone"])
 def test_a_checkpoint_its_files_do_not_match_is_dropped_and_its_units_tokenized_again(
         tmp_path, dev_corpus, tokenizer_path, small_shards, damage, monkeypatch):
     """As after a power loss (neither the checkpoint nor the shard being written is fsynced): the
-    shard being written holds other bytes than recorded, or fewer, or a shard is gone.  The resume
+    shard being written holds other bytes than recorded, or a committed shard is gone.  The resume
     drops the checkpoint and tokenizes the units it covered again; the dataset is still exact."""
     cfg = BuildConfig(**SMALL_SHARDS)
     out = str(tmp_path / "out")
@@ -165,14 +165,44 @@ def test_a_checkpoint_its_files_do_not_match_is_dropped_and_its_units_tokenized_
             b = fh.read(1)
             fh.seek(0)
             fh.write(bytes([b[0] ^ 1]))
-    elif damage == "short":
-        os.truncate(tmp, os.path.getsize(tmp) - 2)
     else:
         os.remove(os.path.join(asm, "train-00000.bin"))
     ran.clear()
     m = build([str(dev_corpus)], out, tokenizer_path, cfg)
     assert len(ran) == m["inputs"]["units"]
     same_folder(out, small_shards)
+
+
+@pytest.mark.parametrize("spool", [None, 4096], ids=["in memory", "spilled past 4 KiB"])
+def test_a_build_without_workers_hands_its_tokens_to_the_assembly_in_memory(tmp_path, dev_corpus, tokenizer_path,
+                                                                              dev_packed, spool, monkeypatch):
+    """-j 1: a unit's token arrays go to the assembly thread without a spill file; a unit whose
+    tokens pass SPOOL_BYTES goes through one.  The dataset is a pool build's either way.  A unit
+    handed over in memory is resumable only once a checkpoint covers it: its journal entry names
+    no file, so a build stopped before one tokenizes it again."""
+    from helixtok import assemble
+
+    opened, real = [], hb._Spill._open
+
+    def spy(self):
+        opened.append(self.path)
+        real(self)
+    monkeypatch.setattr(hb._Spill, "_open", spy)
+    if spool:
+        monkeypatch.setattr(hb, "SPOOL_BYTES", spool)
+    cfg = BuildConfig(seq_len=512, workers=1, shard_bytes=1 << 20, unit_bytes=UNIT)
+    out = str(tmp_path / "out")
+    ran = _stopped_after(5, monkeypatch)
+    monkeypatch.setattr(assemble, "CHECKPOINT_TOKENS", 1 << 60)  # no checkpoint before the stop
+    with pytest.raises(KeyboardInterrupt):
+        build([str(dev_corpus)], out, tokenizer_path, cfg)
+    assert len(glob.glob(os.path.join(out, STATE, "u*.done.json"))) == 5
+    assert len(glob.glob(os.path.join(out, STATE, "u*.tok"))) == (5 if spool else 0)
+    ran.clear()
+    m = build([str(dev_corpus)], out, tokenizer_path, cfg)
+    assert len(ran) == m["inputs"]["units"] - (5 if spool else 0)
+    assert bool(opened) == bool(spool) and len(opened) % 2 == 0
+    same_folder(out, dev_packed)
 
 
 def test_a_build_stopped_while_publishing_publishes_without_tokenizing_again(tmp_path, dev_corpus, tokenizer_path,
@@ -198,47 +228,6 @@ def test_a_build_stopped_while_publishing_publishes_without_tokenizing_again(tmp
     build([str(dev_corpus)], out, tokenizer_path, cfg)
     assert ran == []
     same_folder(out, dev_packed)
-
-
-def test_kill_9_at_random_moments_with_a_checkpoint_after_every_unit(tmp_path, dev_corpus, tokenizer_path):
-    """kill -9 anywhere in a build whose assembly checkpoints after every unit (shard closes,
-    checkpoint writes, spill deletions, publishing): each rerun goes on, and the dataset finally
-    published is an undisturbed build's."""
-    import random
-
-    corpus = dev_corpus / "txt"
-    args = ["-L", "128", "-q", "--shard-size", "64KiB", "--unit-size", "64KiB", "--val-fraction", "0.1"]
-    code = "import helixtok.assemble as a; a.CHECKPOINT_TOKENS = 1; from helixtok.cli import main; main()"
-
-    def cli(out, j, checkpoints=True):
-        pre = ["-c", code] if checkpoints else ["-m", "helixtok.cli"]
-        return subprocess.Popen([sys.executable, *pre, "build", str(corpus), str(out), "-t", tokenizer_path, *args,
-                                 "-j", j], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-    ref = tmp_path / "ref"
-    assert cli(ref, "2", checkpoints=False).wait() == 0
-    rng = random.Random(12)
-    out = tmp_path / "out"
-    checkpointed = 0
-    for cycle in range(6):
-        p = cli(out, "12"[cycle % 2])
-        t = time.time()  # from the first journal entry on: the assembly runs
-        while not glob.glob(str(out / STATE / "u*.done.json")) and p.poll() is None and time.time() - t < 60:
-            time.sleep(0.01)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            p.wait(timeout=rng.uniform(0, 0.6))
-        p.kill()
-        _, err = p.communicate(timeout=30)
-        assert p.returncode in (0, -9), err
-        checkpointed += (out / STATE / "assembly.json").exists()
-        if (out / "manifest.json").exists():
-            same_folder(out, ref, ignore=(STATE, ".helixtok-lock"))
-            shutil.rmtree(out)
-        time.sleep(0.2)  # orphaned workers notice their parent is gone and exit
-    last = cli(out, "1")
-    assert last.wait() == 0, last.communicate()
-    same_folder(out, ref)
-    assert checkpointed >= 2  # reruns went on from checkpoints
 
 
 def test_changed_option_or_input_refuses_resume(tmp_path, small_tok, monkeypatch):
@@ -523,41 +512,58 @@ def test_kill_9_leaves_no_process_behind_and_the_rerun_succeeds_first_time(tmp_p
     same_folder(out, dev_packed)
 
 
+def _journaled_since(out, start: float) -> int:
+    n = 0
+    for j in glob.glob(str(out / STATE / "u*.done.json")):
+        with contextlib.suppress(OSError):  # removed as the build finishes
+            n += os.path.getmtime(j) >= start
+    return n
+
+
 def test_stress_random_kills_and_concurrent_builds(tmp_path, dev_corpus, tokenizer_path):
-    """6 kill -9 at random moments, each followed by a rerun; then 8 builds at once into one OUT.
-    Every published dataset equals an uninterrupted build; no process outlives its build by 2 s.
-    (test_kill_9_at_random_moments_with_a_checkpoint_after_every_unit kills 6 more, later in a build.)"""
+    """8 kill -9 at random moments, each followed by a rerun; then 8 builds at once into one OUT.
+    Every other killed build checkpoints its assembly after every unit and is killed from its
+    first journal entry on, where the assembly runs (shard closes, checkpoint writes, spill
+    deletions, publishing).  Every published dataset equals an uninterrupted build; reruns went
+    on from checkpoints; no process outlives its build by 2 s."""
     import random
 
     corpus = dev_corpus / "txt"
-    args = ["-L", "128", "-q", "--shard-size", "64KiB", "--unit-size", "64KiB"]
+    args = ["-L", "128", "-q", "--shard-size", "64KiB", "--unit-size", "64KiB", "--val-fraction", "0.1"]
+    code = "import helixtok.assemble as a; a.CHECKPOINT_TOKENS = 1; from helixtok.cli import main; main()"
 
-    def cli(out, *extra):
-        return subprocess.Popen([sys.executable, "-m", "helixtok.cli", "build", str(corpus), str(out), "-t",
-                                 tokenizer_path, *args, *extra],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    def cli(out, *extra, checkpoints=False):
+        pre = ["-c", code] if checkpoints else ["-m", "helixtok.cli"]
+        return subprocess.Popen([sys.executable, *pre, "build", str(corpus), str(out), "-t", tokenizer_path, *args,
+                                 *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
     ref = tmp_path / "ref"
     assert cli(ref, "-j", "2").wait() == 0
     rng = random.Random(9)
     out = tmp_path / "out"
-    published = leftovers = 0
-    for cycle in range(6):
-        p = cli(out, "-j", "2")
-        deadline = time.time() + rng.uniform(0.3, 1.2)
+    published = leftovers = checkpointed = 0
+    for cycle in range(8):
+        checkpoints = cycle % 2 == 1
+        start = time.time()
+        p = cli(out, "-j", "21"[cycle // 2 % 2], checkpoints=checkpoints)
+        deadline = None if checkpoints else start + rng.uniform(0.3, 1.2)
+        entries = rng.randint(1, 4)  # killed once this run has journaled that many units
         kids = []
-        while time.time() < deadline and p.poll() is None:
+        while (deadline is None or time.time() < deadline) and p.poll() is None:
             kids = set(kids) | set(_descendants(p.pid))
-            time.sleep(0.02)
+            if deadline is None and _journaled_since(out, start) >= entries:
+                deadline = time.time() + rng.uniform(0, 0.1)
+            time.sleep(0.01)
         p.kill()
         _, err = p.communicate(timeout=30)
         leftovers += not _gone_within(kids, 2)
         assert p.returncode in (0, -9), err
+        checkpointed += (out / STATE / "assembly.json").exists()
         if (out / "manifest.json").exists():  # published (the kill came after the manifest, or none came)
             same_folder(out, ref, ignore=(STATE, ".helixtok-lock"))
             published += 1
             shutil.rmtree(out)
-    assert leftovers == 0
+    assert leftovers == 0 and checkpointed >= 2
     last = cli(out, "-j", "2")
     assert last.wait() == 0, last.communicate()
     same_folder(out, ref)
@@ -574,8 +580,8 @@ def test_stress_random_kills_and_concurrent_builds(tmp_path, dev_corpus, tokeniz
         if c == 1:
             assert ("another helixtok process (pid" in e or "already holds a finished dataset" in e), e
     same_folder(out2, ref)
-    print(f"stress: 6 kill cycles ({published} finished before the kill), leftover processes {leftovers}; "
-          f"concurrent: {codes.count(0)} of 8 published, {codes.count(1)} refused")
+    print(f"stress: 8 kill cycles ({published} finished before the kill, {checkpointed} left a checkpoint), "
+          f"leftover processes {leftovers}; concurrent: {codes.count(0)} of 8 published, {codes.count(1)} refused")
 
 
 def test_a_pool_that_breaks_while_starting_is_one_line_and_leaves_no_worker(tmp_path, small_corpus, small_tok,
