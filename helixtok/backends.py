@@ -232,7 +232,7 @@ def load_ahead(lib: str, path: str) -> None:
         with contextlib.suppress(Exception):  # _loaded loads it again and says why it cannot
             _fast_tokenizer(*key)
     # Not a daemon: a daemon thread that returns from the library while Python shuts down aborts
-    # the process ("FATAL: exception not rethrown"); a failed build joins it (forget_fast_tokenizers).
+    # the process ("FATAL: exception not rethrown"); a failed build joins it (loads_ended).
     _ahead[key] = threading.Thread(target=load, name="helixtok-load")
     _ahead[key].start()
 
@@ -245,10 +245,15 @@ def _loaded(lib: str, path: str):
     return _fast_tokenizer(*key)
 
 
+def loads_ended() -> None:
+    """Wait for the loads started ahead (load_ahead) to end: none outlives a failed build."""
+    while _ahead:
+        _ahead.popitem()[1].join()
+
+
 def forget_fast_tokenizers() -> None:
     """Free the fast tokenizers this process loaded (for a check or ahead of one) and will not use."""
-    while _ahead:
-        _ahead.popitem()[1].join()  # a load still under way would fill the cache after the clear
+    loads_ended()  # a load still under way would fill the cache after the clear
     _fast_tokenizer.cache_clear()
 
 

@@ -27,7 +27,7 @@ import numpy as np
 from . import __version__
 from .assemble import CHECKPOINT, Assembler
 from .backend_check import choose_backend
-from .backends import FAST, forget_fast_tokenizers, load_ahead
+from .backends import FAST, forget_fast_tokenizers, load_ahead, loads_ended
 from .children import die_with_parent
 from .config import BuildConfig
 from .errors import ConfigError, HelixtokError, InputError
@@ -628,7 +628,7 @@ def build(inputs: list[str], out: str, tokenizer: str, config: BuildConfig, *, o
     except BaseException as e:
         if workers is not None:
             workers.kill()
-        forget_fast_tokenizers()  # a load ahead still under way ends before the error leaves build()
+        loads_ended()  # a load ahead still under way ends before the error leaves build()
         if isinstance(e, BrokenProcessPool):  # the pool broke while starting (a submit, the backend check)
             raise HelixtokError(f"a worker process died while starting ({e}); rerun the same command to "
                                 "resume") from None

@@ -80,6 +80,7 @@ def test_stale_spill_files_and_journal_entries_are_never_trusted(tmp_path, small
         raise KeyboardInterrupt
 
     monkeypatch.setattr(hb, "_run_units", half)
+    monkeypatch.setattr(hb, "SPOOL_BYTES", 0)  # every unit through spill files, as in a pool build
     with pytest.raises(KeyboardInterrupt):
         build([str(small_corpus)], out, small_tok, cfg)
     monkeypatch.undo()
