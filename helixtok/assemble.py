@@ -96,7 +96,7 @@ class Assembler:
         try:
             with open(os.path.join(state, CHECKPOINT)) as fh:
                 mark = json.load(fh)
-            if mark["indices"] != indices or set(mark["splits"]) != ({"train", "val"} if config.val_fraction > 0
+            if mark["units"] != len(indices) or set(mark["splits"]) != ({"train", "val"} if config.val_fraction > 0
                                                                      else {"train"}):
                 return None
         except (OSError, ValueError, KeyError, TypeError):
@@ -166,7 +166,7 @@ class Assembler:
         no longer needs.  Not fsynced, like the spill files: after a power loss `resumed`
         finds the shard being written shorter than recorded, or other bytes, and refuses it."""
         write_json_atomic(os.path.join(self.state, CHECKPOINT), {
-            "done": self.done, "indices": self.indices,
+            "done": self.done, "units": len(self.indices),  # which units: plan.json's, the same on resume
             "splits": {name: sp.mark() for name, sp in self.splits.items()}}, durable=False)
         for r in self._spent:
             for files in r["spill"].values():
