@@ -267,7 +267,9 @@ def test_an_inline_build_loads_the_likely_library_ahead_and_a_failure_meanwhile_
         return real(*key)
     real.cache_clear()
     monkeypatch.setattr(backends, "_fast_tokenizer", lru_cache(maxsize=2)(counted))  # counts loads
-    corpus = str(dev_corpus / "jsonl" / "plain.jsonl")
+    corpus = str(tmp_path / "c.txt")  # what is tested happens before any tokenizing
+    with open(dev_corpus / "txt" / sorted(os.listdir(dev_corpus / "txt"))[0], encoding="utf-8") as fh:
+        open(corpus, "w", encoding="utf-8").write(fh.read(20_000))
     tok = shapes["llama3-like (uint32)"]
     m = build([corpus], str(tmp_path / "out"), tok, BuildConfig(seq_len=256, workers=1))
     assert m["tokenizer"]["backend"] == "fastokens" and where == [("fastokens", "helixtok-load")]

@@ -91,19 +91,27 @@ def test_interrupted_assembly_resumes_identically(tmp_path, dev_corpus, tokenize
     same_folder(out, dev_packed)
 
 
-def _stopped_after(n_units: int, monkeypatch):
+def _stopped_after(n_units: int, monkeypatch, out: str | None = None):
     """Make an inline build stop (Ctrl-C) when it starts its n-th unit, its assembly checkpointed
-    after every unit; returns the list of the units the build tokenizes (all of its runs)."""
+    after every unit (in `out`: once the checkpoint covers those n); returns the list of the
+    units the build tokenizes (all of its runs)."""
     from helixtok import assemble
 
     monkeypatch.setattr(assemble, "CHECKPOINT_TOKENS", 1)
     ran, real = [], hb.run_unit
-
     stop = [True]
+
+    def covered() -> int:
+        with contextlib.suppress(OSError, ValueError):
+            with open(os.path.join(out, STATE, "assembly.json")) as fh:
+                return json.load(fh)["done"]
+        return 0
 
     def counted(unit, info):
         if len(ran) == n_units and stop and stop.pop():  # once
-            time.sleep(0.5)  # the assembly thread catches up with what is tokenized
+            t = time.time()
+            while out is not None and covered() < n_units and time.time() - t < 10:
+                time.sleep(0.01)  # the assembly thread catches up with what is tokenized
             raise KeyboardInterrupt
         ran.append(unit.index)
         return real(unit, info)
@@ -132,7 +140,7 @@ def test_a_checkpointed_assembly_resumes_where_it_stopped(tmp_path, dev_corpus, 
     ref = str(tmp_path / "ref")
     build([str(dev_corpus)], ref, tokenizer_path, cfg)
     out = str(tmp_path / "out")
-    ran = _stopped_after(5, monkeypatch)
+    ran = _stopped_after(5, monkeypatch, out)
     with pytest.raises(KeyboardInterrupt):
         build([str(dev_corpus)], out, tokenizer_path, cfg)
     with open(os.path.join(out, STATE, "assembly.json")) as fh:
@@ -155,7 +163,7 @@ def test_a_checkpoint_its_files_do_not_match_is_dropped_and_its_units_tokenized_
     drops the checkpoint and tokenizes the units it covered again; the dataset is still exact."""
     cfg = BuildConfig(**SMALL_SHARDS)
     out = str(tmp_path / "out")
-    ran = _stopped_after(5, monkeypatch)
+    ran = _stopped_after(5, monkeypatch, out)
     with pytest.raises(KeyboardInterrupt):
         build([str(dev_corpus)], out, tokenizer_path, cfg)
     asm = os.path.join(out, STATE, "assembly")
