@@ -96,8 +96,8 @@ class Assembler:
         try:
             with open(os.path.join(state, CHECKPOINT)) as fh:
                 mark = json.load(fh)
-            if mark["units"] != len(indices) or set(mark["splits"]) != ({"train", "val"} if config.val_fraction > 0
-                                                                     else {"train"}):
+            splits = {"train", "val"} if config.val_fraction > 0 else {"train"}
+            if mark["units"] != len(indices) or not 0 <= mark["done"] <= len(indices) or set(mark["splits"]) != splits:
                 return None
         except (OSError, ValueError, KeyError, TypeError):
             return None
