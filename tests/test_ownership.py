@@ -3,6 +3,7 @@
 import json
 import os
 import pickle
+import signal
 import subprocess
 import sys
 import time
@@ -42,13 +43,19 @@ def test_second_build_into_the_same_out_fails_at_once_naming_the_holder(tmp_path
     while not (out / LOCK_INFO).exists():
         assert first.poll() is None and time.time() - t < 60
         time.sleep(0.01)
-    for extra in ([], ["--overwrite"]):
-        t = time.time()
-        r = subprocess.run([sys.executable, "-m", "helixtok.cli", "build", str(dev_corpus), str(out), "-t",
-                            tokenizer_path, "-L", "512", "-q", *extra], capture_output=True, text=True)
-        assert r.returncode == 1 and time.time() - t < 30
-        assert f"another helixtok process (pid {first.pid} on " in r.stderr, r.stderr
-        assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    # Stopped while it holds the lock (as a build stalled on a slow disk): it stays the holder
+    # however long the others take, and they must not touch what it wrote.
+    os.kill(first.pid, signal.SIGSTOP)
+    try:
+        for extra in ([], ["--overwrite"]):
+            t = time.time()
+            r = subprocess.run([sys.executable, "-m", "helixtok.cli", "build", str(dev_corpus), str(out), "-t",
+                                tokenizer_path, "-L", "512", "-q", *extra], capture_output=True, text=True)
+            assert r.returncode == 1 and time.time() - t < 30
+            assert f"another helixtok process (pid {first.pid} on " in r.stderr, r.stderr
+            assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    finally:
+        os.kill(first.pid, signal.SIGCONT)
     assert first.wait() == 0, first.communicate()
     assert shards_of(out) == shards_of(dev_packed)  # the first build's data is untouched by the others
     assert not (out / LOCK_INFO).exists()
