@@ -141,6 +141,7 @@ def test_a_checkpointed_assembly_resumes_where_it_stopped(tmp_path, dev_corpus, 
     build([str(dev_corpus)], ref, tokenizer_path, cfg)
     out = str(tmp_path / "out")
     ran = _stopped_after(5, monkeypatch, out)
+    monkeypatch.setattr(hb, "SPOOL_BYTES", 0)  # every unit through spill files, as in a pool build
     with pytest.raises(KeyboardInterrupt):
         build([str(dev_corpus)], out, tokenizer_path, cfg)
     with open(os.path.join(out, STATE, "assembly.json")) as fh:
