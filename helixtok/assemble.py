@@ -71,7 +71,7 @@ class Assembler:
         self.indices = indices  # the units, in the order their tokens go into the shards
         self.done = 0  # how many of them are assembled
         self.waiting: dict[int, dict] = {}
-        self._before: set[int] = set()  # the units a resumed assembly had assembled
+        self.assembled_before: set[int] = set()  # the units a resumed assembly had assembled
         self._spent: list[dict] = []  # units assembled since the last checkpoint
         self._since = 0  # their tokens
         self._queue = self._thread = None
@@ -96,12 +96,13 @@ class Assembler:
         try:
             with open(os.path.join(state, CHECKPOINT)) as fh:
                 mark = json.load(fh)
-            splits = {"train", "val"} if config.val_fraction > 0 else {"train"}
-            if mark["units"] != len(indices) or not 0 <= mark["done"] <= len(indices) or set(mark["splits"]) != splits:
+            if mark["units"] != len(indices) or not 0 <= mark["done"] <= len(indices):
                 return None
         except (OSError, ValueError, KeyError, TypeError):
             return None
         self = cls(dest, info, config, state, indices)
+        if set(mark["splits"]) != set(self.splits):
+            return None
         try:
             ok = all(sp.reopen(mark["splits"][name]) for name, sp in self.splits.items())
         except (OSError, ValueError, KeyError, TypeError):
@@ -110,7 +111,7 @@ class Assembler:
             self._stop_writers()
             return None
         self.done = mark["done"]
-        self._before = set(indices[:self.done])
+        self.assembled_before = set(indices[:self.done])
         if background:
             self._start()
         return self
@@ -132,7 +133,6 @@ class Assembler:
                     self._take(r)
                 except BaseException as e:  # noqa: BLE001 - raised in the build's thread
                     self._error = e
-            r.pop("memory", None)
             self._in_flight.release()
 
     def _join(self) -> None:
@@ -143,7 +143,7 @@ class Assembler:
             self._thread = None
 
     def _take(self, result: dict) -> None:
-        if result["index"] in self._before:
+        if result["index"] in self.assembled_before:
             return  # assembled before this build resumed
         self.waiting[result["index"]] = result
         while self.done < len(self.indices) and self.indices[self.done] in self.waiting:

@@ -34,7 +34,7 @@ from .errors import ConfigError, HelixtokError, InputError
 from .longdoc import LongText, stripped, utf8_len
 from .manifest import DOC_SKIPS, FORMAT_VERSION, MANIFEST, REPAIRS, write_json_atomic
 from .objstore import current, expired, is_url
-from .outdir import PUBLISH, STATE, OutLock, refuse_foreign, remove_owned
+from .outdir import PUBLISH, STATE, OutLock, read_list, refuse_foreign, remove_owned
 from .shards import fsync_dir
 from .sources import LineRefs, Tally, Unit, UnitReader, discover, plan_units
 from .tokenizer import Encoder, TokenizerInfo, inspect_tokenizer, resolve_tokenizer_path
@@ -685,7 +685,7 @@ def _build_to_url(inputs, url, tokenizer, config, overwrite, on_progress, task, 
 
 def _build_started(out, info, config, overwrite, on_progress, task, files, units, warnings, state, run_id,
                    workers) -> dict:
-    """_build_locked once the work units are planned and the worker processes are starting."""
+    """_build_in once it holds the lock: check the backend, resume or start, tokenize, assemble, publish."""
     info, backend_check = choose_backend(info, units, config, workers and workers.executor)
     if workers is not None:  # the workers tokenize: the main process needs no fast tokenizer now
         forget_fast_tokenizers()
@@ -720,7 +720,7 @@ def _build_started(out, info, config, overwrite, on_progress, task, files, units
     if resume:
         _unpublish(out, state, asm)
         assembler = Assembler.resumed(asm, info, config, state, indices, background=background)
-        trusted = _trusted_results(state, units, set(indices[:assembler.done]) if assembler else set())
+        trusted = _trusted_results(state, units, assembler.assembled_before if assembler else set())
         if trusted is None:
             assembler.abort()
             assembler, trusted = None, _trusted_results(state, units, set())
@@ -809,13 +809,8 @@ def _check_unchanged(files) -> None:
 def _unpublish(out: str, state: str, asm: str) -> None:
     """Move back into `asm` what a build stopped while publishing had moved into OUT (publish.json
     names them), so that its checkpointed assembly is whole again."""
-    try:
-        with open(os.path.join(state, PUBLISH)) as fh:
-            names = json.load(fh)["files"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return
-    for n in names if isinstance(names, list) else []:
-        if not isinstance(n, str) or os.sep in n or n in (".", "..") or os.path.islink(os.path.join(out, n)):
+    for n in read_list(os.path.join(state, PUBLISH)):
+        if os.sep in n or n in (".", "..") or os.path.islink(os.path.join(out, n)):
             continue  # publish.json only ever names plain files directly in OUT
         if os.path.isfile(os.path.join(out, n)) and not os.path.exists(os.path.join(asm, n)):
             os.replace(os.path.join(out, n), os.path.join(asm, n))

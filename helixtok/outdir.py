@@ -63,7 +63,8 @@ def _holder(out: str) -> str:
         return "pid unknown"
 
 
-def _read_list(path: str) -> list[str]:
+def read_list(path: str) -> list[str]:
+    """The names a STATE record (owned.json, publish.json) lists; none if it is missing or damaged."""
     try:
         with open(path) as fh:
             v = json.load(fh)
@@ -101,8 +102,8 @@ def owned_entries(out: str) -> set[str]:
     """Names in OUT that helixtok wrote: the manifest's files, STATE's records, STATE and the lock info."""
     state = os.path.join(out, STATE)
     names = {STATE, LOCK_INFO, *_manifest_files(out)}
-    names.update(_read_list(os.path.join(state, OWNED)))
-    names.update(_read_list(os.path.join(state, PUBLISH)))
+    names.update(read_list(os.path.join(state, OWNED)))
+    names.update(read_list(os.path.join(state, PUBLISH)))
     return names | {f".{n}.tmp" for n in names}  # write_json_atomic's and the shard writer's temp names
 
 

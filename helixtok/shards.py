@@ -20,12 +20,15 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+def _tmp_of(final: str) -> str:
+    return os.path.join(os.path.dirname(final), "." + os.path.basename(final) + ".tmp")
+
+
 class _HashedFile:
     """A temp file whose bytes are hashed as written; `commit` fsyncs and renames it into place."""
 
     def __init__(self, final: str):
-        self.final = final
-        self.tmp = os.path.join(os.path.dirname(final), "." + os.path.basename(final) + ".tmp")
+        self.final, self.tmp = final, _tmp_of(final)
         self.fh = open(self.tmp, "wb")
         self.sha = hashlib.sha256()
         self.bytes = 0
@@ -58,8 +61,7 @@ class _HashedFile:
         """The file a stopped build was writing, cut back to `mark` (its bytes hashed again), to
         write on; None if it does not hold those bytes (they never reached the disk)."""
         self = cls.__new__(cls)
-        self.final = final
-        self.tmp = os.path.join(os.path.dirname(final), "." + os.path.basename(final) + ".tmp")
+        self.final, self.tmp = final, _tmp_of(final)
         if not os.path.exists(self.tmp) and os.path.exists(final):
             os.replace(final, self.tmp)  # it was committed after the mark: written on since
         try:
@@ -96,8 +98,12 @@ class ShardWriter:
     _in_shard: int = 0
     _docs_in_shard: int = 0
 
+    def _stem(self) -> str:
+        """The open (or next) shard's path without its extension."""
+        return os.path.join(self.out_dir, f"{self.split}-{len(self.shards):05d}")
+
     def _open(self) -> None:
-        stem = os.path.join(self.out_dir, f"{self.split}-{len(self.shards):05d}")
+        stem = self._stem()
         self._bin = _HashedFile(stem + ".bin")
         self._side = _HashedFile(f"{stem}.{self.sidecar}")
         self._in_shard = 0
@@ -176,7 +182,7 @@ class ShardWriter:
         self.num_chunks, self._in_shard, self._docs_in_shard = (mark["num_chunks"], mark["in_shard"],
                                                                 mark["docs_in_shard"])
         if mark["bin"] is not None:
-            stem = os.path.join(self.out_dir, f"{self.split}-{len(self.shards):05d}")
+            stem = self._stem()
             self._bin = _HashedFile.reopen(stem + ".bin", mark["bin"])
             self._side = _HashedFile.reopen(f"{stem}.{self.sidecar}", mark["side"])
             if self._bin is None or self._side is None:
