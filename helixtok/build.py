@@ -27,7 +27,7 @@ import numpy as np
 from . import __version__
 from .assemble import CHECKPOINT, Assembler
 from .backend_check import choose_backend
-from .backends import FAST, forget_fast_tokenizers, load_ahead, loads_ended
+from .backends import FAST, backend_version, forget_fast_tokenizers, load_ahead, loads_ended
 from .children import die_with_parent
 from .config import BuildConfig
 from .errors import ConfigError, HelixtokError, InputError
@@ -411,7 +411,7 @@ class _Interrupt:
 class _Pool:
     """The worker processes, started before the backend check so that their start-up overlaps it."""
 
-    def __init__(self, n: int, config: BuildConfig, state: str, run_id: str, tokenizer: str):
+    def __init__(self, n: int, config: BuildConfig, state: str, run_id: str, tokenizer: str, preload: bool = True):
         import multiprocessing as mp
 
         ctx = mp.get_context("spawn")  # never fork a process that may hold tokenizer threads
@@ -419,10 +419,10 @@ class _Pool:
         self.slots = ctx.Array("q", 2 * n)  # (pid, unit index) per worker process
         self.executor = ProcessPoolExecutor(n, mp_context=ctx, initializer=_init_worker,
                                             initargs=(config, state, run_id, self.counters, self.slots, os.getpid()))
-        preload = (FAST[0], tokenizer) if config.backend in ("auto", FAST[0]) else None
+        likely = (FAST[0], tokenizer) if preload and config.backend in ("auto", FAST[0]) else None
         try:
             for _ in range(n):  # a spawn-context pool starts one process per task it cannot hand to an idle one
-                self.executor.submit(_warm, preload)
+                self.executor.submit(_warm, likely)
         except BrokenProcessPool:
             self.kill()
             raise
@@ -611,7 +611,10 @@ def build(inputs: list[str], out: str, tokenizer: str, config: BuildConfig, *, o
     if not units:
         raise InputError(f"no documents to read in {' '.join(inputs)}")
     run_id = f"r{os.getpid()}x{secrets.token_hex(3)}"
-    n_workers = min(config.num_workers, len(units))
+    # Sized for the library the check most likely picks; if it picks tokenizers, a pool that
+    # fits tokenizers' speed starts after the check (_build_started).
+    fast = config.backend != "hf" and (config.backend != "auto" or backend_version(FAST[0]) is not None)
+    n_workers = worker_count(config, units, fast)
     workers = None
     try:
         # What tokenizing needs starts first, so that it overlaps inspecting the tokenizer
@@ -633,6 +636,22 @@ def build(inputs: list[str], out: str, tokenizer: str, config: BuildConfig, *, o
             raise HelixtokError(f"a worker process died while starting ({e}); rerun the same command to "
                                 "resume") from None
         raise
+
+
+WORKER_BYTES = {True: 64 << 20, False: 4 << 20}  # input per worker process, fast library or not
+
+
+def worker_count(config: BuildConfig, units: list[Unit], fast: bool) -> int:
+    """How many processes tokenize: --workers at most, and only as many as the input keeps busy
+    for about a second each, which is what one costs to start (interpreter, imports, the
+    tokenizer's load: 0.5-1.7 s): one per 64 MiB with a fast library (~100 MB/s a core), one
+    per 4 MiB with tokenizers (2-4 MB/s).  One means none: the build's own process tokenizes.
+    $HELIXTOK_WORKER_BYTES sets the input per process for both (1: --workers alone decides)."""
+    per = os.environ.get("HELIXTOK_WORKER_BYTES") or WORKER_BYTES[fast]
+    if not str(per).isdigit() or int(per) < 1:
+        raise ConfigError(f"HELIXTOK_WORKER_BYTES must be a whole number of bytes, at least 1; got {per!r}")
+    per = int(per)
+    return max(1, min(config.num_workers, len(units), -(-sum(u.est_bytes for u in units) // per)))
 
 
 def _build_in(out, info, config, overwrite, on_progress, task, files, units, warnings, run_id, workers) -> dict:
@@ -743,6 +762,9 @@ def _build_started(out, info, config, overwrite, on_progress, task, files, units
         for u in units:
             if u.index in trusted:
                 took(trusted[u.index])
+        if workers is None and info.backend == "hf" and (n := worker_count(config, pending, False)) > 1:
+            # Sized for a fast library, the build found tokenizers alone exact: it needs more processes.
+            workers = _Pool(n, config, state, run_id, info.path, preload=False)
         try:
             fresh = _run_units(units, pending, info, config, state, run_id, on_progress, done_bytes, took, workers)
         except InputError as e:  # a worker names a .jsonl line by its place in the unit

@@ -90,7 +90,9 @@ def main():
 @click.option("--shard-size", callback=parse_size, default="1GiB", show_default=True, help="Target bytes per shard.")
 @click.option("--unit-size", callback=parse_size, default="4MiB", show_default=True,
               help="Input bytes per work unit (scheduling only: the shards do not depend on it).")
-@click.option("--workers", "-j", type=click.IntRange(min=0), default=0, help="Worker processes [default: all cores].")
+@click.option("--workers", "-j", type=click.IntRange(min=0), default=0,
+              help="Tokenizing processes at most [default: all cores]; no more than one per 64 MiB of input "
+                   "(4 MiB if only tokenizers is exact).")
 @click.option("--overwrite", is_flag=True, help="Replace a dataset or unfinished build in OUT.")
 @click.option("--strict", is_flag=True, help="Fail instead of skipping any bad document or file.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar (for logs); warnings and the summary still print.")

@@ -22,6 +22,9 @@ import pytest
 if "HELIXTOK_CACHE" not in os.environ:
     os.environ["HELIXTOK_CACHE"] = tempfile.mkdtemp(prefix="helixtok-test-cache-")
     atexit.register(shutil.rmtree, os.environ["HELIXTOK_CACHE"], ignore_errors=True)
+# The tests build corpora of kilobytes with --workers 2 to exercise the pool (kills, hung and
+# orphaned workers): keep it, rather than one process per 64 MiB of input (build.worker_count).
+os.environ.setdefault("HELIXTOK_WORKER_BYTES", "1")
 
 def _find_dev() -> Path | None:
     """The optional large tier: $HELIXTOK_DEV_CORPUS, else ../shared/corpus/dev beside the checkout."""

@@ -94,6 +94,47 @@ def test_workers_and_backends_byte_identical(tmp_path, dev_corpus, tokenizer_pat
         assert m[k] == other[k]
 
 
+def test_workers_are_as_many_as_the_input_keeps_busy(tmp_path, small_corpus, small_tok, monkeypatch):
+    """--workers is a maximum: a worker process costs about a second to start, so a build starts
+    one per 64 MiB of input with a fast library (up to 64 MiB it tokenizes in its own process)
+    and one per 4 MiB when tokenizers alone is exact; if the check picks tokenizers
+    after a build started none, the pool starts then.  The bytes never depend on it."""
+    import dataclasses
+
+    import helixtok.build as hb
+
+    made = []
+
+    class Counted(hb._Pool):
+        def __init__(self, n, *a, **k):
+            made.append((n, k.get("preload", True)))
+            super().__init__(n, *a, **k)
+
+    monkeypatch.setattr(hb, "_Pool", Counted)
+    monkeypatch.delenv("HELIXTOK_WORKER_BYTES")
+    cfg = BuildConfig(seq_len=64, workers=2, unit_bytes=8 << 10)  # 42 KB of text in 7 units
+
+    def run(name, **kw):
+        made.clear()
+        m = build([str(small_corpus)], str(tmp_path / name), small_tok, dataclasses.replace(cfg, **kw))
+        return m, list(made), {n: (tmp_path / name / n).read_bytes() for n in os.listdir(tmp_path / name)
+                               if n != "manifest.json"}
+
+    m, pools, shards = run("fast")
+    assert (m["tokenizer"]["backend"], pools) == ("fastokens", [])  # 42 KB: this process tokenizes
+    monkeypatch.setenv("HELIXTOK_WORKER_BYTES", str(16 << 10))  # three processes' worth: --workers 2 caps it
+    assert run("pool")[1:] == ([(2, True)], shards)
+    monkeypatch.delenv("HELIXTOK_WORKER_BYTES")
+    monkeypatch.setattr(hb, "WORKER_BYTES", {True: 1 << 30, False: 16 << 10})  # kilobytes stand for MiB
+    m, pools, got = run("hf", backend="hf")
+    assert (m["tokenizer"]["backend"], pools, got) == ("hf", [(2, True)], shards)  # sized for tokenizers at once
+    real = hb.choose_backend
+    monkeypatch.setattr(hb, "choose_backend", lambda info, units, config, ex: real(
+        info, units, dataclasses.replace(config, backend="hf"), ex))  # the check finds only tokenizers exact
+    m, pools, got = run("late")
+    assert (m["tokenizer"]["backend"], pools, got) == ("hf", [(2, False)], shards)  # started after the check
+
+
 def test_auto_backend_is_the_fastest_exact_one_and_says_why(tmp_path, tokenizer_path, small_tok, monkeypatch):
     from tokenizers import normalizers
 
