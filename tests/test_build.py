@@ -102,6 +102,7 @@ def test_workers_are_as_many_as_the_input_keeps_busy(tmp_path, small_corpus, sma
     import dataclasses
 
     import helixtok.build as hb
+    from helixtok.sources import discover, plan_units
 
     made = []
 
@@ -122,8 +123,12 @@ def test_workers_are_as_many_as_the_input_keeps_busy(tmp_path, small_corpus, sma
 
     m, pools, shards = run("fast")
     assert (m["tokenizer"]["backend"], pools) == ("fastokens", [])  # 42 KB: this process tokenizes
+    units, _ = plan_units(discover([str(small_corpus)])[0], unit_bytes=cfg.unit_bytes, text_field="text")
     monkeypatch.setenv("HELIXTOK_WORKER_BYTES", str(16 << 10))  # three processes' worth: --workers 2 caps it
-    assert run("pool")[1:] == ([(2, True)], shards)
+    assert [hb.worker_count(cfg, units, fast) for fast in (True, False)] == [2, 2]
+    monkeypatch.setenv("HELIXTOK_WORKER_BYTES", "64KiB")
+    with pytest.raises(ConfigError, match="HELIXTOK_WORKER_BYTES must be a whole number of bytes"):
+        hb.worker_count(cfg, units, True)
     monkeypatch.delenv("HELIXTOK_WORKER_BYTES")
     monkeypatch.setattr(hb, "WORKER_BYTES", {True: 1 << 30, False: 16 << 10})  # kilobytes stand for MiB
     m, pools, got = run("hf", backend="hf")
