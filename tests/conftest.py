@@ -7,6 +7,7 @@ library.  Tests marked with `shared_dev` use the larger ../shared/corpus/dev and
 from __future__ import annotations
 
 import atexit
+import contextlib
 import glob
 import gzip
 import json
@@ -22,9 +23,28 @@ import pytest
 if "HELIXTOK_CACHE" not in os.environ:
     os.environ["HELIXTOK_CACHE"] = tempfile.mkdtemp(prefix="helixtok-test-cache-")
     atexit.register(shutil.rmtree, os.environ["HELIXTOK_CACHE"], ignore_errors=True)
-# The tests build corpora of kilobytes with --workers 2 to exercise the pool (kills, hung and
-# orphaned workers): keep it, rather than one process per 64 MiB of input (build.worker_count).
-os.environ.setdefault("HELIXTOK_WORKER_BYTES", "1")
+
+
+@contextlib.contextmanager
+def on_a_pool():
+    """Builds of a few kilobytes start their --workers processes all the same: a build starts
+    one per 64 MiB of input (build.worker_count), so without this they tokenize in one process."""
+    old = os.environ.get("HELIXTOK_WORKER_BYTES")
+    os.environ["HELIXTOK_WORKER_BYTES"] = "1"
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["HELIXTOK_WORKER_BYTES"]
+        else:
+            os.environ["HELIXTOK_WORKER_BYTES"] = old
+
+
+@pytest.fixture
+def pooled():
+    """on_a_pool() for a whole test (the CLI children it starts inherit it)."""
+    with on_a_pool():
+        yield
 
 def _find_dev() -> Path | None:
     """The optional large tier: $HELIXTOK_DEV_CORPUS, else ../shared/corpus/dev beside the checkout."""
@@ -149,7 +169,8 @@ def _build(tmp_path_factory, corpus, tok, name, **kw):
     from helixtok.config import BuildConfig
 
     out = str(tmp_path_factory.mktemp(name) / "out")
-    build([str(corpus)], out, tok, BuildConfig(**{"unit_bytes": UNIT, **kw}))
+    with on_a_pool():  # the reference datasets come from a pool: the other builds compare with them
+        build([str(corpus)], out, tok, BuildConfig(**{"unit_bytes": UNIT, **kw}))
     return out
 
 

@@ -195,7 +195,7 @@ def test_workers_load_the_likely_backend_early_and_drop_it_when_another_is_chose
         hb._W.update(saved)
 
 
-def test_a_pool_build_checks_the_backend_in_a_worker(tmp_path, dev_corpus, shapes, monkeypatch):
+def test_a_pool_build_checks_the_backend_in_a_worker(tmp_path, dev_corpus, shapes, monkeypatch, pooled):
     """With worker processes the main process never loads the fast library's tokenizer, even
     where no verdict on the long inputs is cached: a worker sends its ids of the corpus sample
     and digests of its ids of the long inputs, compared here with tokenizers'.  The choice and

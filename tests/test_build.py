@@ -112,7 +112,7 @@ def test_workers_are_as_many_as_the_input_keeps_busy(tmp_path, small_corpus, sma
             super().__init__(n, *a, **k)
 
     monkeypatch.setattr(hb, "_Pool", Counted)
-    monkeypatch.delenv("HELIXTOK_WORKER_BYTES")
+    monkeypatch.delenv("HELIXTOK_WORKER_BYTES", raising=False)
     cfg = BuildConfig(seq_len=64, workers=2, unit_bytes=8 << 10)  # 42 KB of text in 7 units
 
     def run(name, **kw):

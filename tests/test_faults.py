@@ -22,6 +22,9 @@ from helixtok.cli import main
 from helixtok.config import BuildConfig
 from helixtok.errors import ConfigError, HelixtokError
 
+# Kilobyte corpora with --workers 2 still start a pool: these tests are about its processes.
+pytestmark = pytest.mark.usefixtures("pooled")
+
 
 def same_folder(a, b, ignore=()):
     names = sorted(n for n in os.listdir(a) if n not in ignore)

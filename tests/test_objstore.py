@@ -29,6 +29,9 @@ pytest.importorskip("moto")
 
 KEY_ID, SECRET = "AKIAHELIXTOKTEST0001", "helixtok-secret-never-in-output-7f3a"
 
+# Kilobyte corpora with --workers 2 still start a pool: its workers read the objects themselves.
+pytestmark = pytest.mark.usefixtures("pooled")
+
 
 @pytest.fixture(scope="module")
 def s3_server(tmp_path_factory):

@@ -90,7 +90,7 @@ def test_strict_turns_a_skip_into_failure(tmp_path, small_tok):
 
 
 @pytest.mark.parametrize("workers", [1, 2])
-def test_lines_deep_in_a_split_jsonl_are_named_by_their_file_line(tmp_path, small_tok, workers):
+def test_lines_deep_in_a_split_jsonl_are_named_by_their_file_line(tmp_path, small_tok, workers, pooled):
     """A .jsonl cut into many units (never scanned by the planner): warnings and --strict name
     the line of the file, not of the unit, whichever worker read it."""
     lines = [json.dumps({"text": f"doc {i} the quick brown fox"}) + "\n" for i in range(400)]
@@ -158,7 +158,7 @@ def test_zstd_read_and_truncated(tmp_path, small_tok):
 
 @pytest.mark.parametrize("frames,sized", [(1, True), (9, True), (9, False)])
 def test_a_large_jsonl_zst_is_read_by_several_workers_with_the_same_bytes(tmp_path, small_tok, dev_docs, monkeypatch,
-                                                                          frames, sized):
+                                                                          pooled, frames, sized):
     """One .zst file cut into decompressed byte ranges, each read from the frame holding the byte
     before it (one frame: all from the file's start, at most ZST_RANGES_PER_FRAME of them): the
     same bytes as reading it whole, exact line numbers in warnings; damage still fails naming the
@@ -312,7 +312,7 @@ def test_a_zst_whose_headers_misstate_its_size_fails(tmp_path, small_tok, dev_do
         list(UnitReader(last, "text", Tally()))
 
 
-def test_several_large_compressed_files_are_planned_side_by_side(tmp_path, small_tok, dev_docs, monkeypatch):
+def test_several_large_compressed_files_are_planned_side_by_side(tmp_path, small_tok, dev_docs, monkeypatch, pooled):
     """A .gz and a .zst file, each cut by its own pass (run in threads), keep corpus order: the
     same bytes as reading each whole; a damaged one is named even while the other's pass runs."""
     import zstandard
@@ -538,7 +538,8 @@ def test_the_real_datasets_library_save_to_disk_folder_and_its_cache(tmp_path, s
         assert m["warnings"] == {}, src  # dataset_info.json, state.json and the cache's .lock files are metadata
 
 
-def test_a_large_jsonl_gz_is_read_by_several_workers_with_the_same_bytes(tmp_path, small_tok, dev_docs, monkeypatch):
+def test_a_large_jsonl_gz_is_read_by_several_workers_with_the_same_bytes(tmp_path, small_tok, dev_docs, monkeypatch,
+                                                                          pooled):
     """One .jsonl.gz cut into decompressed line ranges (a seek index per file): several units,
     byte-identical output to reading it whole, exact line numbers in warnings; damage still fails."""
     import helixtok.sources as hs
