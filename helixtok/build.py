@@ -611,10 +611,10 @@ def build(inputs: list[str], out: str, tokenizer: str, config: BuildConfig, *, o
     if not units:
         raise InputError(f"no documents to read in {' '.join(inputs)}")
     run_id = f"r{os.getpid()}x{secrets.token_hex(3)}"
-    # Sized for the library the check most likely picks; if it picks tokenizers, a pool that
-    # fits tokenizers' speed starts after the check (_build_started).
-    fast = config.backend != "hf" and (config.backend != "auto" or backend_version(FAST[0]) is not None)
-    n_workers = worker_count(config, units, fast)
+    # Sized for the library the check most likely picks; if it picks a slower one, a pool that
+    # fits that one's speed starts after the check (_build_started).
+    likely = config.backend if config.backend != "auto" else FAST[0] if backend_version(FAST[0]) else "hf"
+    n_workers = worker_count(config, units, likely)
     workers = None
     try:
         # What tokenizing needs starts first, so that it overlaps inspecting the tokenizer
@@ -638,16 +638,19 @@ def build(inputs: list[str], out: str, tokenizer: str, config: BuildConfig, *, o
         raise
 
 
-WORKER_BYTES = {True: 64 << 20, False: 4 << 20}  # input per worker process, fast library or not
+# Input per worker process: about a second of tokenizing with each library (fastokens 100-300
+# MB/s a core, gigatoken 50-80; tiktoken ~10 and tokenizers 2-4 get WORKER_BYTES_SLOW).
+WORKER_BYTES = {"fastokens": 64 << 20, "gigatoken": 64 << 20}
+WORKER_BYTES_SLOW = 4 << 20
 
 
-def worker_count(config: BuildConfig, units: list[Unit], fast: bool) -> int:
-    """How many processes tokenize: --workers at most, and only as many as the input keeps busy
-    for about a second each, which is what one costs to start (interpreter, imports, the
-    tokenizer's load: 0.5-1.7 s): one per 64 MiB with a fast library (~100 MB/s a core), one
-    per 4 MiB with tokenizers (2-4 MB/s).  One means none: the build's own process tokenizes.
-    $HELIXTOK_WORKER_BYTES sets the input per process for both (1: --workers alone decides)."""
-    per = os.environ.get("HELIXTOK_WORKER_BYTES") or WORKER_BYTES[fast]
+def worker_count(config: BuildConfig, units: list[Unit], backend: str) -> int:
+    """How many processes tokenize with `backend`: --workers at most, and only as many as the
+    input keeps busy for about a second each, which is what one costs to start (interpreter,
+    imports, the tokenizer's load: 0.5-1.7 s): one per 64 MiB with fastokens or gigatoken, one
+    per 4 MiB with tiktoken or tokenizers.  One means none: the build's own process tokenizes.
+    $HELIXTOK_WORKER_BYTES sets the input per process for all (1: --workers alone decides)."""
+    per = os.environ.get("HELIXTOK_WORKER_BYTES") or WORKER_BYTES.get(backend, WORKER_BYTES_SLOW)
     if not str(per).isdigit() or int(per) < 1:
         raise ConfigError(f"HELIXTOK_WORKER_BYTES must be a whole number of bytes, at least 1; got {per!r}")
     per = int(per)
@@ -762,8 +765,8 @@ def _build_started(out, info, config, overwrite, on_progress, task, files, units
         for u in units:
             if u.index in trusted:
                 took(trusted[u.index])
-        if workers is None and info.backend == "hf" and (n := worker_count(config, pending, False)) > 1:
-            # Sized for a fast library, the build found tokenizers alone exact: it needs more processes.
+        if workers is None and (n := worker_count(config, pending, info.backend)) > 1:
+            # Sized for a faster library than the check found exact: this one needs more processes.
             workers = _Pool(n, config, state, run_id, info.path, preload=False)
         try:
             fresh = _run_units(units, pending, info, config, state, run_id, on_progress, done_bytes, took, workers)

@@ -92,7 +92,7 @@ def main():
               help="Input bytes per work unit (scheduling only: the shards do not depend on it).")
 @click.option("--workers", "-j", type=click.IntRange(min=0), default=0,
               help="Tokenizing processes at most [default: all cores]; no more than one per 64 MiB of input "
-                   "(4 MiB if only tokenizers is exact).")
+                   "(4 MiB with tiktoken or tokenizers).")
 @click.option("--overwrite", is_flag=True, help="Replace a dataset or unfinished build in OUT.")
 @click.option("--strict", is_flag=True, help="Fail instead of skipping any bad document or file.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar (for logs); warnings and the summary still print.")

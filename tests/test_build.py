@@ -96,9 +96,9 @@ def test_workers_and_backends_byte_identical(tmp_path, dev_corpus, tokenizer_pat
 
 def test_workers_are_as_many_as_the_input_keeps_busy(tmp_path, small_corpus, small_tok, monkeypatch):
     """--workers is a maximum: a worker process costs about a second to start, so a build starts
-    one per 64 MiB of input with a fast library (up to 64 MiB it tokenizes in its own process)
-    and one per 4 MiB when tokenizers alone is exact; if the check picks tokenizers
-    after a build started none, the pool starts then.  The bytes never depend on it."""
+    one per 64 MiB of input with fastokens (up to 64 MiB it tokenizes in its own process)
+    and one per 4 MiB with tokenizers; if the check picks tokenizers after a build started
+    none, the pool starts then.  The bytes never depend on it."""
     import dataclasses
 
     import helixtok.build as hb
@@ -125,12 +125,13 @@ def test_workers_are_as_many_as_the_input_keeps_busy(tmp_path, small_corpus, sma
     assert (m["tokenizer"]["backend"], pools) == ("fastokens", [])  # 42 KB: this process tokenizes
     units, _ = plan_units(discover([str(small_corpus)])[0], unit_bytes=cfg.unit_bytes, text_field="text")
     monkeypatch.setenv("HELIXTOK_WORKER_BYTES", str(16 << 10))  # three processes' worth: --workers 2 caps it
-    assert [hb.worker_count(cfg, units, fast) for fast in (True, False)] == [2, 2]
+    assert [hb.worker_count(cfg, units, b) for b in ("fastokens", "hf")] == [2, 2]
     monkeypatch.setenv("HELIXTOK_WORKER_BYTES", "64KiB")
     with pytest.raises(ConfigError, match="HELIXTOK_WORKER_BYTES must be a whole number of bytes"):
-        hb.worker_count(cfg, units, True)
+        hb.worker_count(cfg, units, "fastokens")
     monkeypatch.delenv("HELIXTOK_WORKER_BYTES")
-    monkeypatch.setattr(hb, "WORKER_BYTES", {True: 1 << 30, False: 16 << 10})  # kilobytes stand for MiB
+    monkeypatch.setattr(hb, "WORKER_BYTES", {"fastokens": 1 << 30})  # kilobytes stand for MiB
+    monkeypatch.setattr(hb, "WORKER_BYTES_SLOW", 16 << 10)
     m, pools, got = run("hf", backend="hf")
     assert (m["tokenizer"]["backend"], pools, got) == ("hf", [(2, True)], shards)  # sized for tokenizers at once
     real = hb.choose_backend
