@@ -51,6 +51,7 @@ class Progress:
     units_done: int
     units_total: int
     phase: str
+    processes: int = 1  # tokenizing (worker processes, or this one)
 
 
 # --------------------------------------------------------------------------- worker side
@@ -415,6 +416,7 @@ class _Pool:
         import multiprocessing as mp
 
         ctx = mp.get_context("spawn")  # never fork a process that may hold tokenizer threads
+        self.n = n
         self.counters = ctx.Array("q", 3)
         self.slots = ctx.Array("q", 2 * n)  # (pid, unit index) per worker process
         self.executor = ProcessPoolExecutor(n, mp_context=ctx, initializer=_init_worker,
@@ -457,7 +459,7 @@ def _run_units(units: list[Unit], pending: list[Unit], info: TokenizerInfo, conf
         if on_progress and (force or now - t_last > 0.1):
             t_last = now
             on_progress(Progress(done_bytes + counters[0], total_bytes, counters[1], counters[2],
-                                 units_done, len(units), "tokenize"))
+                                 units_done, len(units), "tokenize", workers.n if workers else 1))
 
     if workers is None:  # inline: no pool, easy to debug and profile
         counters = _LocalCounters([0, 0, 0])

@@ -169,8 +169,10 @@ def _build_with_progress(run_build, con, corpus, out, tokenizer, cfg, overwrite,
 
         def on_progress(p):
             dt = max(time.monotonic() - t0, 1e-9)
+            # "tokenize ×N": N processes tokenize, -j being a maximum (build.worker_count).
+            phase = f"tokenize ×{p.processes}" if p.phase == "tokenize" else p.phase
             bar.update(task, total=p.bytes_total, completed=p.bytes_done, docs=p.documents,
-                       tps=f"{p.tokens / dt / 1e6:.2f}M", description=p.phase)
+                       tps=f"{p.tokens / dt / 1e6:.2f}M", description=phase)
 
         return run_build(corpus, out, tokenizer, cfg, overwrite=overwrite, on_progress=on_progress, task=part)
 

@@ -117,7 +117,10 @@ def test_workers_are_as_many_as_the_input_keeps_busy(tmp_path, small_corpus, sma
 
     def run(name, **kw):
         made.clear()
-        m = build([str(small_corpus)], str(tmp_path / name), small_tok, dataclasses.replace(cfg, **kw))
+        seen = set()  # what the progress bar shows as "tokenize ×N"
+        m = build([str(small_corpus)], str(tmp_path / name), small_tok, dataclasses.replace(cfg, **kw),
+                  on_progress=lambda p: seen.add(p.processes) if p.phase == "tokenize" else None)
+        assert seen == {n for n, _ in made} or (seen == {1} and not made)
         return m, list(made), {n: (tmp_path / name / n).read_bytes() for n in os.listdir(tmp_path / name)
                                if n != "manifest.json"}
 
