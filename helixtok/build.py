@@ -767,8 +767,10 @@ def _build_started(out, info, config, overwrite, on_progress, task, files, units
         for u in units:
             if u.index in trusted:
                 took(trusted[u.index])
-        if workers is None and (n := worker_count(config, pending, info.backend)) > 1:
+        if (n := worker_count(config, pending, info.backend)) > (workers.n if workers else 1):
             # Sized for a faster library than the check found exact: this one needs more processes.
+            if workers is not None:
+                workers.kill()
             workers = _Pool(n, config, state, run_id, info.path, preload=False)
         try:
             fresh = _run_units(units, pending, info, config, state, run_id, on_progress, done_bytes, took, workers)
