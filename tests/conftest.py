@@ -29,15 +29,9 @@ if "HELIXTOK_CACHE" not in os.environ:
 def on_a_pool():
     """Builds of a few kilobytes start their --workers processes all the same: a build starts
     one per 64 MiB of input (build.worker_count), so without this they tokenize in one process."""
-    old = os.environ.get("HELIXTOK_WORKER_BYTES")
-    os.environ["HELIXTOK_WORKER_BYTES"] = "1"
-    try:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HELIXTOK_WORKER_BYTES", "1")
         yield
-    finally:
-        if old is None:
-            del os.environ["HELIXTOK_WORKER_BYTES"]
-        else:
-            os.environ["HELIXTOK_WORKER_BYTES"] = old
 
 
 @pytest.fixture
@@ -45,6 +39,7 @@ def pooled():
     """on_a_pool() for a whole test (the CLI children it starts inherit it)."""
     with on_a_pool():
         yield
+
 
 def _find_dev() -> Path | None:
     """The optional large tier: $HELIXTOK_DEV_CORPUS, else ../shared/corpus/dev beside the checkout."""
