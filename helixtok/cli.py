@@ -162,19 +162,24 @@ def _build_with_progress(run_build, con, corpus, out, tokenizer, cfg, overwrite,
     )
 
     t0 = time.monotonic()
-    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-                  TextColumn("{task.fields[docs]:,} docs  {task.fields[tps]} tok/s"), TimeElapsedColumn(),
-                  TextColumn("ETA"), TimeRemainingColumn(), console=con, transient=False) as bar:
-        task = bar.add_task("tokenize", total=None, docs=0, tps="-")
+    bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                   TextColumn("{task.fields[docs]:,} docs  {task.fields[tps]} tok/s"), TimeElapsedColumn(),
+                   TextColumn("ETA"), TimeRemainingColumn(), console=con, transient=False)
+    task = bar.add_task("tokenize", total=None, docs=0, tps="-")
 
-        def on_progress(p):
-            dt = max(time.monotonic() - t0, 1e-9)
-            # "tokenize ×N": N processes tokenize, -j being a maximum (build.worker_count).
-            phase = f"tokenize ×{p.processes}" if p.phase == "tokenize" else p.phase
-            bar.update(task, total=p.bytes_total, completed=p.bytes_done, docs=p.documents,
-                       tps=f"{p.tokens / dt / 1e6:.2f}M", description=phase)
+    def on_progress(p):
+        if not bar.live.is_started:  # shown once tokenizing starts: an early error stays one line
+            bar.start()
+        dt = max(time.monotonic() - t0, 1e-9)
+        # "tokenize ×N": N processes tokenize, -j being a maximum (build.worker_count).
+        phase = f"tokenize ×{p.processes}" if p.phase == "tokenize" else p.phase
+        bar.update(task, total=p.bytes_total, completed=p.bytes_done, docs=p.documents,
+                   tps=f"{p.tokens / dt / 1e6:.2f}M", description=phase)
 
+    try:
         return run_build(corpus, out, tokenizer, cfg, overwrite=overwrite, on_progress=on_progress, task=part)
+    finally:
+        bar.stop()
 
 
 def _print_build_summary(m, out, as_json, con):
