@@ -616,7 +616,14 @@ def build(inputs: list[str], out: str, tokenizer: str, config: BuildConfig, *, o
     # Sized for the library the check most likely picks; if it picks a slower one, a pool that
     # fits that one's speed starts after the check (_build_started).
     likely = config.backend if config.backend != "auto" else FAST[0] if backend_version(FAST[0]) else "hf"
-    n_workers = worker_count(config, units, likely)
+    part, mine = None, units  # a task of a partitioned build tokenizes its share of the units
+    if task is not None:
+        from .merge import partition
+
+        k, n = task
+        a, b = partition(units, n)[k]
+        part, mine = {"task_index": k, "num_tasks": n, "units": [a, b], "units_total": len(units)}, units[a:b]
+    n_workers = worker_count(config, mine, likely)
     workers = None
     try:
         # What tokenizing needs starts first, so that it overlaps inspecting the tokenizer
@@ -629,7 +636,7 @@ def build(inputs: list[str], out: str, tokenizer: str, config: BuildConfig, *, o
         info = inspect_tokenizer(path, eos_token=config.eos_token, bos_token=config.bos_token,
                                  pad_token=config.pad_token, add_bos=config.add_bos,
                                  special_tokens=config.special_tokens)
-        return _build_in(out, info, config, overwrite, on_progress, task, files, units, warnings, run_id, workers)
+        return _build_in(out, info, config, overwrite, on_progress, part, files, units, warnings, run_id, workers)
     except BaseException as e:
         if workers is not None:
             workers.kill()
@@ -659,14 +666,14 @@ def worker_count(config: BuildConfig, units: list[Unit], backend: str) -> int:
     return max(1, min(config.num_workers, len(units), -(-sum(u.est_bytes for u in units) // per)))
 
 
-def _build_in(out, info, config, overwrite, on_progress, task, files, units, warnings, run_id, workers) -> dict:
+def _build_in(out, info, config, overwrite, on_progress, part, files, units, warnings, run_id, workers) -> dict:
     """build() from the moment its work is planned: holds the lock on `out` throughout."""
     created = not os.path.exists(out)
     os.makedirs(out, exist_ok=True)
     lock = OutLock(out)
     state = os.path.join(out, STATE)
     try:
-        return _build_started(out, info, config, overwrite, on_progress, task, files, units, warnings, state,
+        return _build_started(out, info, config, overwrite, on_progress, part, files, units, warnings, state,
                               run_id, workers)
     except InputError:
         # Bad input: the corrected command has other inputs or options, so nothing here can be
@@ -707,24 +714,19 @@ def _build_to_url(inputs, url, tokenizer, config, overwrite, on_progress, task, 
     return remote
 
 
-def _build_started(out, info, config, overwrite, on_progress, task, files, units, warnings, state, run_id,
+def _build_started(out, info, config, overwrite, on_progress, part, files, units, warnings, state, run_id,
                    workers) -> dict:
     """_build_in once it holds the lock: check the backend, resume or start, tokenize, assemble, publish."""
     info, backend_check = choose_backend(info, units, config, workers and workers.executor)
     if workers is not None:  # the workers tokenize: the main process needs no fast tokenizer now
         forget_fast_tokenizers()
-    partition_info = None
-    if task is not None:
-        from .merge import partition
-
-        k, n = task
-        a, b = partition(units, n)[k]
-        partition_info = {"task_index": k, "num_tasks": n, "units": [a, b], "units_total": len(units)}
+    if part is not None:
+        a, b = part["units"]
         names = {nm for u in units[a:b] for nm in u.names}
         units = units[a:b]
         files = [f for f in files if f.name in names]
     plan = {
-        "partition": partition_info,
+        "partition": part,
         "helixtok": __version__, "format_version": FORMAT_VERSION, "config": config.identity(),
         # Every resolved choice that changes bytes: special ids, vocabulary, backend and its version.
         "tokenizer": info.to_json(),
@@ -791,7 +793,7 @@ def _build_started(out, info, config, overwrite, on_progress, task, files, units
     for r in results:
         tally.merge(Tally.from_json(r["skipped"]))
     tally = refs.resolve_tally(tally)
-    if splits["train"]["num_chunks"] == 0 and task is None:
+    if splits["train"]["num_chunks"] == 0 and part is None:
         raise InputError(f"the corpus gave {splits['train']['tokens']} tokens, not one chunk of "
                          f"--seq-len {config.seq_len}; lower --seq-len or add text")
     _check_unchanged(files)
@@ -818,7 +820,7 @@ def _build_started(out, info, config, overwrite, on_progress, task, files, units
                     "strip": config.strip},
         "inputs": {"files": len(files), "bytes": sum(f.size for f in files), "units": len(units),
                    "list": [{"name": f.name, "bytes": f.size} for f in files]},
-        **({"partition": partition_info} if partition_info else {}),
+        **({"partition": part} if part else {}),
         "splits": splits,
         "totals": totals,
         "skipped": tally.to_json(),

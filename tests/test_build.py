@@ -115,10 +115,10 @@ def test_workers_are_as_many_as_the_input_keeps_busy(tmp_path, small_corpus, sma
     monkeypatch.delenv("HELIXTOK_WORKER_BYTES", raising=False)
     cfg = BuildConfig(seq_len=64, workers=2, unit_bytes=1)  # 18 KB of text, one unit per file (7)
 
-    def run(name, **kw):
+    def run(name, task=None, **kw):
         made.clear()
         seen = set()  # what the progress bar shows as "tokenize ×N"
-        m = build([str(small_corpus)], str(tmp_path / name), small_tok, dataclasses.replace(cfg, **kw),
+        m = build([str(small_corpus)], str(tmp_path / name), small_tok, dataclasses.replace(cfg, **kw), task=task,
                   on_progress=lambda p: seen.add(p.processes) if p.phase == "tokenize" else None)
         assert seen == {made[-1][0] if made else 1}
         return m, list(made), {n: (tmp_path / name / n).read_bytes() for n in os.listdir(tmp_path / name)
@@ -133,6 +133,9 @@ def test_workers_are_as_many_as_the_input_keeps_busy(tmp_path, small_corpus, sma
     with pytest.raises(ConfigError, match="HELIXTOK_WORKER_BYTES must be a whole number of bytes"):
         hb.worker_count(cfg, units, "fastokens")
     monkeypatch.delenv("HELIXTOK_WORKER_BYTES")
+    total = sum(u.est_bytes for u in units)
+    monkeypatch.setattr(hb, "WORKER_BYTES", {"fastokens": -(-total // 2)})  # the corpus: two workers' worth
+    assert run("share", task=(1, 3))[1] == []  # one task of three (the last two files): sized for its share
     monkeypatch.setattr(hb, "WORKER_BYTES", {"fastokens": 1 << 30})  # kilobytes stand for MiB
     monkeypatch.setattr(hb, "WORKER_BYTES_SLOW", 16 << 10)
     m, pools, got = run("hf", backend="hf")
@@ -142,7 +145,6 @@ def test_workers_are_as_many_as_the_input_keeps_busy(tmp_path, small_corpus, sma
         info, units, dataclasses.replace(config, backend="hf"), ex))  # the check finds only tokenizers exact
     m, pools, got = run("late")
     assert (m["tokenizer"]["backend"], pools, got) == ("hf", [(2, False)], shards)  # started after the check
-    total = sum(u.est_bytes for u in units)
     monkeypatch.setattr(hb, "WORKER_BYTES", {"fastokens": -(-total // 2)})  # two workers for fastokens,
     monkeypatch.setattr(hb, "WORKER_BYTES_SLOW", -(-total // 3))  # three for tokenizers
     m, pools, got = run("larger", workers=3)
