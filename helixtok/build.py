@@ -659,10 +659,10 @@ def worker_count(config: BuildConfig, units: list[Unit], backend: str) -> int:
     imports, the tokenizer's load: 0.5-1.7 s): one per 64 MiB with fastokens or gigatoken, one
     per 4 MiB with tiktoken or tokenizers.  One means none: the build's own process tokenizes.
     $HELIXTOK_WORKER_BYTES sets the input per process for all (1: --workers alone decides)."""
-    per = os.environ.get("HELIXTOK_WORKER_BYTES") or WORKER_BYTES.get(backend, WORKER_BYTES_SLOW)
-    if not str(per).isdigit() or int(per) < 1:
-        raise ConfigError(f"HELIXTOK_WORKER_BYTES must be a whole number of bytes, at least 1; got {per!r}")
-    per = int(per)
+    env = os.environ.get("HELIXTOK_WORKER_BYTES", "")
+    if env and (not env.isdigit() or int(env) < 1):
+        raise ConfigError(f"HELIXTOK_WORKER_BYTES must be a whole number of bytes, at least 1; got {env!r}")
+    per = int(env) if env else WORKER_BYTES.get(backend, WORKER_BYTES_SLOW)
     return max(1, min(config.num_workers, len(units), -(-sum(u.est_bytes for u in units) // per)))
 
 
