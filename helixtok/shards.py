@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import hashlib
 import os
+import queue
+import threading
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -24,61 +26,126 @@ def _tmp_of(final: str) -> str:
     return os.path.join(os.path.dirname(final), "." + os.path.basename(final) + ".tmp")
 
 
+class _Sha256Behind:
+    """sha256 of the buffers given, in order, computed in a thread of its own (hashlib releases the
+    GIL on large buffers): hashing was two thirds of the assembly's time, and the assembly is the
+    one sequential stage of a build (scripts/bench_assembly.py).  Holds at most QUEUED_BYTES of
+    buffers not yet hashed; `digest_now` waits for the thread to catch up."""
+
+    QUEUED_BYTES = 64 << 20
+
+    def __init__(self, sha=None):
+        self.sha = sha or hashlib.sha256()
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._cond = threading.Condition()
+        self._queued = 0  # bytes handed over and not yet hashed
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        self._closing = False  # drop what is still queued
+
+    def update(self, buf: memoryview) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="helixtok-sha256", daemon=True)
+            self._thread.start()
+        with self._cond:
+            self._cond.wait_for(lambda: self._queued < self.QUEUED_BYTES or self._error is not None)
+            self._check()
+            self._queued += buf.nbytes
+        self._queue.put(buf)  # a view: the caller never writes into an array it handed over
+
+    def _run(self) -> None:
+        while (buf := self._queue.get()) is not None:
+            try:
+                if self._error is None and not self._closing:
+                    self.sha.update(buf)
+            except BaseException as e:  # noqa: BLE001 - raised in the writer's thread
+                self._error = e
+            with self._cond:
+                self._queued -= buf.nbytes
+                self._cond.notify_all()
+
+    def _check(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    def digest_now(self):
+        """The hash object of everything given so far (a copy: hashing goes on after it)."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._queued == 0)
+        self._check()
+        return self.sha.copy()
+
+    def close(self) -> None:
+        """End the thread (what it has not hashed is dropped: call digest_now first to keep it)."""
+        if self._thread is not None:
+            self._closing = True
+            self._queue.put(None)
+            self._thread.join()
+            self._thread = None
+
+
 class _HashedFile:
     """A temp file whose bytes are hashed as written; `commit` fsyncs and renames it into place."""
 
-    def __init__(self, final: str):
+    def __init__(self, final: str, fh=None, sha=None, size: int = 0):
+        """A new temp file; or (reopen) `fh` open on it, holding `size` bytes whose hash is `sha`."""
         self.final, self.tmp = final, _tmp_of(final)
-        self.fh = open(self.tmp, "wb")
-        self.sha = hashlib.sha256()
-        self.bytes = 0
+        self.fh = fh or open(self.tmp, "wb")
+        self.hasher = _Sha256Behind(sha)
+        self.bytes = size
 
     def write(self, arr: np.ndarray) -> None:
         buf = np.ascontiguousarray(arr).data
         self.fh.write(buf)
-        self.sha.update(buf)
+        self.hasher.update(buf)
         self.bytes += buf.nbytes
 
     def commit(self) -> dict:
+        sha = self.hasher.digest_now()
+        self.hasher.close()
         self.fh.flush()
         os.fsync(self.fh.fileno())
         self.fh.close()
         os.replace(self.tmp, self.final)
-        return {"path": os.path.basename(self.final), "bytes": self.bytes, "sha256": self.sha.hexdigest()}
+        return {"path": os.path.basename(self.final), "bytes": self.bytes, "sha256": sha.hexdigest()}
 
     def abort(self) -> None:
-        self.fh.close()
+        self.close()
         if os.path.exists(self.tmp):
             os.remove(self.tmp)
+
+    def close(self) -> None:
+        """Stop writing, keeping what was written (a resumed build reopens it)."""
+        self.hasher.close()
+        self.fh.close()
 
     def mark(self) -> list:
         """[bytes written, their sha256]: flushed into the file, where `reopen` finds them."""
         self.fh.flush()
-        return [self.bytes, self.sha.copy().hexdigest()]
+        return [self.bytes, self.hasher.digest_now().hexdigest()]
 
     @classmethod
     def reopen(cls, final: str, mark: list) -> "_HashedFile | None":
         """The file a stopped build was writing, cut back to `mark` (its bytes hashed again), to
         write on; None if it does not hold those bytes (they never reached the disk)."""
-        self = cls.__new__(cls)
-        self.final, self.tmp = final, _tmp_of(final)
-        if not os.path.exists(self.tmp) and os.path.exists(final):
-            os.replace(final, self.tmp)  # it was committed after the mark: written on since
+        tmp = _tmp_of(final)
+        if not os.path.exists(tmp) and os.path.exists(final):
+            os.replace(final, tmp)  # it was committed after the mark: written on since
         try:
-            self.fh = open(self.tmp, "r+b")
+            fh = open(tmp, "r+b")
         except FileNotFoundError:
             return None
         size, want = mark
-        self.sha, self.bytes = hashlib.sha256(), 0
-        if os.fstat(self.fh.fileno()).st_size >= size:
-            self.fh.truncate(size)
-            while self.bytes < size and (block := self.fh.read(min(8 << 20, size - self.bytes))):
-                self.sha.update(block)
-                self.bytes += len(block)
-        if self.bytes != size or self.sha.hexdigest() != want:
-            self.fh.close()
+        sha, got = hashlib.sha256(), 0
+        if os.fstat(fh.fileno()).st_size >= size:
+            fh.truncate(size)
+            while got < size and (block := fh.read(min(8 << 20, size - got))):
+                sha.update(block)
+                got += len(block)
+        if got != size or sha.hexdigest() != want:
+            fh.close()
             return None
-        return self
+        return cls(final, fh, sha, size)
 
 
 @dataclass
@@ -159,7 +226,7 @@ class ShardWriter:
         """Close the files being written, keeping them: a resumed build reopens them (reopen)."""
         for f in (self._bin, self._side):
             if f is not None:
-                f.fh.close()
+                f.close()
         self._bin = self._side = None
 
     def mark(self) -> dict:

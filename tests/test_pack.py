@@ -1,9 +1,14 @@
-"""Packing rules, checked against a plain re-implementation for all inputs (hypothesis)."""
+"""Packing rules and shard hashing, checked against plain re-implementations for all inputs (hypothesis)."""
+
+import hashlib
+import os
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from helixtok import shards
 from helixtok.pack import StreamPacker, document_chunks
 
 
@@ -89,3 +94,40 @@ def test_document_chunks_hand_made():
     assert chunks.tolist() == [[1, 2, 3, 4], [5, 0, 8, 8]]
     assert valid.tolist() == [4, 2]
     assert (c.pad_tokens, c.dropped_tokens, c.dropped_documents) == (2, 2, 1)
+
+
+@settings(max_examples=60, deadline=None)
+@given(sizes=st.lists(st.integers(0, 5000), max_size=25), marks=st.sets(st.integers(0, 25)),
+       queued=st.integers(1, 9000))
+def test_shard_hash_behind_the_writes_is_the_files_sha256(tmp_path_factory, sizes, marks, queued):
+    """The shard's sha256 is hashed in a thread beside the writes, holding at most `queued`
+    bytes not yet hashed: every mark and the commit give exactly hashlib's digest of the bytes
+    so far, in order, and the file holds them; a writer reopened at a mark goes on to the same."""
+    d = tmp_path_factory.mktemp("sha")
+    rng = np.random.default_rng(len(sizes))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(shards._Sha256Behind, "QUEUED_BYTES", queued)
+        f = shards._HashedFile(str(d / "s.bin"))
+        want, seen, at_mark = hashlib.sha256(), b"", None
+        for i, n in enumerate(sizes):
+            arr = rng.integers(0, 2**32, size=n, dtype=np.uint32)
+            if i % 3 == 0:
+                arr = arr[::2]  # strided too: written as its contiguous copy
+            f.write(arr)
+            want.update(arr.tobytes())
+            seen += arr.tobytes()
+            if i in marks:
+                at_mark = (f.mark(), seen)
+                assert at_mark[0] == [len(seen), want.hexdigest()]
+        if at_mark is not None:  # stopped there, then reopened at the mark: same bytes, same hash
+            f.close()
+            f = shards._HashedFile.reopen(str(d / "s.bin"), at_mark[0])
+            want, seen = hashlib.sha256(at_mark[1]), at_mark[1]
+            tail = rng.integers(0, 2**32, size=777, dtype=np.uint32)
+            f.write(tail)
+            want.update(tail.tobytes())
+            seen += tail.tobytes()
+        entry = f.commit()
+    assert entry == {"path": "s.bin", "bytes": len(seen), "sha256": want.hexdigest()}
+    assert (d / "s.bin").read_bytes() == seen
+    assert not os.path.exists(shards._tmp_of(str(d / "s.bin")))
