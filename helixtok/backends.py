@@ -232,7 +232,7 @@ def load_ahead(lib: str, path: str) -> None:
         with contextlib.suppress(Exception):  # _loaded loads it again and says why it cannot
             _fast_tokenizer(*key)
     # Not a daemon: a daemon thread that returns from the library while Python shuts down aborts
-    # the process ("FATAL: exception not rethrown"); a failed build joins it (loads_ended).
+    # the process ("FATAL: exception not rethrown"); build() joins it before it returns or raises.
     _ahead[key] = threading.Thread(target=load, name="helixtok-load")
     _ahead[key].start()
 

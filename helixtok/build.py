@@ -27,7 +27,7 @@ import numpy as np
 from . import __version__
 from .assemble import CHECKPOINT, Assembler
 from .backend_check import choose_backend
-from .backends import FAST, backend_version, forget_fast_tokenizers, load_ahead, loads_ended
+from .backends import FAST, backend_version, forget_fast_tokenizers, load_ahead
 from .children import die_with_parent
 from .config import BuildConfig
 from .errors import ConfigError, HelixtokError, InputError
@@ -464,11 +464,14 @@ def _run_units(units: list[Unit], pending: list[Unit], info: TokenizerInfo, conf
     if workers is None:  # inline: no pool, easy to debug and profile
         counters = _LocalCounters([0, 0, 0])
         _init_worker(config, state, run_id, counters, None, None)
-        for u in order:
-            results.append(run_unit(u, info))
-            on_result(results[-1])
-            units_done += 1
-            report(counters, units_done, force=True)
+        try:
+            for u in order:
+                results.append(run_unit(u, info))
+                on_result(results[-1])
+                units_done += 1
+                report(counters, units_done, force=True)
+        finally:
+            _W.clear()  # this process's encoder (its tokenizer: ~100 MB for a 100k vocabulary) goes
         return results
 
     counters, slots, procs = workers.counters, workers.slots, workers.procs
@@ -640,11 +643,14 @@ def build(inputs: list[str], out: str, tokenizer: str, config: BuildConfig, *, o
     except BaseException as e:
         if workers is not None:
             workers.kill()
-        loads_ended()  # a load ahead still under way ends before the error leaves build()
         if isinstance(e, BrokenProcessPool):  # the pool broke while starting (a submit, the backend check)
             raise HelixtokError(f"a worker process died while starting ({e}); rerun the same command to "
                                 "resume") from None
         raise
+    finally:
+        # A load ahead still under way ends before build() returns or raises, and the fast
+        # tokenizers loaded for this build are freed: a caller that builds again reloads them.
+        forget_fast_tokenizers()
 
 
 # Input per worker process: about a second of tokenizing with each library (fastokens 100-300

@@ -30,9 +30,10 @@ class _Sha256Behind:
     """sha256 of the buffers given, in order, computed in a thread of its own (hashlib releases the
     GIL on large buffers): hashing was two thirds of the assembly's time, and the assembly is the
     one sequential stage of a build (scripts/bench_assembly.py).  Holds at most QUEUED_BYTES of
-    buffers not yet hashed; `digest_now` waits for the thread to catch up."""
+    buffers not yet hashed (two of the assembly's 16 MiB slices: enough to overlap; the buffers
+    keep arrays or mapped pages alive); `digest_now` waits for the thread to catch up."""
 
-    QUEUED_BYTES = 64 << 20
+    QUEUED_BYTES = 32 << 20
 
     def __init__(self, sha=None):
         self.sha = sha or hashlib.sha256()
