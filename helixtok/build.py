@@ -15,8 +15,10 @@ import os
 import secrets
 import shutil
 import signal
+import threading
 import time
 import zlib
+from collections.abc import MutableMapping
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
@@ -56,7 +58,38 @@ class Progress:
 
 # --------------------------------------------------------------------------- worker side
 
-_W: dict = {}
+
+class _PerThread(MutableMapping):
+    """A dict of its own in each thread.  What a tokenizing process works with (`_W`: config,
+    state folder, run id, encoder) is set once per worker process, but a build without workers
+    sets it in its caller's thread: two such builds in two threads of one program must never
+    tokenize with each other's options or write into each other's folders."""
+
+    def __init__(self):
+        self._local = threading.local()
+
+    def _d(self) -> dict:
+        if not hasattr(self._local, "d"):
+            self._local.d = {}
+        return self._local.d
+
+    def __getitem__(self, k):
+        return self._d()[k]
+
+    def __setitem__(self, k, v) -> None:
+        self._d()[k] = v
+
+    def __delitem__(self, k) -> None:
+        del self._d()[k]
+
+    def __iter__(self):
+        return iter(self._d())
+
+    def __len__(self) -> int:
+        return len(self._d())
+
+
+_W = _PerThread()
 
 
 def _init_worker(config: BuildConfig, state_dir: str, run_id: str, counters, slots, parent: int | None) -> None:
@@ -398,8 +431,6 @@ class _Interrupt:
         self._old = None
 
     def __enter__(self):
-        import threading
-
         if threading.current_thread() is threading.main_thread():
             self._old = signal.signal(signal.SIGINT, lambda *_: setattr(self, "hit", True))
         return self
@@ -542,7 +573,6 @@ def schedule(pending: list[Unit], unit_bytes: int, in_order: bool = False) -> li
 def _watch_deaths(procs: list) -> list[int]:
     """A list that receives the pids of the first worker(s) to exit: the pool SIGTERMs the others
     only after it has seen one die, so when this thread wakes on its own the first is alone."""
-    import threading
     from multiprocessing.connection import wait as wait_any
 
     first: list[int] = []

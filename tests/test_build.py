@@ -94,6 +94,51 @@ def test_workers_and_backends_byte_identical(tmp_path, dev_corpus, tokenizer_pat
         assert m[k] == other[k]
 
 
+def test_two_builds_in_threads_of_one_program_keep_to_their_own_options(tmp_path, small_corpus, small_tok,
+                                                                       monkeypatch):
+    """A build without workers tokenizes in its caller's thread: two at once in one program (a
+    notebook, a thread pool) each tokenize with their own options into their own folder, and
+    give the bytes they give alone.  A barrier makes both set up before either tokenizes: where
+    that set-up was process-wide, the second's options and folder were used by the first."""
+    import threading
+
+    from helixtok import build as hb
+
+    def config(k):  # options that change the bytes (the split, stripping); tokenizers: no backend check
+        return BuildConfig(seq_len=64, workers=1, val_fraction=0.3 * k, strip=k == 0, backend="hf")
+
+    def files(out):
+        return {n: open(os.path.join(out, n), "rb").read() for n in sorted(os.listdir(out)) if n != "manifest.json"}
+    alone = []
+    for k in (0, 1):
+        build([str(small_corpus)], str(tmp_path / f"alone{k}"), small_tok, config(k))
+        alone.append(files(str(tmp_path / f"alone{k}")))
+    barrier, first, real = threading.Barrier(2, timeout=60), threading.local(), hb._run_unit
+
+    def both_set_up(unit, info):
+        if not getattr(first, "passed", False):
+            first.passed = True
+            barrier.wait()
+        return real(unit, info)
+    monkeypatch.setattr(hb, "_run_unit", both_set_up)
+    errors = []
+
+    def run(k):
+        try:
+            build([str(small_corpus)], str(tmp_path / f"thread{k}"), small_tok, config(k))
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(repr(e))
+            barrier.abort()
+    threads = [threading.Thread(target=run, args=(k,)) for k in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert [files(str(tmp_path / f"thread{k}")) for k in (0, 1)] == alone
+    assert alone[0] != alone[1]
+
+
 def test_workers_are_as_many_as_the_input_keeps_busy(tmp_path, small_corpus, small_tok, monkeypatch):
     """--workers is a maximum: a worker process costs about a second to start, so a build starts
     one per 64 MiB of input with fastokens (up to 64 MiB it tokenizes in its own process)
