@@ -90,6 +90,8 @@ class _PerThread(MutableMapping):
 
 
 _W = _PerThread()
+# What a build sets to keep each tokenizing process on one core (here and in backends.flat_encoder).
+THREAD_ENV = ("TOKENIZERS_PARALLELISM", "FASTOKENS_BPE_THREADS")
 
 
 def _init_worker(config: BuildConfig, state_dir: str, run_id: str, counters, slots, parent: int | None) -> None:
@@ -98,7 +100,7 @@ def _init_worker(config: BuildConfig, state_dir: str, run_id: str, counters, slo
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         die_with_parent(parent)
     # One process per core: rayon threads inside each would oversubscribe the cores
-    # (and --workers 1 means one core).
+    # (and --workers 1 means one core).  In the build's own process, build() restores it.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     slot = None
     if slots is not None:  # claim a slot where the parent can see which unit this process works on
@@ -658,6 +660,7 @@ def build(inputs: list[str], out: str, tokenizer: str, config: BuildConfig, *, o
         part, mine = {"task_index": k, "num_tasks": n, "units": [a, b], "units_total": len(units)}, units[a:b]
     n_workers = worker_count(config, mine, likely)
     workers = None
+    env = {k: os.environ.get(k) for k in THREAD_ENV}
     try:
         # What tokenizing needs starts first, so that it overlaps inspecting the tokenizer
         # (0.4 s for a 100k vocabulary) and the backend check: the worker processes, which load
@@ -681,6 +684,11 @@ def build(inputs: list[str], out: str, tokenizer: str, config: BuildConfig, *, o
         # A load ahead still under way ends before build() returns or raises, and the fast
         # tokenizers loaded for this build are freed: a caller that builds again reloads them.
         forget_fast_tokenizers()
+        for k, v in env.items():  # the caller's own tokenizers run with its own settings again
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 # Input per worker process: about a second of tokenizing with each library (fastokens 100-300

@@ -256,14 +256,18 @@ def test_an_inline_build_tokenizes_with_the_library_its_check_loaded(tmp_path, d
     counted.cache_clear = real.cache_clear
     backends._fast_tokenizer.cache_clear()
     monkeypatch.setattr(backends, "_fast_tokenizer", lru_cache(maxsize=2)(counted))
+    monkeypatch.delenv("TOKENIZERS_PARALLELISM", raising=False)
+    monkeypatch.setenv("FASTOKENS_BPE_THREADS", "4")
     corpus = [str(dev_corpus / "jsonl" / "plain.jsonl")]
     m = build(corpus, str(tmp_path / "out"), shapes["gpt2-like"],
               BuildConfig(seq_len=256, workers=1, backend="gigatoken", special_tokens="extract"))
     assert m["tokenizer"]["backend"] == "gigatoken" and loads == ["gigatoken"]
     # ... and freed when build() returns: a notebook that builds keeps no tokenizer (~100 MB for
-    # a 100k vocabulary) alive, in the encoder or the cache.
+    # a 100k vocabulary) alive, in the encoder or the cache; nor its one-core settings, which
+    # would slow the notebook's own tokenizers.
     from helixtok import build as hb
     assert real.cache_info().currsize == 0 and hb._W == {}
+    assert [os.environ.get(k) for k in hb.THREAD_ENV] == [None, "4"]
 
 
 def test_an_inline_build_loads_the_likely_library_ahead_and_a_failure_meanwhile_exits_cleanly(
