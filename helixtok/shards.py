@@ -59,7 +59,7 @@ class _Sha256Behind:
             try:
                 if self._error is None and not self._closing:
                     self.sha.update(buf)
-            except BaseException as e:  # noqa: BLE001 - raised in the writer's thread
+            except BaseException as e:  # noqa: BLE001 - raised in the writer's thread (update, digest_now)
                 self._error = e
             with self._cond:
                 self._queued -= buf.nbytes
@@ -91,7 +91,7 @@ class _HashedFile:
     def __init__(self, final: str, fh=None, sha=None, size: int = 0):
         """A new temp file; or (reopen) `fh` open on it, holding `size` bytes whose hash is `sha`."""
         self.final, self.tmp = final, _tmp_of(final)
-        self.fh = fh or open(self.tmp, "wb")
+        self.fh = fh if fh is not None else open(self.tmp, "wb")
         self.hasher = _Sha256Behind(sha)
         self.bytes = size
 
