@@ -634,6 +634,7 @@ def build(inputs: list[str], out: str, tokenizer: str, config: BuildConfig, *, o
     task=(k, n) builds only the k-th of n contiguous partitions of the work units (see merge.py).
     Holds an exclusive lock on `out` throughout: a second build into it fails at once.  An `out`
     URL is built in a local staging folder first, then uploaded, its manifest last (publish.py).
+    Several threads of one program may build at once (into different folders).
     """
     if is_url(out):
         return _build_to_url(inputs, out, tokenizer, config, overwrite, on_progress, task, staging)
