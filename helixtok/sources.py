@@ -124,11 +124,16 @@ class InputFile:
 # --------------------------------------------------------------------------- discovery
 
 
+_NOT_REGULAR = {stat.S_IFIFO: "a FIFO", stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device",
+                stat.S_IFSOCK: "a socket"}
+
+
 def discover(paths: list[str], *, exclude: str | None = None) -> tuple[list[InputFile], Tally]:
     """Expand files, directories (recursively, following links) and globs into a sorted file list.
 
-    A path or pattern that names nothing is an error; unsupported files met inside a
-    directory are left out and counted (named explicitly, they are an error).  Every folder
+    A path or pattern that names nothing is an error; unsupported files and ones that are not
+    regular files (FIFOs, devices, sockets) met inside a directory are left out and counted
+    (named explicitly, they are an error).  Every folder
     is read once (by device and inode), a directory link that leads outside the folders given
     is not followed, and a file reached twice (hard or symbolic link) is read once.
     """
@@ -148,6 +153,12 @@ def discover(paths: list[str], *, exclude: str | None = None) -> tuple[list[Inpu
         return real == top or real.startswith(top.rstrip(os.sep) + os.sep)
 
     def add_file(p: str, st: os.stat_result, explicit: bool) -> None:
+        if not stat.S_ISREG(st.st_mode):  # a FIFO would block the build, a device never end
+            what = _NOT_REGULAR.get(stat.S_IFMT(st.st_mode), "not a regular file")
+            if explicit:
+                raise InputError(f"{p}: {what}, not a regular file; name the corpus files themselves")
+            warnings.add("not_a_regular_file", f"{os.path.abspath(p)} ({what})")
+            return
         kind = file_kind(p)
         if kind is None and not explicit and _hf_metadata(p):
             return
@@ -190,7 +201,7 @@ def discover(paths: list[str], *, exclude: str | None = None) -> tuple[list[Inpu
                     warnings.add("link_outside_corpus", os.path.abspath(p))
                     continue
                 enter_dir(p, st)
-            elif stat.S_ISREG(st.st_mode):
+            else:
                 add_file(p, st, explicit=False)
 
     def enter_dir(p: str, st: os.stat_result) -> None:

@@ -618,3 +618,27 @@ def test_a_line_is_named_by_its_place_in_the_file_or_by_its_range():
     assert refs.resolve(f"a.jsonl.zst:{line_ref(runs[1], 3)}") == "a.jsonl.zst:43"
     # An earlier run not read (the build stopped first): the line within its run, in compressed bytes.
     assert refs.resolve(f"a.jsonl.zst:{line_ref(runs[2], 5)}") == "a.jsonl.zst:line 5 of compressed bytes 250-300"
+
+
+def test_fifos_and_devices_are_never_read(tmp_path, small_tok):
+    # A FIFO would block the build forever and a device never ends: in a folder or matched by a
+    # pattern they are left out and counted; named on the command line they are an error.
+    d = tmp_path / "c"
+    d.mkdir()
+    (d / "a.jsonl").write_text('{"text": "hello world"}\n')
+    os.mkfifo(d / "b.jsonl")
+    os.symlink("/dev/zero", d / "z.txt")
+    files, warn = discover([str(d)])
+    assert [f.name for f in files] == ["a.jsonl"]
+    assert warn.counts == {"not_a_regular_file": 2}
+    assert warn.examples["not_a_regular_file"] == ["b.jsonl (a FIFO)", "z.txt (a character device)"]
+    files, warn = discover([str(d / "*.jsonl")])
+    assert [f.name for f in files] == ["a.jsonl"] and warn.counts == {"not_a_regular_file": 1}
+    m, _ = do_build(tmp_path, small_tok, d)
+    assert m["totals"]["documents"] == 1 and m["warnings"]["not_a_regular_file"]["count"] == 2
+    with pytest.raises(InputError, match=r"b.jsonl \(a FIFO\): not a regular file \(--strict\)"):
+        do_build(tmp_path, small_tok, d, strict=True)
+    with pytest.raises(InputError, match=r"b.jsonl: a FIFO, not a regular file; name the corpus files"):
+        discover([str(d / "a.jsonl"), str(d / "b.jsonl")])
+    with pytest.raises(InputError, match=r"z.txt: a character device, not a regular file"):
+        discover([str(d / "z.txt")])
