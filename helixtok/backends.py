@@ -98,9 +98,6 @@ def tiktoken_encoding(tokenizer_json: str):
     return enc, None
 
 
-SPECIAL_POLICIES = ("text", "extract")
-
-
 def hf_tokenizer(path: str, special: str):
     """A tokenizers Tokenizer that treats special-token strings inside a document per `special`:
     "text" encodes them as ordinary characters (no hidden boundaries or control tokens from
@@ -211,6 +208,10 @@ def _fast_tokenizer(lib: str, path: str, mtime_ns: int):
     """The fast library's tokenizer for a file, loaded once per process (the backend check and
     an inline build's encoder use the same one; loading a 100k vocabulary takes a while)."""
     if lib == "fastokens":
+        from . import preload
+
+        if (early := preload.take(path)) is not None:  # the command line started loading it
+            return early
         import fastokens
 
         return fastokens.Tokenizer.from_file(path)
@@ -246,9 +247,13 @@ def _loaded(lib: str, path: str):
 
 
 def loads_ended() -> None:
-    """Wait for the loads started ahead (load_ahead) to end: none outlives a failed build."""
+    """Wait for the loads started ahead (load_ahead, the command line's) to end: none outlives a
+    failed build."""
+    from . import preload
+
     while _ahead:
         _ahead.popitem()[1].join()
+    preload.drop()
 
 
 def forget_fast_tokenizers() -> None:

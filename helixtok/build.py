@@ -31,7 +31,7 @@ from .assemble import CHECKPOINT, Assembler
 from .backend_check import choose_backend
 from .backends import FAST, backend_version, forget_fast_tokenizers, load_ahead
 from .children import die_with_parent
-from .config import BuildConfig
+from .config import WORKER_BYTES, WORKER_BYTES_SLOW, BuildConfig
 from .errors import ConfigError, HelixtokError, InputError
 from .longdoc import LongText, stripped, utf8_len
 from .manifest import DOC_SKIPS, FORMAT_VERSION, MANIFEST, REPAIRS, write_json_atomic
@@ -690,12 +690,6 @@ def build(inputs: list[str], out: str, tokenizer: str, config: BuildConfig, *, o
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-
-
-# Input per worker process: about a second of tokenizing with each library (fastokens 100-300
-# MB/s a core, gigatoken 50-80; tiktoken ~10 and tokenizers 2-4 get WORKER_BYTES_SLOW).
-WORKER_BYTES = {"fastokens": 64 << 20, "gigatoken": 64 << 20}
-WORKER_BYTES_SLOW = 4 << 20
 
 
 def worker_count(config: BuildConfig, units: list[Unit], backend: str) -> int:

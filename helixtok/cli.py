@@ -10,8 +10,7 @@ import sys
 
 import click
 
-from .backends import SPECIAL_POLICIES
-from .config import BACKENDS
+from .config import BACKENDS, SPECIAL_POLICIES  # not numpy: `build` starts loading the tokenizer first
 from .errors import HelixtokError
 
 SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.I)
@@ -127,15 +126,18 @@ def build(corpus, out, tokenizer, seq_len, packing, min_tail_len, text_field, bo
     import functools
     import os
 
-    from .build import build as run_build
     from .config import BuildConfig
-    from .merge import task_from_env
+    from .preload import speculate
 
     cfg = BuildConfig(seq_len=seq_len, packing=packing, min_tail_len=min_tail_len, text_field=text_field,
                       add_bos=bos, eos_token=eos_token, bos_token=bos_token, pad_token=pad_token,
                       val_fraction=val_fraction, split_seed=split_seed, shard_bytes=shard_size,
                       unit_bytes=unit_size, workers=workers, strict=strict, backend=backend,
                       stall_seconds=stall_timeout, special_tokens=special_tokens, strip=strip)
+    speculate(list(corpus), tokenizer, cfg.num_workers, backend)  # before the imports below
+    from .build import build as run_build
+    from .merge import task_from_env
+
     task = task_from_env(num_tasks, task_index)
     if task:
         out = os.path.join(out, f"part-{task[0]:05d}")

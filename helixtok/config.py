@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 from dataclasses import asdict, dataclass
 
-from .backends import SPECIAL_POLICIES
 from .errors import ConfigError
 from .longdoc import LONG_DOC_BYTES
 
@@ -18,6 +17,11 @@ def cache_root() -> str:
 
 PACKINGS = ("packed", "document")
 BACKENDS = ("auto", "hf", "fastokens", "gigatoken", "tiktoken")
+SPECIAL_POLICIES = ("text", "extract")  # what special-token strings inside documents become
+# Input per worker process: about a second of tokenizing with each library (fastokens 100-300
+# MB/s a core, gigatoken 50-80; tiktoken ~10 and tokenizers 2-4 get WORKER_BYTES_SLOW).
+WORKER_BYTES = {"fastokens": 64 << 20, "gigatoken": 64 << 20}
+WORKER_BYTES_SLOW = 4 << 20
 DEFAULT_SHARD_BYTES = 1 << 30
 # ~4 MiB of input per work unit: big enough that per-unit overhead is noise,
 # small enough that N workers stay balanced on corpora of a few dozen MB.

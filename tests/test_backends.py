@@ -439,3 +439,83 @@ def test_the_check_refuses_a_backend_that_answers_for_fewer_texts(small_tok):
     moved[2] += 1
     assert backends.judge("tiktoken", ver, "sha", "text", texts, ((ids, moved), None), want) == (
         False, "ids differ on 'the quick brown fox'")
+
+
+def test_the_command_line_loads_fastokens_while_it_imports_and_the_build_takes_that_load(
+        tmp_path, dev_corpus, shapes, monkeypatch):
+    """`helixtok build` starts loading fastokens' tokenizer before it imports numpy and the rest
+    (preload.speculate) when the build will likely tokenize in its own process: loaded once, in
+    that thread, and used.  A wrong guess (the build starts workers after all) and a build that
+    fails while the load runs leave nothing loaded, and the bytes are a library build's."""
+    import threading
+
+    import fastokens
+    from click.testing import CliRunner
+
+    from helixtok import backends, preload
+    from helixtok.cli import main
+
+    real, where = fastokens.Tokenizer, []
+
+    class Counted:
+        @staticmethod
+        def from_file(path, *a, **kw):
+            where.append(threading.current_thread().name)
+            return real.from_file(path, *a, **kw)
+    monkeypatch.setattr(fastokens, "Tokenizer", Counted)
+    corpus = str(tmp_path / "c.jsonl")  # 40 KB in lines: several units at --unit-size 8KiB
+    with open(dev_corpus / "txt" / sorted(os.listdir(dev_corpus / "txt"))[0], encoding="utf-8") as fh:
+        text = (fh.read(40_000) * 40)[:40_000]
+    open(corpus, "w").write("".join(json.dumps({"text": text[i: i + 2000]}) + "\n" for i in range(0, len(text), 2000)))
+    tok = shapes["llama3-like (uint32)"]
+    backends._fast_tokenizer.cache_clear()
+
+    def cli(out, *extra):
+        return CliRunner().invoke(main, ["build", corpus, str(tmp_path / out), "-t", tok, "-L", "256", "-q",
+                                         "--json", *extra])
+    r = cli("cli", "-j", "2")
+    assert r.exit_code == 0, r.output
+    assert where == ["helixtok-preload"] and preload._early == {}
+    assert backends._fast_tokenizer.cache_info().currsize == 0  # freed when the build ended
+    build([corpus], str(tmp_path / "lib"), tok, BuildConfig(seq_len=256, workers=1))
+    assert _shards(tmp_path / "cli") == _shards(tmp_path / "lib")
+
+    # A wrong guess: loaded for nothing, dropped; the workers load their own.
+    from helixtok import build as hb
+
+    where.clear()
+    pools, pool_cls = [], hb._Pool
+    monkeypatch.setattr(hb, "_Pool", lambda n, *a, **kw: pools.append(n) or pool_cls(n, *a, **kw))
+    monkeypatch.setattr(preload, "_fits_one_process", lambda corpus: True)
+    monkeypatch.setenv("HELIXTOK_WORKER_BYTES", "8192")
+    r = cli("pool", "-j", "2", "--unit-size", "8KiB")
+    assert r.exit_code == 0, r.output
+    assert pools == [2]
+    assert json.loads(r.output)["totals"] == json.loads(open(tmp_path / "lib" / "manifest.json").read())["totals"]
+    assert where == ["helixtok-preload"] and preload._early == {}
+    assert backends._fast_tokenizer.cache_info().currsize == 0
+    assert _shards(tmp_path / "pool") == _shards(tmp_path / "lib")
+
+    # Too much input for one process, or not fastokens: no load is started.
+    where.clear()
+    monkeypatch.undo()
+    monkeypatch.setattr(fastokens, "Tokenizer", Counted)
+    monkeypatch.setattr(preload, "start", lambda path: where.append("guessed"))
+    monkeypatch.setenv("HELIXTOK_WORKER_BYTES", str(os.path.getsize(corpus)))  # one process's share
+    assert preload._fits_one_process([corpus]) and not preload._fits_one_process([corpus, corpus])
+    preload.speculate([corpus, corpus], tok, 2, "auto")
+    preload.speculate([corpus], tok, 2, "hf")
+    preload.speculate([corpus], str(tmp_path / "missing.json"), 1, "auto")
+    assert where == []
+    preload.speculate([corpus, corpus], tok, 1, "auto")  # --workers 1: always tokenizes in its own process
+    assert where == ["guessed"]
+    monkeypatch.undo()
+
+    # A build failing while the load runs says so in one line and leaves no load behind.
+    r = cli("bad", "-j", "1", "--eos-token", "nope")
+    assert r.exit_code == 1 and "eos token 'nope' is not in the vocabulary" in r.output
+    assert preload._early == {} and backends._fast_tokenizer.cache_info().currsize == 0
+    # The overlap is real only while the command line's own imports leave numpy out.
+    p = subprocess.run([sys.executable, "-c", "import sys, helixtok.cli; print('numpy' in sys.modules)"],
+                       capture_output=True, text=True)
+    assert p.stdout.strip() == "False", p.stderr

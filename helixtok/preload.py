@@ -1,0 +1,93 @@
+"""fastokens' tokenizer loaded in a thread while the command line imports the rest (no numpy here)."""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import os
+import threading
+from importlib.util import find_spec
+
+from .config import WORKER_BYTES
+
+# A build that tokenizes in its own process waits for this load (1.0 s for a 100k vocabulary)
+# before its first unit; fastokens releases the GIL while it loads, so started before numpy and
+# the rest of helixtok are imported (0.2-0.3 s) it finishes that much earlier.
+_early: dict[tuple, tuple[threading.Thread, list]] = {}
+SCAN_FILES = 2000  # inputs looked at to guess a build's size: past this, no guess
+
+
+def _key(path: str) -> tuple:
+    st = os.stat(path)
+    return os.path.realpath(path), st.st_mtime_ns, st.st_size
+
+
+def _load(path: str):
+    import fastokens
+
+    return fastokens.Tokenizer.from_file(path)
+
+
+def start(path: str) -> None:
+    """Load fastokens' tokenizer for `path` in a thread; `take` hands it over."""
+    box: list = []
+
+    def load() -> None:
+        with contextlib.suppress(Exception):  # the build loads it again and says why it cannot
+            box.append(_load(path))
+    # Not a daemon: a daemon thread still inside the library when Python shuts down aborts it.
+    t = threading.Thread(target=load, name="helixtok-preload")
+    _early[_key(path)] = (t, box)
+    t.start()
+
+
+def take(path: str):
+    """The tokenizer `start` loaded for `path` as it is now (same file, size, mtime), else None."""
+    try:
+        t, box = _early.pop(_key(path))
+    except (KeyError, OSError):
+        return None
+    t.join()
+    return box[0] if box else None
+
+
+def drop() -> None:
+    """Wait for the loads started and forget what they loaded (a build that did not use them)."""
+    while _early:
+        _early.popitem()[1][0].join()
+
+
+def speculate(corpus: list[str], tokenizer: str, workers: int, backend: str) -> None:
+    """Start loading fastokens' tokenizer now if the build will likely tokenize in this process
+    with it: --workers 1, or local inputs of at most one worker's share (build.worker_count).
+    A wrong guess costs a core-second of loading and nothing else: the tokenizer is dropped."""
+    if backend not in ("auto", "fastokens") or find_spec("fastokens") is None:
+        return
+    path = os.path.join(tokenizer, "tokenizer.json") if os.path.isdir(tokenizer) else tokenizer
+    if not os.path.isfile(path):
+        return  # a HF repo id, or an error the build reports
+    if workers != 1 and not _fits_one_process(corpus):
+        return
+    start(path)
+
+
+def _fits_one_process(corpus: list[str]) -> bool:
+    """Whether the local inputs hold at most one fastokens worker's share, counting files as they
+    are on disk (a compressed one holds more: the guess may be wrong, at the cost above)."""
+    env = os.environ.get("HELIXTOK_WORKER_BYTES", "")
+    limit = int(env) if env.isdigit() else WORKER_BYTES["fastokens"]
+    total = seen = 0
+    for arg in corpus:
+        found = False
+        for p in [arg] if os.path.exists(arg) else glob.iglob(arg, recursive=True):  # lazily: stops early
+            found = True
+            for d, _, names in os.walk(p) if os.path.isdir(p) else [("", [], [p])]:
+                for n in names:
+                    seen += 1
+                    with contextlib.suppress(OSError):
+                        total += os.path.getsize(os.path.join(d, n))
+                    if total > limit or seen > SCAN_FILES:
+                        return False
+        if not found:
+            return False  # a URL, or a path the build will say is missing: no load to wait for
+    return True
