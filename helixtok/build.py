@@ -39,7 +39,7 @@ from .objstore import current, expired, is_url
 from .outdir import PUBLISH, STATE, OutLock, read_list, refuse_foreign, remove_owned
 from .shards import fsync_dir
 from .sources import LineRefs, Tally, Unit, UnitReader, discover, plan_units
-from .tokenizer import Encoder, TokenizerInfo, inspect_tokenizer, resolve_tokenizer_path
+from .tokenizer import Encoder, TokenizerInfo, forget_handed, inspect_tokenizer, resolve_tokenizer_path
 
 
 @dataclass
@@ -682,9 +682,10 @@ def build(inputs: list[str], out: str, tokenizer: str, config: BuildConfig, *, o
                                 "resume") from None
         raise
     finally:
-        # A load ahead still under way ends before build() returns or raises, and the fast
-        # tokenizers loaded for this build are freed: a caller that builds again reloads them.
+        # A load ahead still under way ends before build() returns or raises, and the tokenizers
+        # loaded for this build are freed: a caller that builds again reloads them.
         forget_fast_tokenizers()
+        forget_handed()
         for k, v in env.items():  # the caller's own tokenizers run with its own settings again
             if v is None:
                 os.environ.pop(k, None)

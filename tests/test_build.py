@@ -383,3 +383,21 @@ def test_schedule_puts_costly_units_first_then_corpus_order():
              Unit(6, "jsonl", ("f",), ("f",), est_bytes=200)]
     assert [u.index for u in schedule(units[::-1], U)] == [2, 4, 5, 0, 1, 3, 6]
     assert [u.index for u in schedule(units[::-1], U, in_order=True)] == list(range(7))
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_build_keeps_no_tokenizer_in_the_callers_process(tmp_path, small_tok, small_corpus, pooled, workers):
+    """A notebook that builds keeps none of the build's tokenizers: the one inspect_tokenizer
+    handed on for the backend check is dropped even where nothing took it (a pool build with
+    tokenizers: the workers encode), as are those of a build that failed."""
+    from helixtok import tokenizer as ht
+
+    build([str(small_corpus)], str(tmp_path / f"o{workers}"), small_tok,
+          BuildConfig(seq_len=64, workers=workers, backend="hf", unit_bytes=1 << 12))  # 7+ units
+    assert ht._handed == {}
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "fine"}\n{"text": broken\n' * 3)
+    with pytest.raises(InputError, match="bad.jsonl:2"):
+        build([str(bad)], str(tmp_path / "bad"), small_tok,
+              BuildConfig(seq_len=64, workers=workers, backend="hf", strict=True, unit_bytes=16))
+    assert ht._handed == {}

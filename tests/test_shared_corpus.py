@@ -6,6 +6,9 @@ Skipped with a one-line reason on a clone without it; CI has it and runs this.
 import itertools
 import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 from tokenizers import Tokenizer
@@ -43,8 +46,17 @@ def test_dev_corpus_stream_equals_an_independent_recount(tmp_path, shared_dev_co
     """Every document of the stream decodes back to its text, in corpus order, between end-of-text
     ids; every tenth one, and those the chunking cut, has exactly tokenizers' ids.  (tokenizers
     would take 16 s here to re-encode all 61 MB and 4-5 s to decode it; the vocabulary's bytes,
-    gathered with numpy, decode it in about a second.)"""
-    out = str(tmp_path / "out")
+    gathered with numpy, decode it in about a second.)  In a process of its own: the build and
+    the recount of 61 MB would leave the test process's heap ~250 MiB higher for the whole suite."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    p = subprocess.run([sys.executable, "-c", f"import sys; sys.path.insert(0, {here!r}); import test_shared_corpus as t; "
+                        f"t.recount({str(tmp_path / 'out')!r}, {str(shared_dev_corpus)!r}, {tokenizer_path!r})"],
+                       capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr[-4000:]
+
+
+def recount(out: str, shared_dev_corpus: str, tokenizer_path: str) -> None:
+    shared_dev_corpus = Path(shared_dev_corpus)
     m = build([str(shared_dev_corpus)], out, tokenizer_path, BuildConfig(seq_len=512, workers=2))
     assert m["totals"]["skipped_documents"] == 0
     tok = Tokenizer.from_file(tokenizer_path)
