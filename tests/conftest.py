@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import ctypes
 import glob
 import gzip
 import json
@@ -17,6 +18,17 @@ import tempfile
 from pathlib import Path
 
 import pytest
+
+def _few_malloc_arenas() -> None:
+    """This one process runs hundreds of builds, each with threads of its own (assembly, hashing,
+    loads, the check); glibc gives threads malloc arenas of their own, and the pages freed in
+    them stay resident: with two arenas the suite's peak is ~1.2 GiB instead of ~1.47 (measured
+    2026-12-04).  A setting of the test process, made before any thread starts; not glibc: none."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").mallopt(-8, 2)  # M_ARENA_MAX
+
+
+_few_malloc_arenas()
 
 # Backend parity verdicts and seek indexes are cached per user; the tests keep theirs to this
 # run, in a folder removed when it ends.
