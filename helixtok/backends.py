@@ -8,7 +8,6 @@ import json
 import os
 import re
 import subprocess
-import threading
 from functools import lru_cache
 from itertools import chain
 
@@ -187,14 +186,14 @@ def flat_encoder(name: str, path: str, special: str, tok):
             # One thread: a build runs one worker process per core (--workers), and its own
             # thread pool would make each worker compete with the others for cores.
             os.environ.setdefault("FASTOKENS_BPE_THREADS", "1")
-            ft = _loaded("fastokens", path)
+            ft = _fast_tokenizer("fastokens", path, os.stat(path).st_mtime_ns)
 
             def encode(texts):
                 ids, offs = ft.encode_batch_flat(texts, add_special_tokens=False,
                                                  split_special_tokens=special == "text")
                 return np.frombuffer(ids, dtype="<u4"), np.diff(np.frombuffer(offs, dtype="<u8")).astype(np.int64)
         else:
-            gt = _loaded("gigatoken", path)
+            gt = _fast_tokenizer("gigatoken", path, os.stat(path).st_mtime_ns)
 
             def encode(texts):
                 return _flat(gt.encode_batch_list(texts, parallel=False))
@@ -206,11 +205,12 @@ def flat_encoder(name: str, path: str, special: str, tok):
 @lru_cache(maxsize=2)
 def _fast_tokenizer(lib: str, path: str, mtime_ns: int):
     """The fast library's tokenizer for a file, loaded once per process (the backend check and
-    an inline build's encoder use the same one; loading a 100k vocabulary takes a while)."""
+    an inline build's encoder use the same one; loading a 100k vocabulary takes a while), or
+    taken from the load started ahead of it (preload.py), once that has ended."""
     if lib == "fastokens":
         from . import preload
 
-        if (early := preload.take(path)) is not None:  # the command line started loading it
+        if (early := preload.take(path)) is not None:
             return early
         import fastokens
 
@@ -220,45 +220,12 @@ def _fast_tokenizer(lib: str, path: str, mtime_ns: int):
     return gigatoken.Tokenizer(path)
 
 
-_ahead: dict[tuple, threading.Thread] = {}
-
-
-def load_ahead(lib: str, path: str) -> None:
-    """Start loading `lib`'s tokenizer for `path` in a thread: the fast libraries release the GIL
-    while they load (~1.2 s for a 100k vocabulary), so a build that tokenizes in this process
-    inspects the tokenizer, plans its work and samples the corpus meanwhile."""
-    key = (lib, path, os.stat(path).st_mtime_ns)
-
-    def load() -> None:
-        with contextlib.suppress(Exception):  # _loaded loads it again and says why it cannot
-            _fast_tokenizer(*key)
-    # Not a daemon: a daemon thread that returns from the library while Python shuts down aborts
-    # the process ("FATAL: exception not rethrown"); build() joins it before it returns or raises.
-    _ahead[key] = threading.Thread(target=load, name="helixtok-load")
-    _ahead[key].start()
-
-
-def _loaded(lib: str, path: str):
-    """_fast_tokenizer's, after the load started ahead of it (if any) has ended: never loaded twice."""
-    key = (lib, path, os.stat(path).st_mtime_ns)
-    if (t := _ahead.pop(key, None)) is not None:
-        t.join()
-    return _fast_tokenizer(*key)
-
-
-def loads_ended() -> None:
-    """Wait for the loads started ahead (load_ahead, the command line's) to end: none outlives a
-    failed build."""
+def forget_fast_tokenizers() -> None:
+    """Free the fast tokenizers this process loaded (for a check or ahead of one) and will not use;
+    a load still under way ends first (none outlives a failed build)."""
     from . import preload
 
-    while _ahead:
-        _ahead.popitem()[1].join()
     preload.drop()
-
-
-def forget_fast_tokenizers() -> None:
-    """Free the fast tokenizers this process loaded (for a check or ahead of one) and will not use."""
-    loads_ended()  # a load still under way would fill the cache after the clear
     _fast_tokenizer.cache_clear()
 
 

@@ -26,10 +26,10 @@ from typing import Callable
 
 import numpy as np
 
-from . import __version__
+from . import __version__, preload
 from .assemble import CHECKPOINT, Assembler
 from .backend_check import choose_backend
-from .backends import FAST, backend_version, forget_fast_tokenizers, load_ahead
+from .backends import FAST, backend_version, forget_fast_tokenizers
 from .children import die_with_parent
 from .config import WORKER_BYTES, WORKER_BYTES_SLOW, BuildConfig
 from .errors import ConfigError, HelixtokError, InputError
@@ -445,7 +445,7 @@ class _Interrupt:
 class _Pool:
     """The worker processes, started before the backend check so that their start-up overlaps it."""
 
-    def __init__(self, n: int, config: BuildConfig, state: str, run_id: str, tokenizer: str, preload: bool = True):
+    def __init__(self, n: int, config: BuildConfig, state: str, run_id: str, tokenizer: str, load_likely: bool = True):
         import multiprocessing as mp
 
         ctx = mp.get_context("spawn")  # never fork a process that may hold tokenizer threads
@@ -454,7 +454,7 @@ class _Pool:
         self.slots = ctx.Array("q", 2 * n)  # (pid, unit index) per worker process
         self.executor = ProcessPoolExecutor(n, mp_context=ctx, initializer=_init_worker,
                                             initargs=(config, state, run_id, self.counters, self.slots, os.getpid()))
-        likely = (FAST[0], tokenizer) if preload and config.backend in ("auto", FAST[0]) else None
+        likely = (FAST[0], tokenizer) if load_likely and config.backend in ("auto", FAST[0]) else None
         try:
             for _ in range(n):  # a spawn-context pool starts one process per task it cannot hand to an idle one
                 self.executor.submit(_warm, likely)
@@ -668,8 +668,8 @@ def build(inputs: list[str], out: str, tokenizer: str, config: BuildConfig, *, o
         # the likeliest library's tokenizer, or that library's load here (~1.2 s for 100k).
         if n_workers > 1:
             workers = _Pool(n_workers, config, os.path.join(out, STATE), run_id, path)
-        elif config.backend in ("auto", FAST[0]):
-            load_ahead(FAST[0], path)
+        elif config.backend in ("auto", "fastokens"):
+            preload.start(path)  # unless the command line started it
         info = inspect_tokenizer(path, eos_token=config.eos_token, bos_token=config.bos_token,
                                  pad_token=config.pad_token, add_bos=config.add_bos,
                                  special_tokens=config.special_tokens)
@@ -813,7 +813,7 @@ def _build_started(out, info, config, overwrite, on_progress, part, files, units
             # Sized for a faster library than the check found exact: this one needs more processes.
             if workers is not None:
                 workers.kill()
-            workers = _Pool(n, config, state, run_id, info.path, preload=False)
+            workers = _Pool(n, config, state, run_id, info.path, load_likely=False)
         try:
             fresh = _run_units(units, pending, info, config, state, run_id, on_progress, done_bytes, took, workers)
         except InputError as e:  # a worker names a .jsonl line by its place in the unit

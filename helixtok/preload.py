@@ -1,4 +1,4 @@
-"""fastokens' tokenizer loaded in a thread while the command line imports the rest (no numpy here)."""
+"""fastokens' tokenizer loaded in a thread ahead of its use (by the command line before its own imports: no numpy here)."""
 
 from __future__ import annotations
 
@@ -29,7 +29,12 @@ def _load(path: str):
 
 
 def start(path: str) -> None:
-    """Load fastokens' tokenizer for `path` in a thread; `take` hands it over."""
+    """Load fastokens' tokenizer for `path` in a thread, unless one is loading it; `take` hands
+    it over.  fastokens releases the GIL while it loads: the build meanwhile imports, plans,
+    inspects the tokenizer (tokenizers' own load) and samples the corpus."""
+    key = _key(path)
+    if key in _early:
+        return
     box: list = []
 
     def load() -> None:
@@ -37,7 +42,7 @@ def start(path: str) -> None:
             box.append(_load(path))
     # Not a daemon: a daemon thread still inside the library when Python shuts down aborts it.
     t = threading.Thread(target=load, name="helixtok-preload")
-    _early[_key(path)] = (t, box)
+    _early[key] = (t, box)
     t.start()
 
 

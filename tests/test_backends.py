@@ -278,28 +278,30 @@ def test_an_inline_build_loads_the_likely_library_ahead_and_a_failure_meanwhile_
     load, since a thread stopped at exit inside the library aborts the process."""
     import threading
 
-    from helixtok import backends
+    import fastokens
 
-    where, real = [], backends._fast_tokenizer
+    from helixtok import backends, preload
 
-    def counted(*key):
-        where.append((key[0], threading.current_thread().name))
-        return real(*key)
-    real.cache_clear()
-    monkeypatch.setattr(backends, "_fast_tokenizer", lru_cache(maxsize=2)(counted))  # counts loads
+    where, real = [], fastokens.Tokenizer
+
+    class Counted:  # every load, wherever it happens
+        @staticmethod
+        def from_file(path, *a, **kw):
+            where.append(threading.current_thread().name)
+            return real.from_file(path, *a, **kw)
+    backends._fast_tokenizer.cache_clear()
+    monkeypatch.setattr(fastokens, "Tokenizer", Counted)
     corpus = str(tmp_path / "c.txt")  # what is tested happens before any tokenizing
     with open(dev_corpus / "txt" / sorted(os.listdir(dev_corpus / "txt"))[0], encoding="utf-8") as fh:
         open(corpus, "w", encoding="utf-8").write(fh.read(20_000))
     tok = shapes["llama3-like (uint32)"]
     m = build([corpus], str(tmp_path / "out"), tok, BuildConfig(seq_len=256, workers=1))
-    assert m["tokenizer"]["backend"] == "fastokens" and where == [("fastokens", "helixtok-load")]
-    real.cache_clear()
-    backends._fast_tokenizer.cache_clear()
+    assert m["tokenizer"]["backend"] == "fastokens" and where == ["helixtok-preload"]  # the check's and the encoder's
 
     with pytest.raises(TokenizerError, match="eos token 'nope' is not in the vocabulary"):
         build([corpus], str(tmp_path / "bad"), tok, BuildConfig(seq_len=256, workers=1, eos_token="nope"))
-    assert where[1:] == [("fastokens", "helixtok-load")]  # refused while it loaded ...
-    assert not [t for t in threading.enumerate() if t.name == "helixtok-load"]  # ... and it has ended
+    assert where[1:] == ["helixtok-preload"]  # refused while it loaded ...
+    assert not [t for t in threading.enumerate() if t.name == "helixtok-preload"] and preload._early == {}  # ... ended
     p = subprocess.run([sys.executable, "-m", "helixtok.cli", "build", corpus, str(tmp_path / "bad"), "-t", tok,
                         "-j", "1", "-q", "--eos-token", "nope"], capture_output=True, text=True)
     assert p.returncode == 1 and p.stderr.splitlines() == [f"Error: {tok}: eos token 'nope' is not in the vocabulary"]
