@@ -153,7 +153,7 @@ def test_workers_are_as_many_as_the_input_keeps_busy(tmp_path, small_corpus, sma
 
     class Counted(hb._Pool):
         def __init__(self, n, *a, **k):
-            made.append((n, k.get("preload", True)))
+            made.append((n, k.get("load_likely", True)))
             super().__init__(n, *a, **k)
 
     monkeypatch.setattr(hb, "_Pool", Counted)
