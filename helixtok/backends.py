@@ -13,6 +13,8 @@ from itertools import chain
 
 import numpy as np
 
+from . import preload
+
 # The pre-tokenizer regex of HF's ByteLevel(use_regex=True): GPT-2's pattern.
 GPT2_PAT = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 
@@ -208,8 +210,6 @@ def _fast_tokenizer(lib: str, path: str, mtime_ns: int):
     an inline build's encoder use the same one; loading a 100k vocabulary takes a while), or
     taken from the load started ahead of it (preload.py), once that has ended."""
     if lib == "fastokens":
-        from . import preload
-
         if (early := preload.take(path)) is not None:
             return early
         import fastokens
@@ -223,8 +223,6 @@ def _fast_tokenizer(lib: str, path: str, mtime_ns: int):
 def forget_fast_tokenizers() -> None:
     """Free the fast tokenizers this process loaded (for a check or ahead of one) and will not use;
     a load still under way ends first (none outlives a failed build)."""
-    from . import preload
-
     preload.drop()
     _fast_tokenizer.cache_clear()
 

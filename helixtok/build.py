@@ -31,7 +31,7 @@ from .assemble import CHECKPOINT, Assembler
 from .backend_check import choose_backend
 from .backends import FAST, backend_version, forget_fast_tokenizers
 from .children import die_with_parent
-from .config import WORKER_BYTES, WORKER_BYTES_SLOW, BuildConfig
+from .config import BuildConfig, worker_bytes
 from .errors import ConfigError, HelixtokError, InputError
 from .longdoc import LongText, stripped, utf8_len
 from .manifest import DOC_SKIPS, FORMAT_VERSION, MANIFEST, REPAIRS, write_json_atomic
@@ -697,12 +697,9 @@ def worker_count(config: BuildConfig, units: list[Unit], backend: str) -> int:
     """How many processes tokenize with `backend`: --workers at most, and only as many as the
     input keeps busy for about a second each, which is what one costs to start (interpreter,
     imports, the tokenizer's load: 0.5-1.7 s): one per 64 MiB with fastokens or gigatoken, one
-    per 4 MiB with tiktoken or tokenizers.  One means none: the build's own process tokenizes.
-    $HELIXTOK_WORKER_BYTES sets the input per process for all (1: --workers alone decides)."""
-    env = os.environ.get("HELIXTOK_WORKER_BYTES", "")
-    if env and (not env.isdigit() or int(env) < 1):
-        raise ConfigError(f"HELIXTOK_WORKER_BYTES must be a whole number of bytes, at least 1; got {env!r}")
-    per = int(env) if env else WORKER_BYTES.get(backend, WORKER_BYTES_SLOW)
+    per 4 MiB with tiktoken or tokenizers (config.worker_bytes).  One means none: the build's own
+    process tokenizes."""
+    per = worker_bytes(backend)
     return max(1, min(config.num_workers, len(units), -(-sum(u.est_bytes for u in units) // per)))
 
 

@@ -22,6 +22,16 @@ SPECIAL_POLICIES = ("text", "extract")  # what special-token strings inside docu
 # MB/s a core, gigatoken 50-80; tiktoken ~10 and tokenizers 2-4 get WORKER_BYTES_SLOW).
 WORKER_BYTES = {"fastokens": 64 << 20, "gigatoken": 64 << 20}
 WORKER_BYTES_SLOW = 4 << 20
+
+
+def worker_bytes(backend: str) -> int:
+    """Input per worker process with `backend`; $HELIXTOK_WORKER_BYTES sets it for all (1: --workers
+    alone decides how many)."""
+    env = os.environ.get("HELIXTOK_WORKER_BYTES", "")
+    if env and (not env.isdigit() or int(env) < 1):
+        raise ConfigError(f"HELIXTOK_WORKER_BYTES must be a whole number of bytes, at least 1; got {env!r}")
+    return int(env) if env else WORKER_BYTES.get(backend, WORKER_BYTES_SLOW)
+
 DEFAULT_SHARD_BYTES = 1 << 30
 # ~4 MiB of input per work unit: big enough that per-unit overhead is noise,
 # small enough that N workers stay balanced on corpora of a few dozen MB.

@@ -8,7 +8,8 @@ import os
 import threading
 from importlib.util import find_spec
 
-from .config import WORKER_BYTES
+from .config import worker_bytes
+from .errors import ConfigError
 
 # A build that tokenizes in its own process waits for this load (1.0 s for a 100k vocabulary)
 # before its first unit; fastokens releases the GIL while it loads, so started before numpy and
@@ -64,7 +65,7 @@ def drop() -> None:
 
 def speculate(corpus: list[str], tokenizer: str, workers: int, backend: str) -> None:
     """Start loading fastokens' tokenizer now if the build will likely tokenize in this process
-    with it: --workers 1, or local inputs of at most one worker's share (build.worker_count).
+    with it: --workers 1, or local inputs of at most one worker's share (config.worker_bytes).
     A wrong guess costs a core-second of loading and nothing else: the tokenizer is dropped."""
     if backend not in ("auto", "fastokens") or find_spec("fastokens") is None:
         return
@@ -79,8 +80,10 @@ def speculate(corpus: list[str], tokenizer: str, workers: int, backend: str) -> 
 def _fits_one_process(corpus: list[str]) -> bool:
     """Whether the local inputs hold at most one fastokens worker's share, counting files as they
     are on disk (a compressed one holds more: the guess may be wrong, at the cost above)."""
-    env = os.environ.get("HELIXTOK_WORKER_BYTES", "")
-    limit = int(env) if env.isdigit() else WORKER_BYTES["fastokens"]
+    try:
+        limit = worker_bytes("fastokens")
+    except ConfigError:
+        return False  # the build says what is wrong with it
     total = seen = 0
     for arg in corpus:
         found = False

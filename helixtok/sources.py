@@ -133,9 +133,9 @@ def discover(paths: list[str], *, exclude: str | None = None) -> tuple[list[Inpu
 
     A path or pattern that names nothing is an error; unsupported files and ones that are not
     regular files (FIFOs, devices, sockets) met inside a directory are left out and counted
-    (named explicitly, they are an error).  Every folder
-    is read once (by device and inode), a directory link that leads outside the folders given
-    is not followed, and a file reached twice (hard or symbolic link) is read once.
+    (named explicitly, they are an error).  Every folder is read once (by device and inode), a
+    directory link that leads outside the folders given is not followed, and a file reached
+    twice (hard or symbolic link) is read once.
     """
     urls = [p for p in paths if is_url(p)]
     if urls:
@@ -154,7 +154,7 @@ def discover(paths: list[str], *, exclude: str | None = None) -> tuple[list[Inpu
 
     def add_file(p: str, st: os.stat_result, explicit: bool) -> None:
         if not stat.S_ISREG(st.st_mode):  # a FIFO would block the build, a device never end
-            what = _NOT_REGULAR.get(stat.S_IFMT(st.st_mode), "not a regular file")
+            what = _NOT_REGULAR.get(stat.S_IFMT(st.st_mode), "a special file")
             if explicit:
                 raise InputError(f"{p}: {what}, not a regular file; name the corpus files themselves")
             warnings.add("not_a_regular_file", f"{os.path.abspath(p)} ({what})")

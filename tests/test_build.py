@@ -147,6 +147,7 @@ def test_workers_are_as_many_as_the_input_keeps_busy(tmp_path, small_corpus, sma
     import dataclasses
 
     import helixtok.build as hb
+    import helixtok.config
     from helixtok.sources import discover, plan_units
 
     made = []
@@ -179,10 +180,10 @@ def test_workers_are_as_many_as_the_input_keeps_busy(tmp_path, small_corpus, sma
         hb.worker_count(cfg, units, "fastokens")
     monkeypatch.delenv("HELIXTOK_WORKER_BYTES")
     total = sum(u.est_bytes for u in units)
-    monkeypatch.setattr(hb, "WORKER_BYTES", {"fastokens": -(-total // 2)})  # the corpus: two workers' worth
+    monkeypatch.setattr(helixtok.config, "WORKER_BYTES", {"fastokens": -(-total // 2)})  # the corpus: two workers' worth
     assert run("share", task=(1, 3))[1] == []  # one task of three (the last two files): sized for its share
-    monkeypatch.setattr(hb, "WORKER_BYTES", {"fastokens": 1 << 30})  # kilobytes stand for MiB
-    monkeypatch.setattr(hb, "WORKER_BYTES_SLOW", 16 << 10)
+    monkeypatch.setattr(helixtok.config, "WORKER_BYTES", {"fastokens": 1 << 30})  # kilobytes stand for MiB
+    monkeypatch.setattr(helixtok.config, "WORKER_BYTES_SLOW", 16 << 10)
     m, pools, got = run("hf", backend="hf")
     assert (m["tokenizer"]["backend"], pools, got) == ("hf", [(2, True)], shards)  # sized for tokenizers at once
     real = hb.choose_backend
@@ -190,8 +191,8 @@ def test_workers_are_as_many_as_the_input_keeps_busy(tmp_path, small_corpus, sma
         info, units, dataclasses.replace(config, backend="hf"), ex))  # the check finds only tokenizers exact
     m, pools, got = run("late")
     assert (m["tokenizer"]["backend"], pools, got) == ("hf", [(2, False)], shards)  # started after the check
-    monkeypatch.setattr(hb, "WORKER_BYTES", {"fastokens": -(-total // 2)})  # two workers for fastokens,
-    monkeypatch.setattr(hb, "WORKER_BYTES_SLOW", -(-total // 3))  # three for tokenizers
+    monkeypatch.setattr(helixtok.config, "WORKER_BYTES", {"fastokens": -(-total // 2)})  # two workers for fastokens,
+    monkeypatch.setattr(helixtok.config, "WORKER_BYTES_SLOW", -(-total // 3))  # three for tokenizers
     m, pools, got = run("larger", workers=3)
     assert (m["tokenizer"]["backend"], pools, got) == ("hf", [(2, True), (3, False)], shards)  # replaced
 
