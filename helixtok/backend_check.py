@@ -7,7 +7,7 @@ import dataclasses
 from .config import BuildConfig
 from .errors import TokenizerError
 from .longdoc import LongText
-from .sources import Tally, Unit, UnitReader
+from .sources import StaleRange, Tally, Unit, UnitReader
 from .tokenizer import TokenizerInfo
 
 SAMPLE_UNITS, SAMPLE_CHARS = 8, 1 << 20
@@ -20,12 +20,16 @@ def sample_texts(units: list[Unit], config: BuildConfig) -> list[str]:
     head = SAMPLE_CHARS // SAMPLE_UNITS  # tokenizers' Encodings take ~100 bytes a character: keep them few
     sample: list[str] = []
     for u in picked:
-        got = 0
-        for text in UnitReader(u, config.text_field, Tally(), long_bytes=config.long_doc_bytes):
-            sample.append(text.head(head) if isinstance(text, LongText) else text[:head])
-            got += len(sample[-1])
-            if got >= head:
-                break
+        got, texts = 0, []
+        try:
+            for text in UnitReader(u, config.text_field, Tally(), long_bytes=config.long_doc_bytes):
+                texts.append(text.head(head) if isinstance(text, LongText) else text[:head])
+                got += len(texts[-1])
+                if got >= head:
+                    break
+        except StaleRange:  # read through a damaged seek index: not this unit's text; its worker reads it again
+            continue
+        sample += texts
     return sample
 
 

@@ -230,7 +230,8 @@ def forget_fast_tokenizers() -> None:
 def _cache_file(kind: str, *key: str) -> str:
     from .config import cache_root  # config imports this module
 
-    digest = hashlib.sha256("|".join((*key, str(LONG_HOSTILE_VERSION))).encode()).hexdigest()
+    # Keyed by the reference tokenizers release too: a verdict against another release says nothing here.
+    digest = hashlib.sha256("|".join((*key, backend_version("hf") or "", str(LONG_HOSTILE_VERSION))).encode()).hexdigest()
     return os.path.join(cache_root(), kind, digest + ".json")
 
 
@@ -238,10 +239,24 @@ def _long_parity_file(name: str, version: str, sha: str, special: str) -> str:
     return _cache_file("parity", name, version, sha, special)
 
 
+def _sealed(value) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()
+
+
 def _read_cache(path: str):
-    with contextlib.suppress(OSError, ValueError):
+    """A cached value, or None when absent or damaged (a torn write, an edit): each entry carries
+    the sha256 of its value, and a damaged one is removed so that it is worked out again."""
+    try:
         with open(path) as fh:
-            return json.load(fh)
+            got = json.load(fh)
+    except OSError:
+        return None
+    except ValueError:
+        got = None
+    if isinstance(got, dict) and set(got) == {"value", "sha256"} and got["sha256"] == _sealed(got["value"]):
+        return got["value"]
+    with contextlib.suppress(OSError):
+        os.remove(path)
     return None
 
 
@@ -250,15 +265,15 @@ def _write_cache(path: str, value) -> None:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         tmp = f"{path}.{os.getpid()}.tmp"
         with open(tmp, "w") as fh:
-            json.dump(value, fh)
+            json.dump({"value": value, "sha256": _sealed(value)}, fh)
         os.replace(tmp, path)
 
 
 def cached_long_parity(name: str, version: str, sha: str, special: str) -> tuple[bool, str] | None:
     """long_parity's verdict when this machine has it, else None (`sha`: the tokenizer file's sha256)."""
-    with contextlib.suppress(TypeError, KeyError):
-        got = _read_cache(_long_parity_file(name, version, sha, special))
-        return bool(got["ok"]), str(got["why"])
+    got = _read_cache(_long_parity_file(name, version, sha, special))
+    if isinstance(got, dict) and isinstance(got.get("ok"), bool) and isinstance(got.get("why"), str):
+        return got["ok"], got["why"]
     return None
 
 
@@ -272,7 +287,8 @@ def _hf_long_file(sha: str, special: str) -> str:
 
 def _cached_hf_long(sha: str, special: str) -> list[str] | None:
     got = _read_cache(_hf_long_file(sha, special))
-    return got if isinstance(got, list) and len(got) == len(LONG_HOSTILE) else None
+    return got if isinstance(got, list) and len(got) == len(LONG_HOSTILE) and all(isinstance(d, str) for d in got) \
+        else None
 
 
 def hf_long_digests(tok, sha: str, special: str) -> list[str]:

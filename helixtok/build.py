@@ -8,6 +8,7 @@ interrupted build resumable: finished units are never redone.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import hashlib
 import json
@@ -38,7 +39,8 @@ from .manifest import DOC_SKIPS, FORMAT_VERSION, MANIFEST, REPAIRS, write_json_a
 from .objstore import current, expired, is_url
 from .outdir import PUBLISH, STATE, OutLock, read_list, refuse_foreign, remove_owned
 from .shards import fsync_dir
-from .sources import LineRefs, Tally, Unit, UnitReader, discover, plan_units
+from .compressed import drop_index
+from .sources import LineRefs, StaleRange, Tally, Unit, UnitReader, discover, plan_units
 from .tokenizer import Encoder, TokenizerInfo, forget_handed, inspect_tokenizer, resolve_tokenizer_path
 
 
@@ -177,7 +179,18 @@ def run_unit(unit: Unit, info: TokenizerInfo) -> dict:
     if _W.get("slots") is not None:
         _W["slots"][_W["slot"] + 1] = unit.index
     try:
-        return _run_unit(unit, info)
+        try:
+            return _run_unit(unit, info)
+        except StaleRange:
+            if not unit.aux:
+                raise
+            # The cached seek index led elsewhere than planned: drop it and read the range again
+            # without it (decompressing up to it); what the first reading wrote is replaced.
+            drop_index(unit.aux)
+            return _run_unit(dataclasses.replace(unit, aux=""), info)
+    except StaleRange:
+        raise InputError(f"{_where(unit)}: changed while the build read it (the range read does not match "
+                         "the plan); rerun when the corpus is stable") from None
     except OSError as e:
         if expired(e):
             raise InputError(f"{_where(unit)}: changed while the build read it; rerun when the corpus is "
@@ -230,37 +243,48 @@ def _run_unit(unit: Unit, info: TokenizerInfo) -> dict:
         last_consumed = reader.consumed
         chars = 0
 
-    for text in reader:
-        if isinstance(text, LongText):  # read, hashed and encoded in pieces: memory stays flat
-            pieces = (lambda: stripped(text.pieces())) if cfg.strip else text.pieces
-            s = splits[_split_of_pieces(pieces(), cfg.val_fraction, cfg.split_seed)]
-            flush()  # the documents before it go first
-            nbytes = [0]
+    def read_all() -> None:
+        nonlocal last_consumed, chars
+        for text in reader:
+            if isinstance(text, LongText):  # read, hashed and encoded in pieces: memory stays flat
+                pieces = (lambda: stripped(text.pieces())) if cfg.strip else text.pieces
+                s = splits[_split_of_pieces(pieces(), cfg.val_fraction, cfg.split_seed)]
+                flush()  # the documents before it go first
+                nbytes = [0]
 
-            def counted(ps):  # the text's UTF-8 size, taken in the encoding pass, not a third read
-                for p in ps:
-                    nbytes[0] += utf8_len(p)
-                    yield p
+                def counted(ps):  # the text's UTF-8 size, taken in the encoding pass, not a third read
+                    for p in ps:
+                        nbytes[0] += utf8_len(p)
+                        yield p
 
-            n = enc.encode_stream(counted(pieces()), files[s][0].write)
-            files[s][1].write(np.array([n], dtype="<i8"))
-            docs[s] += 1
-            tokens[s] += n
-            text_bytes[s] += nbytes[0]
-            _bump(counters, reader.consumed - last_consumed, 1, n)
-            last_consumed = reader.consumed
-            continue
-        if cfg.strip:
-            text = text.strip()
-        if not text or text.isspace():
-            tally.add("empty", reader.where())
-            continue
-        s = _split_of(text, cfg.val_fraction, cfg.split_seed) if cfg.val_fraction > 0 else 0
-        batch[splits[s]].append(text)
-        chars += len(text)
-        if chars >= cfg.batch_chars:
-            flush()
-    flush()
+                n = enc.encode_stream(counted(pieces()), files[s][0].write)
+                files[s][1].write(np.array([n], dtype="<i8"))
+                docs[s] += 1
+                tokens[s] += n
+                text_bytes[s] += nbytes[0]
+                _bump(counters, reader.consumed - last_consumed, 1, n)
+                last_consumed = reader.consumed
+                continue
+            if cfg.strip:
+                text = text.strip()
+            if not text or text.isspace():
+                tally.add("empty", reader.where())
+                continue
+            s = _split_of(text, cfg.val_fraction, cfg.split_seed) if cfg.val_fraction > 0 else 0
+            batch[splits[s]].append(text)
+            chars += len(text)
+            if chars >= cfg.batch_chars:
+                flush()
+        flush()
+
+    try:
+        read_all()
+    except BaseException as e:
+        for fh in (fh for pair in files.values() for fh in pair):
+            fh.abandon()  # closed now: a retry of this unit writes the same paths afresh
+        if isinstance(e, StaleRange):  # read again: what this reading counted is taken back
+            _bump(counters, -last_consumed, -sum(docs.values()), -sum(tokens.values()))
+        raise
     _bump(counters, unit.est_bytes - last_consumed, 0, 0)  # close the gap of estimated sizes
     spill, memory = {}, {}
     for s in splits:
@@ -322,6 +346,12 @@ class _Spill:
         if self.fh is None:
             self._open()
         self._write(arr)
+
+    def abandon(self) -> None:
+        """Close without finishing (the unit failed): nothing written later through this object."""
+        if self.fh is not None:
+            self.fh.close()
+        self.held = None
 
     def close(self, keep: bool = False) -> None:
         """keep: the arrays stay in memory (for the assembly); else all of it goes to the file."""

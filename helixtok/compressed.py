@@ -63,10 +63,13 @@ def plan_gzip(f: InputFile, unit_bytes: int, halt: threading.Event) -> tuple[str
     from .children import start_helper
     from .config import cache_root
 
-    key = hashlib.sha256(f"{f.path}|{f.size}|{f.stamp}|{GZ_INDEX_SPACING}".encode()).hexdigest()
+    identity = [f.path, f.size, f.stamp, GZ_INDEX_SPACING]
+    key = hashlib.sha256("|".join(map(str, identity)).encode()).hexdigest()
     index = os.path.join(cache_root(), "gzindex", key + ".idx")
     tmp = f"{index}.{os.getpid()}.tmp"
     indexer = None
+    if not index_intact(index, identity):
+        drop_index(index)
     if not os.path.isfile(index) and not is_url(f.path):
         _cache_dir_for(index, f.path)
         with contextlib.suppress(OSError):  # no interpreter to start (embedded Python): index here, after
@@ -88,8 +91,10 @@ def plan_gzip(f: InputFile, unit_bytes: int, halt: threading.Event) -> tuple[str
                     raise _unwritable(index, f.path, msg)
                 raise damaged(f.path, f.kind, ValueError(msg), "truncated or corrupt")
             os.replace(tmp, index)
+            _seal_index(index, identity)
         elif not os.path.isfile(index):
             _index_here(f, index, tmp)
+            _seal_index(index, identity)
         return index, cuts
     finally:
         if indexer is not None and indexer.poll() is None:
@@ -118,6 +123,48 @@ def _index_here(f: InputFile, index: str, tmp: str) -> None:
         raise _unwritable(index, f.path, e.strerror or str(e)) from e
 
 
+def _index_meta(index: str) -> str:
+    return index[: -len(".idx")] + ".json"
+
+
+def _index_sha256(index: str) -> str:
+    h = hashlib.sha256()
+    with open(index, "rb") as fh:
+        while block := fh.read(1 << 20):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _seal_index(index: str, identity: list) -> None:
+    """Record the index's sha256 and the exact file it indexes beside it (written after the index:
+    an index without its record is never trusted)."""
+    from .manifest import write_json_atomic
+
+    try:
+        write_json_atomic(_index_meta(index), {"sha256": _index_sha256(index), "file": identity}, durable=False)
+    except OSError as e:
+        raise _unwritable(index, identity[0], e.strerror or str(e)) from e
+
+
+def index_intact(index: str, identity: list) -> bool:
+    """Whether a cached seek index is whole and is the index of this very file (name, size, stamp)."""
+    import json
+
+    try:
+        with open(_index_meta(index)) as fh:
+            meta = json.load(fh)
+        return isinstance(meta, dict) and meta.get("file") == identity and meta.get("sha256") == _index_sha256(index)
+    except (OSError, ValueError):
+        return False
+
+
+def drop_index(index: str) -> None:
+    """Remove a cache entry found damaged (or not matching what it was read for): built again when next needed."""
+    for p in (index, _index_meta(index)):
+        with contextlib.suppress(OSError):
+            os.remove(p)
+
+
 def _cache_dir_for(index: str, path: str) -> None:
     try:
         os.makedirs(os.path.dirname(index), exist_ok=True)
@@ -131,31 +178,32 @@ def _unwritable(index: str, path: str, why: str) -> ConfigError:
                        "HELIXTOK_CACHE to a writable folder")
 
 
-def line_cuts(fh, unit_bytes: int, halt: threading.Event | None = None) -> Iterator[tuple[int, int, int]]:
-    """(start, stop, first line) of line-aligned ranges of fh's bytes, each at least unit_bytes.
+def line_cuts(fh, unit_bytes: int, halt: threading.Event | None = None) -> Iterator[tuple[int, int, int, int, int]]:
+    """(start, stop, first line, lines, crc32) of line-aligned ranges of fh's bytes, each at least
+    unit_bytes: the last two let a reader of a range prove it read exactly those bytes.
     Ends early, with a plan nobody uses, once `halt` is set (the planner failed or was stopped)."""
-    start, line, pos, lines_before = 0, 1, 0, 0
+    start, line, pos, lines_before, crc, open_line = 0, 1, 0, 0, 0, False
     while True:
         block = fh.read(8 << 20)
         if not block or (halt is not None and halt.is_set()):
             break
-        i = 0
+        view, i = memoryview(block), 0
         while True:
             target = start + unit_bytes - pos  # index in block where this unit is full
-            if target >= len(block):
-                lines_before += block.count(b"\n", i)
-                break
-            nl = block.find(b"\n", max(target, i))
+            nl = block.find(b"\n", max(target, i)) if target < len(block) else -1
             if nl < 0:
                 lines_before += block.count(b"\n", i)
+                crc = zlib.crc32(view[i:], crc)
                 break
             lines_before += block.count(b"\n", i, nl + 1)
+            crc = zlib.crc32(view[i: nl + 1], crc)
             stop = pos + nl + 1
-            yield start, stop, line
-            start, line, i = stop, lines_before + 1, nl + 1
+            yield start, stop, line, lines_before + 1 - line, crc
+            start, line, i, crc = stop, lines_before + 1, nl + 1, 0
+        open_line = not block.endswith(b"\n")
         pos += len(block)
     if pos > start:
-        yield start, pos, line
+        yield start, pos, line, lines_before + 1 - line + open_line, crc
 
 
 def plan_zstd(f: InputFile, range_bytes: int, share: int, halt: threading.Event) -> list[dict]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import io
 import json
@@ -20,7 +21,7 @@ try:
 except ImportError:  # optional speed-up: the stdlib path reads every line the same way
     orjson = None
 
-from .compressed import ZstdRaw, damaged, open_stream, plan_gzip, plan_zstd
+from .compressed import ZstdRaw, damaged, drop_index, open_stream, plan_gzip, plan_zstd
 from .errors import InputError
 from .longdoc import (
     LONG_DOC_BYTES,
@@ -348,6 +349,9 @@ class Unit:
     first_line: int = 1
     est_bytes: int = 0  # input text bytes, for scheduling and progress
     aux: str = ""  # jsonl.gz line ranges: the seek index file (a cache, not part of the plan)
+    # jsonl.gz line ranges: (lines, crc32) of the range's bytes as planned; a reader proves it read
+    # exactly them (a damaged cached index must never change the data).
+    check: tuple[int, int] = (0, 0)
     seek: tuple[int, int] = (0, 0)  # jsonl.zst ranges: (compressed, decompressed) offset of a frame
     ends_file: bool = False  # jsonl.zst ranges: the last, which must end where the data ends
     frames: bool = False  # jsonl.zst: start/stop are compressed offsets of whole frames (sizes undeclared)
@@ -379,7 +383,8 @@ def plan_units(files: list[InputFile], *, unit_bytes: int, text_field: str) -> t
     def ranges_of(f: InputFile) -> list[dict]:
         if f.kind == "jsonl.gz":
             index, cuts = plan_gzip(f, range_bytes, halt)
-            return [dict(start=a, stop=b, first_line=line, est_bytes=b - a, aux=index) for a, b, line in cuts]
+            return [dict(start=a, stop=b, first_line=line, est_bytes=b - a, aux=index, check=(n, crc))
+                    for a, b, line, n, crc in cuts]
         # A file holding a smaller share of the corpus needs fewer ranges to keep all cores busy.
         return plan_zstd(f, range_bytes, -(-SPLIT_SHARE * f.size // packed_total), halt)
 
@@ -606,6 +611,15 @@ def line_ref(unit: "Unit", n: int) -> str:
     return str(unit.first_line + n - 1) if unit.first_line else f"\x00L{unit.index}:{n}\x00"
 
 
+class StaleRange(Exception):
+    """A .gz range did not read as planned (its lines and CRC-32): its seek index is damaged, or,
+    read without one, the file changed.  Raised at the range's end: what was read must be discarded."""
+
+    def __init__(self, unit: Unit):
+        super().__init__(unit.names[0])
+        self.unit = unit
+
+
 class UnitReader:
     """Iterate the documents of a unit; `consumed` tracks input bytes read (for progress).
 
@@ -669,13 +683,28 @@ class UnitReader:
         def at() -> str:  # where line n is, for a warning
             return f"{name}:{line_ref(u, n)}"
         with open_input(path) as raw:
+            gz_range = u.kind == "jsonl.gz" and u.stop
+            stream = None
             if u.aux:  # a line range of a large .gz file: start at the seek point before it
                 import indexed_gzip
 
-                stream = indexed_gzip.IndexedGzipFile(fileobj=raw, readbuf_size=1 << 20)
-                stream.import_index(u.aux)
-                stream.seek(u.start)
-                stream = io.BufferedReader(stream, 1 << 20)
+                try:
+                    stream = indexed_gzip.IndexedGzipFile(fileobj=raw, readbuf_size=1 << 20)
+                    stream.import_index(u.aux)
+                    stream.seek(u.start)
+                    stream = io.BufferedReader(stream, 1 << 20)
+                except Exception:  # noqa: BLE001 - whatever a damaged index makes the library raise
+                    drop_index(u.aux)  # nothing read yet: read this range without it
+                    self.unit = u = dataclasses.replace(u, aux="")
+                    raw.seek(0)
+                    stream = None
+            if stream is not None:
+                pass
+            elif gz_range:  # the same range without a seek index: decompress up to it
+                stream = open_stream(path, u.kind, raw)
+                left = u.start
+                while left and (got := stream.read(min(left, 8 << 20))):
+                    left -= len(got)
             elif u.kind == "jsonl.zst" and u.stop:  # a range of a large .zst: from its frame's start
                 raw.seek(u.seek[0])
                 stream = io.BufferedReader(z := ZstdRaw(raw, u.seek[0]), 1 << 20)
@@ -688,7 +717,7 @@ class UnitReader:
             # decompresses; None: to the end (stop == 0: a whole file).
             zst_range = u.kind == "jsonl.zst" and u.stop and u.start
             limit = None if not u.stop or u.frames else u.stop - u.start + (1 if zst_range else 0)
-            pos = seen = 0  # bytes read; frames of a run already looked at for its limit
+            pos = seen = crc = 0  # bytes read; frames of a run already looked at for its limit
             fast_field = self.text_field if orjson is not None else None
             try:
                 if zst_range:  # the line holding the byte before (a run: its first byte) is the range before's
@@ -705,6 +734,8 @@ class UnitReader:
                             raise OSError("corrupt zstd data: more than its frame headers declare")
                         break
                     pos += len(line)
+                    if gz_range:
+                        crc = zlib.crc32(line, crc)
                     self.consumed = raw.tell() if not u.stop else (raw.tell() - u.start) * 4 if u.frames else pos
                     n += 1
                     self.lines = n
@@ -749,13 +780,21 @@ class UnitReader:
                 if u.ends_file and pos != limit:  # the data ended before or after the end its headers declare
                     raise OSError(f"corrupt zstd data: {'less' if pos < limit else 'more'} than its frame "
                                   "headers declare")
+                if gz_range and (pos, n, crc) != (limit, *u.check):
+                    raise StaleRange(u)
+            except StaleRange:
+                raise
             except (EOFError, OSError, zlib.error) as e:
                 if expired(e):
                     raise
+                if u.aux:  # the index may be what is damaged: the caller reads the range again without it
+                    raise StaleRange(u) from e
                 raise damaged(path, u.kind, e, "truncated or corrupt") from e
             except Exception as e:
                 if type(e).__name__ == "ZstdError":
                     raise damaged(path, u.kind, e, "corrupt zstd stream") from e
+                if u.aux and type(e).__name__ == "ZranError":
+                    raise StaleRange(u) from e
                 raise
 
     def _field(self, obj, where: str, resolve=None) -> str | LongText | None:

@@ -65,6 +65,13 @@ def _from_hf_cache(repo_id: str) -> str | None:
     return None
 
 
+def reference_version() -> str:
+    """'tokenizers X.Y.Z': the library whose ids every backend must reproduce."""
+    from importlib.metadata import version
+
+    return f"tokenizers {version('tokenizers')}"
+
+
 def sha256_file(path: str) -> str:
     return sha256_stream(open(path, "rb"))
 
@@ -100,6 +107,9 @@ class TokenizerInfo:
     backend: str = "hf"  # "hf" (tokenizers, the reference) or a faster library checked to give its ids
     backend_version: str = ""  # the library's version: another version may give other ids
     special_tokens: str = "text"  # special-token strings inside documents: "text" or "extract"
+    # The tokenizers release every backend was checked against: its ids changed between releases
+    # (Unicode tables 14 -> 16), so a resume or a merge across releases could mix two tokenizations.
+    reference_version: str = ""
 
     @property
     def dtype(self) -> np.dtype:
@@ -112,7 +122,12 @@ class TokenizerInfo:
             "eos_id": self.eos_id, "eos_token": self.eos_token,
             "pad_id": self.pad_id, "pad_token": self.pad_token,
             "bos_id": self.bos_id, "bos_token": self.bos_token, "add_bos": self.add_bos,
+            "reference_version": self.reference_version,
         }
+
+    def identity(self) -> dict:
+        """What of to_json() decides the bytes: not which exact library produced them."""
+        return {k: v for k, v in self.to_json().items() if k not in ("backend", "backend_version")}
 
 
 def load_tokenizer(path: str):
@@ -195,7 +210,7 @@ def inspect_tokenizer(spec: str, *, eos_token: str | None = None, bos_token: str
         path=path, sha256=sha256_file(path), vocab_size=max(vocab.values()) + 1,
         eos_id=vocab[eos], eos_token=eos, pad_id=vocab[pad], pad_token=pad,
         bos_id=vocab[bos] if bos else None, bos_token=bos, add_bos=add_bos,
-        splittable=_splits_exactly(tok), special_tokens=special_tokens,
+        splittable=_splits_exactly(tok), special_tokens=special_tokens, reference_version=reference_version(),
     )
     _handed.clear()
     _handed[_file_key(path)] = tok

@@ -372,6 +372,26 @@ def test_a_backend_wrong_only_on_a_long_input_is_refused_and_the_references_are_
     assert len(made()) == 3 and len(long_hf) == len(backends.LONG_HOSTILE)
 
 
+def test_a_damaged_or_foreign_verdict_cache_entry_is_ignored_and_removed(tmp_path, monkeypatch):
+    """Cached verdicts carry the sha256 of their value: a torn or edited entry (an unsealed
+    {"ok": true} included) is never believed; and they are kept per reference tokenizers release."""
+    from helixtok import backends
+
+    monkeypatch.setenv("HELIXTOK_CACHE", str(tmp_path / "cache"))
+    key = ("fastokens", "fastokens 9", "ab" * 32, "text")
+    path = backends._long_parity_file(*key)
+    backends.long_parity(*key, ["x"], ["y"])  # a refusal, cached
+    assert backends.cached_long_parity(*key) == (False, f"ids differ on {backends.LONG_HOSTILE[0][:40]!r}")
+    for damage in ('{"ok": true, "why": ""}', open(path).read().replace("false", "true"), open(path).read()[:-9], ""):
+        with open(path, "w") as fh:
+            fh.write(damage)
+        assert backends.cached_long_parity(*key) is None and not os.path.exists(path), damage
+        backends.long_parity(*key, ["x"], ["y"])
+    real = backends.backend_version
+    monkeypatch.setattr(backends, "backend_version", lambda n: "tokenizers 0.0.1" if n == "hf" else real(n))
+    assert backends._long_parity_file(*key) != path and backends.cached_long_parity(*key) is None
+
+
 def test_the_long_input_processes_of_a_refused_backend_are_stopped(tmp_path, small_tok, monkeypatch):
     """A backend refused on the sample has no use for its digests of the long inputs, nor the
     build for tokenizers': the processes making them are killed, not left to take cores from

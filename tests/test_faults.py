@@ -255,6 +255,13 @@ def test_changed_option_or_input_refuses_resume(tmp_path, small_tok, monkeypatch
     monkeypatch.undo()
     with pytest.raises(ConfigError, match=r"unfinished build .*seq_len: 4 -> 8"):
         build([str(c)], out, small_tok, BuildConfig(seq_len=8, workers=1))
+    # Another tokenizers release as the reference (its ids may differ): refused like another backend version.
+    import helixtok.tokenizer as ht
+    monkeypatch.setattr(ht, "reference_version", lambda: "tokenizers 0.0.1")
+    with pytest.raises(ConfigError, match=r"unfinished build .*reference_version: 'tokenizers [\d.]+' -> "
+                                          r"'tokenizers 0.0.1'"):
+        build([str(c)], out, small_tok, cfg)
+    monkeypatch.undo()
     # Rewritten with the same size and its mtime put back (cp -p, rsync -t, touch -r): still another file.
     st = os.stat(c / "a.txt")
     (c / "a.txt").write_text("HELLO WORLD " * 100)

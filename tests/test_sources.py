@@ -6,6 +6,7 @@ import gzip
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -422,7 +423,7 @@ def test_jsonl_units_cover_every_line_once(tmp_path_factory, lines, unit):
     units, _ = plan_units(files, unit_bytes=unit, text_field="text")
     # The planner seeks to each cut; the cuts are those of a scan of the whole file.
     with open(p, "rb") as fh:
-        assert [(u.start, u.stop) for u in units] == [(a, b) for a, b, _ in hc.line_cuts(fh, unit)]
+        assert [(u.start, u.stop) for u in units] == [(a, b) for a, b, *_ in hc.line_cuts(fh, unit)]
     got, where = [], []
     refs = LineRefs(units)
     for u in units:
@@ -589,6 +590,54 @@ def test_a_large_jsonl_gz_is_read_by_several_workers_with_the_same_bytes(tmp_pat
     with pytest.raises(InputError, match=r"big\.jsonl\.gz: truncated or corrupt after line \d+"):
         do_build(tmp_path / "bad", small_tok, c, seq_len=64)
     assert not glob.glob(os.path.join(cache, "gzindex", "*.tmp"))  # the index written for it is gone
+
+
+@pytest.mark.parametrize("damage", ["torn_page", "torn_page_resealed", "torn_window_resealed", "another_files_index"])
+def test_a_damaged_gz_seek_index_never_changes_the_data(tmp_path, small_tok, dev_docs, monkeypatch, damage):
+    """A cached seek index is checked (its sha256 and the exact file it indexes) before it is used,
+    and each range read through it must end at its planned offset with its planned lines and
+    CRC-32: a damaged entry is dropped and rebuilt, or the range is read without it; the dataset is
+    the one the intact corpus gives, every time (a zeroed page used to drop 500 of 16,153 documents
+    as "malformed json" with exit 0)."""
+    import helixtok.sources as hs
+
+    monkeypatch.setattr(hs, "SPLIT_BYTES", 1)
+    monkeypatch.setattr(hs, "RANGE_MIN_BYTES", 1)
+    monkeypatch.setattr(hc, "GZ_INDEX_SPACING", 64 << 10)
+    monkeypatch.setenv("HELIXTOK_CACHE", str(tmp_path / "cache"))
+    c = tmp_path / "c"
+    c.mkdir()
+    data = "".join(json.dumps({"text": t}) + "\n" for t in dev_docs[:400]).encode()
+    (c / "big.jsonl.gz").write_bytes(gzip.compress(data))
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "big.jsonl.gz").write_bytes(gzip.compress(data.replace(b"e", b"a")))  # same size, other content
+    kw = dict(seq_len=64, unit_bytes=len(data) // 9)
+    good, og = do_build(tmp_path / "good", small_tok, c, **kw)
+    assert good["inputs"]["units"] >= 8 and good["totals"]["skipped_documents"] == 0
+    idx = {os.path.basename(p): p for p in glob.glob(str(tmp_path / "cache" / "gzindex" / "*.idx"))}
+    assert len(idx) == 1
+    index = next(iter(idx.values()))
+    meta = json.load(open(index[:-4] + ".json"))
+    if damage == "another_files_index":
+        do_build(tmp_path / "o", small_tok, other, **kw, text_field="taxt")
+        theirs = next(p for p in glob.glob(str(tmp_path / "cache" / "gzindex" / "*.idx")) if p != index)
+        shutil.copyfile(theirs, index)
+    else:
+        raw = bytearray(open(index, "rb").read())
+        if damage == "torn_window_resealed":  # the windows zeroed: seeks land, the bytes read are wrong
+            raw[len(raw) // 20: -16] = bytes(len(raw) - 16 - len(raw) // 20)
+        else:
+            raw[8192: 12288] = bytes(4096)  # one zeroed page: a torn write
+        open(index, "wb").write(raw)
+    if damage != "torn_page":  # a record that matches the damage: only the reader's checks are left
+        meta["sha256"] = hashlib.sha256(open(index, "rb").read()).hexdigest()
+        json.dump(meta, open(index[:-4] + ".json", "w"))
+    for run in range(2):  # and the rerun: nothing of the damage stays in the cache
+        again, oa = do_build(tmp_path / f"again{run}", small_tok, c, **kw)
+        assert_same_build(json.loads(json.dumps(good)), og, again, oa)
+        # Dropped where it was found damaged (the workers read without it), rebuilt when next planned.
+        assert hc.index_intact(index, meta["file"]) or (run == 0 and not os.path.exists(index))
 
 
 def test_a_gz_seek_index_is_built_here_when_no_process_can_be_started(tmp_path, dev_docs, monkeypatch):

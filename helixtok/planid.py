@@ -1,0 +1,47 @@
+"""What identifies a build's plan: the facts a resume and a merge compare, and how to name a difference."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+TASK_PLAN = "task-plan.json"  # in a part's folder: the whole plan every task of the build derived
+
+
+def describe_change(old: dict, new: dict) -> str:
+    """The first difference between two plans, for one line: an option or an input."""
+    for k in ("config", "tokenizer", "helixtok", "format_version", "partition", "num_tasks"):
+        if old.get(k) != new.get(k):
+            if isinstance(old.get(k), dict) and isinstance(new.get(k), dict):
+                diffs = [f"{kk}: {old[k].get(kk)!r} -> {new[k].get(kk)!r}"
+                         for kk in sorted(set(old[k]) | set(new[k])) if old[k].get(kk) != new[k].get(kk)]
+                return ", ".join(diffs)
+            return f"{k}: {old.get(k)!r} -> {new.get(k)!r}"
+    of = {f[0]: f[1:] for f in old.get("files", [])}
+    nf = {f[0]: f[1:] for f in new.get("files", [])}
+    added = sorted(set(nf) - set(of))
+    gone = sorted(set(of) - set(nf))
+    changed = sorted(k for k in set(of) & set(nf) if of[k] != nf[k])
+    parts = []
+    if added:
+        parts.append(f"new input {added[0]}" + (f" and {len(added) - 1} more" if len(added) > 1 else ""))
+    if gone:
+        parts.append(f"input gone: {gone[0]}" + (f" and {len(gone) - 1} more" if len(gone) > 1 else ""))
+    if changed:
+        parts.append(f"input modified: {changed[0]}" + (f" and {len(changed) - 1} more" if len(changed) > 1 else ""))
+    return "; ".join(parts) or "work units changed"
+
+
+def whole_plan(files, units, config_identity: dict, tokenizer_identity: dict, num_tasks: int) -> dict:
+    """The plan every task of a partitioned build must share: every input (name, size, stamp),
+    every unit, every option and resolved tokenizer choice that changes bytes, the task count."""
+    return {"num_tasks": num_tasks, "config": config_identity, "tokenizer": tokenizer_identity,
+            "files": [[f.name, f.size, f.stamp] for f in files], "units": [u.to_json() for u in units]}
+
+
+def encode_plan(plan: dict) -> bytes:
+    return json.dumps(plan, sort_keys=True, separators=(",", ":")).encode()
+
+
+def plan_digest(raw: bytes) -> str:
+    return hashlib.sha256(raw).hexdigest()
