@@ -32,14 +32,16 @@ from .assemble import CHECKPOINT, Assembler
 from .backend_check import choose_backend
 from .backends import FAST, backend_version, forget_fast_tokenizers
 from .children import die_with_parent
+from .compressed import drop_index
 from .config import BuildConfig, worker_bytes
 from .errors import ConfigError, HelixtokError, InputError
 from .longdoc import LongText, stripped, utf8_len
 from .manifest import DOC_SKIPS, FORMAT_VERSION, MANIFEST, REPAIRS, write_json_atomic
+from .merge import check_sibling_parts, partition
 from .objstore import current, expired, is_url
 from .outdir import PUBLISH, STATE, OutLock, read_list, refuse_foreign, remove_owned
+from .planid import TASK_PLAN, describe_change, encode_plan, plan_digest, whole_plan
 from .shards import fsync_dir
-from .compressed import drop_index
 from .sources import LineRefs, StaleRange, Tally, Unit, UnitReader, discover, plan_units
 from .tokenizer import Encoder, TokenizerInfo, forget_handed, inspect_tokenizer, resolve_tokenizer_path
 
@@ -396,33 +398,10 @@ def _prepare_out(out: str, plan: dict, overwrite: bool, protect: list[str]) -> b
             return True
         if old is not None:
             raise ConfigError(f"{out}: holds an unfinished build with other inputs or options "
-                              f"({_describe_change(old, plan)}); pass --overwrite to discard it")
+                              f"({describe_change(old, plan)}); pass --overwrite to discard it")
     # Leftovers that no plan describes (a kill before plan.json was written) are ours and useless.
     remove_owned(out)
     return False
-
-
-def _describe_change(old: dict, new: dict) -> str:
-    for k in ("config", "tokenizer", "helixtok", "format_version", "partition"):
-        if old.get(k) != new.get(k):
-            if isinstance(old.get(k), dict) and isinstance(new.get(k), dict):
-                diffs = [f"{kk}: {old[k].get(kk)!r} -> {new[k].get(kk)!r}"
-                         for kk in sorted(set(old[k]) | set(new[k])) if old[k].get(kk) != new[k].get(kk)]
-                return ", ".join(diffs)
-            return f"{k}: {old.get(k)!r} -> {new.get(k)!r}"
-    of = {f[0]: f[1:] for f in old.get("files", [])}
-    nf = {f[0]: f[1:] for f in new.get("files", [])}
-    added = sorted(set(nf) - set(of))
-    gone = sorted(set(of) - set(nf))
-    changed = sorted(k for k in set(of) & set(nf) if of[k] != nf[k])
-    parts = []
-    if added:
-        parts.append(f"new input {added[0]}" + (f" and {len(added) - 1} more" if len(added) > 1 else ""))
-    if gone:
-        parts.append(f"input gone: {gone[0]}" + (f" and {len(gone) - 1} more" if len(gone) > 1 else ""))
-    if changed:
-        parts.append(f"input modified: {changed[0]}" + (f" and {len(changed) - 1} more" if len(changed) > 1 else ""))
-    return "; ".join(parts) or "work units changed"
 
 
 def _trusted_results(state: str, units: list[Unit], assembled: set[int]) -> dict[int, dict] | None:
@@ -684,8 +663,6 @@ def build(inputs: list[str], out: str, tokenizer: str, config: BuildConfig, *, o
     likely = config.backend if config.backend != "auto" else FAST[0] if backend_version(FAST[0]) else "hf"
     part, mine = None, units  # a task of a partitioned build tokenizes its share of the units
     if task is not None:
-        from .merge import partition
-
         k, n = task
         a, b = partition(units, n)[k]
         part, mine = {"task_index": k, "num_tasks": n, "units": [a, b], "units_total": len(units)}, units[a:b]
@@ -787,7 +764,13 @@ def _build_started(out, info, config, overwrite, on_progress, part, files, units
     info, backend_check = choose_backend(info, units, config, workers and workers.executor)
     if workers is not None:  # the workers tokenize: the main process needs no fast tokenizer now
         forget_fast_tokenizers()
+    task_plan = None
     if part is not None:
+        # Every task lists the corpus afresh: a file that lands between two tasks would shift the
+        # unit ranges.  Each part records a digest of the whole plan; merge compares them.
+        task_plan = encode_plan(whole_plan(files, units, config.identity(), info.identity(), part["num_tasks"]))
+        part = {**part, "plan": TASK_PLAN, "plan_sha256": plan_digest(task_plan)}
+        check_sibling_parts(out, part, task_plan)
         a, b = part["units"]
         names = {nm for u in units[a:b] for nm in u.names}
         units = units[a:b]
@@ -865,6 +848,11 @@ def _build_started(out, info, config, overwrite, on_progress, part, files, units
                          f"--seq-len {config.seq_len}; lower --seq-len or add text")
     _check_unchanged(files)
     shutil.copyfile(info.path, os.path.join(asm, "tokenizer.json"))
+    extra = ["tokenizer.json"]
+    if task_plan is not None:
+        with open(os.path.join(asm, TASK_PLAN), "wb") as fh:
+            fh.write(task_plan)
+        extra.append(TASK_PLAN)
 
     totals = {k: sum(s[k] for s in splits.values())
               for k in ("documents", "tokens", "text_bytes", "pad_tokens", "dropped_tokens", "dropped_documents",
@@ -893,7 +881,7 @@ def _build_started(out, info, config, overwrite, on_progress, part, files, units
         "skipped": tally.to_json(),
         "warnings": warnings.to_json(),
     }
-    _publish(out, state, asm, splits, manifest)
+    _publish(out, state, asm, splits, manifest, extra)
     return manifest
 
 
@@ -914,7 +902,7 @@ def _unpublish(out: str, state: str, asm: str) -> None:
             os.replace(os.path.join(out, n), os.path.join(asm, n))
 
 
-def _publish(out: str, state: str, asm: str, splits: dict, manifest: dict) -> None:
+def _publish(out: str, state: str, asm: str, splits: dict, manifest: dict, extra: list[str]) -> None:
     """Move the finished files from STATE into OUT, then the manifest, last and atomically.
 
     publish.json names the files first, so a kill halfway leaves them known as helixtok's
@@ -922,7 +910,7 @@ def _publish(out: str, state: str, asm: str, splits: dict, manifest: dict) -> No
     """
     names = [e["path"] for s in splits.values() for e in s["shards"]]
     names += [e[k]["path"] for s in splits.values() for e in s["shards"] for k in ("docs", "valid") if k in e]
-    names.append("tokenizer.json")
+    names += extra
     write_json_atomic(os.path.join(state, PUBLISH), {"files": names})
     for n in names:
         os.replace(os.path.join(asm, n), os.path.join(out, n))

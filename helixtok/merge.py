@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import shutil
 
 from .errors import ConfigError, DatasetError
 from .manifest import MANIFEST, load_manifest, write_json_atomic
-from .outdir import OutLock
+from .outdir import OutLock, refuse_foreign, remove_owned
+from .planid import describe_change, plan_digest
 from .sources import Tally, Unit
+
+PART_NAME = re.compile(r"part-\d{5}")  # a task's folder in OUT (the command line's layout)
 
 ENV_INDEX = ("SLURM_ARRAY_TASK_ID", "JOB_COMPLETION_INDEX")  # Slurm arrays, Kubernetes Indexed Jobs
 
@@ -54,6 +59,9 @@ def partition(units: list[Unit], num_tasks: int) -> list[tuple[int, int]]:
 
 # Manifest keys that must agree between parts (everything that changes what a chunk means).
 _SAME = ("format_version", "dtype", "seq_len", "packing", "min_tail_len")
+# Tokenizer fields that may differ between parts: which library produced the ids (each one was
+# checked against the same reference), where the check's verdict is recorded, the file's name.
+_TOKENIZER_FREE = ("backend", "backend_version", "backend_check", "file")
 
 
 def _merged_inputs(ms: list[dict]) -> dict:
@@ -66,10 +74,60 @@ def _merged_inputs(ms: list[dict]) -> dict:
             "list": [{"name": k, "bytes": v} for k, v in seen.items()]}
 
 
-def merge(parts: list[str], out: str, *, overwrite: bool = False) -> dict:
-    if not parts:
-        raise ConfigError("give at least one part to merge")
-    ms = [load_manifest(p) for p in parts]
+def _read_task_plan(part: str, p: dict) -> dict:
+    name = p.get("plan")
+    if not isinstance(name, str) or os.sep in name or name in ("", ".", ".."):
+        raise DatasetError(f"{part}: its manifest names no plan file; rebuild the part with this helixtok")
+    try:
+        with open(os.path.join(part, name), "rb") as fh:
+            raw = fh.read()
+    except OSError as e:
+        raise DatasetError(f"{part}: cannot read {name} ({e.strerror}); rebuild the part") from None
+    if plan_digest(raw) != p.get("plan_sha256"):
+        raise DatasetError(f"{part}: {name} does not match the sha256 its manifest records; rebuild the part")
+    return json.loads(raw)
+
+
+def plan_mismatch(part: str, p: dict, other: str, q: dict) -> str | None:
+    """Why two parts of partitioned builds cannot belong to one dataset, or None: each records a
+    digest of the whole plan (every input's name, size and stamp, the units, the options)."""
+    for name, x in ((part, p), (other, q)):
+        if not isinstance(x.get("plan_sha256"), str):
+            return (f"{name}: records no plan digest (built by an older helixtok), so nothing shows it was "
+                    "planned from the same corpus as the others; rebuild the part")
+    if p["num_tasks"] != q["num_tasks"]:
+        return f"{part} is a task of {p['num_tasks']}, {other} of {q['num_tasks']}"
+    if p["plan_sha256"] == q["plan_sha256"]:
+        return None
+    change = describe_change(_read_task_plan(other, q), _read_task_plan(part, p))
+    return (f"{part} was planned from other inputs or options than {other} ({change}); the corpus changed "
+            "between tasks: rebuild every part from one unchanging corpus")
+
+
+def check_sibling_parts(out: str, part: dict, raw_plan: bytes) -> None:
+    """A task refuses to start when finished parts beside its folder were planned otherwise."""
+    parent = os.path.dirname(os.path.abspath(out))
+    here = os.path.basename(os.path.abspath(out))
+    try:
+        names = sorted(e for e in os.listdir(parent) if PART_NAME.fullmatch(e) and e != here)
+    except OSError:
+        return
+    for e in names:
+        try:
+            with open(os.path.join(parent, e, MANIFEST)) as fh:
+                theirs = json.load(fh).get("partition")
+        except (OSError, ValueError, AttributeError):
+            continue  # not a finished part: nothing to compare
+        if not isinstance(theirs, dict) or not isinstance(theirs.get("plan_sha256"), str):
+            continue  # an older part: merge will refuse it, naming why
+        if theirs["plan_sha256"] != part["plan_sha256"]:
+            sibling = os.path.join(parent, e)
+            change = describe_change(_read_task_plan(sibling, theirs), json.loads(raw_plan))
+            raise ConfigError(f"{out}: the corpus or options differ from those {sibling} was planned from "
+                              f"({change}); rebuild every part from one unchanging corpus, or build into a new folder")
+
+
+def _check_parts(parts: list[str], ms: list[dict]) -> None:
     first = ms[0]
     for p, m in zip(parts, ms):
         for k in _SAME:
@@ -79,10 +137,22 @@ def merge(parts: list[str], out: str, *, overwrite: bool = False) -> dict:
         if m["tokenizer"]["sha256"] != first["tokenizer"]["sha256"]:
             raise DatasetError(f"{p}: built with tokenizer {m['tokenizer']['sha256'][:12]}…, {parts[0]} with "
                                f"{first['tokenizer']['sha256'][:12]}…; parts must share the tokenizer")
+        tok, tok0 = m["tokenizer"], first["tokenizer"]
+        for k in sorted(set(tok) | set(tok0)):
+            if k not in _TOKENIZER_FREE and tok.get(k) != tok0.get(k):
+                raise DatasetError(f"{p}: tokenizer {k} is {tok.get(k)!r}, {parts[0]} has {tok0.get(k)!r}; "
+                                   "parts must be built with the same options")
         opts = m["options"]
         if opts != first["options"]:
-            diff = [k for k in opts if opts[k] != first["options"].get(k)]
+            diff = [k for k in sorted(set(opts) | set(first["options"])) if opts.get(k) != first["options"].get(k)]
             raise DatasetError(f"{p}: option {diff[0]} differs from {parts[0]}; parts must be built with the same options")
+
+
+def merge(parts: list[str], out: str, *, overwrite: bool = False) -> dict:
+    if not parts:
+        raise ConfigError("give at least one part to merge")
+    ms = [load_manifest(p) for p in parts]
+    _check_parts(parts, ms)
     tasks = [m.get("partition") for m in ms]
     if any(tasks):
         if not all(tasks) or len({t["num_tasks"] for t in tasks}) != 1:
@@ -94,11 +164,26 @@ def merge(parts: list[str], out: str, *, overwrite: bool = False) -> dict:
             raise DatasetError(f"parts of a {n}-task build: missing task(s) {missing[:10]}"
                                if missing else f"a task is given twice: {idx}")
         order = sorted(range(len(parts)), key=lambda i: tasks[i]["task_index"])
-        parts, ms = [parts[i] for i in order], [ms[i] for i in order]
+        parts, ms, tasks = [parts[i] for i in order], [ms[i] for i in order], [tasks[i] for i in order]
+        for p, t in zip(parts[1:], tasks[1:]):
+            why = plan_mismatch(p, t, parts[0], tasks[0])
+            if why:
+                raise DatasetError(why)
+        why = plan_mismatch(parts[0], tasks[0], parts[0], tasks[0])  # a lone task's own record
+        if why:
+            raise DatasetError(why)
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ConfigError(f"{out}: exists and is not a folder")
     os.makedirs(out, exist_ok=True)
     with OutLock(out):
+        # The parts may live in OUT (part-00000, ...): they stay; anything else follows build's rules.
+        inside = {os.path.basename(os.path.abspath(p)) for p in parts
+                  if os.path.dirname(os.path.abspath(p)) == os.path.abspath(out)}
         if os.path.isfile(os.path.join(out, MANIFEST)) and not overwrite:
-            raise ConfigError(f"{out}: already holds a dataset; pass --overwrite to replace its manifest")
+            raise ConfigError(f"{out}: already holds a dataset; pass --overwrite to replace it")
+        refuse_foreign(out, allowed=inside)
+        if overwrite:
+            remove_owned(out, keep=inside)
         return _merge_locked(parts, ms, out)
 
 

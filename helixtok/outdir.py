@@ -86,16 +86,21 @@ def _manifest_files(out: str) -> list[str]:
     tok = m.get("tokenizer")
     if isinstance(tok, dict) and isinstance(tok.get("file"), str):
         names.append(tok["file"])
+    part = m.get("partition")
+    if isinstance(part, dict) and isinstance(part.get("plan"), str):
+        names.append(part["plan"])
+    # A merged dataset's parts: the folders in OUT it was joined from are part of it.
+    merged = m.get("merged_from")
+    names += [p for p in merged if isinstance(p, str)] if isinstance(merged, list) else []
     splits = m.get("splits")
     for s in splits.values() if isinstance(splits, dict) else []:
         for e in s.get("shards") or [] if isinstance(s, dict) else []:
             if not isinstance(e, dict):
                 continue
             for p in [e.get("path")] + [e[k].get("path") for k in ("docs", "valid") if isinstance(e.get(k), dict)]:
-                # Only files directly in OUT: a merged dataset's parts are folders with manifests of their own.
-                if isinstance(p, str) and os.sep not in p and p not in (".", ".."):
+                if isinstance(p, str):  # only files directly in OUT (a merged dataset's are in its parts)
                     names.append(p)
-    return names
+    return [n for n in names if os.sep not in n and n not in ("", ".", "..")]
 
 
 def owned_entries(out: str) -> set[str]:
@@ -112,8 +117,8 @@ def foreign_entries(out: str) -> list[str]:
     return sorted(e for e in os.listdir(out) if e not in owned)
 
 
-def refuse_foreign(out: str) -> None:
-    foreign = foreign_entries(out)
+def refuse_foreign(out: str, allowed: set[str] = frozenset()) -> None:
+    foreign = [e for e in foreign_entries(out) if e not in allowed]
     if foreign:
         more = f" and {len(foreign) - 1} more" if len(foreign) > 1 else ""
         raise ConfigError(f"{out}: holds {foreign[0]!r}{more}, which helixtok did not write; build into an "

@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -105,3 +106,92 @@ def test_cli_partitioned_build_and_merge(tmp_path, txt_corpus, small_tok, monkey
     assert r.exit_code == 0, r.output
     assert json.loads(r.stdout)["totals"]["documents"] == len(os.listdir(txt_corpus))
     assert CliRunner().invoke(main, ["verify", str(out)]).exit_code == 0
+
+
+def cli(*args):
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+def test_parts_planned_from_different_corpora_are_refused(tmp_path, small_corpus, small_tok):
+    """A file that lands between two tasks of an array job shifts the unit ranges: the later task
+    refuses to start beside a finished part planned otherwise, and merge refuses such parts, each
+    naming the input (it used to merge overlapping parts with exit 0 and verify passing)."""
+    c, out = tmp_path / "c", tmp_path / "out"
+    shutil.copytree(small_corpus, c)
+    base = ["-t", small_tok, "-L", "16", "-j", "1", "-q", "--unit-size", "8KiB", "--num-tasks", "2"]
+    assert cli("build", c, out, *base, "--task-index", "0").exit_code == 0
+    (c / "0_new").mkdir()
+    (c / "0_new" / "late.txt").write_text("word " * 5000)
+    r = cli("build", c, out, *base, "--task-index", "1")
+    assert r.exit_code == 1 and "new input 0_new/late.txt" in r.output and "part-00000" in r.output, r.output
+    assert not (out / "part-00001").exists()
+    # Built elsewhere (the check looks beside the task's own folder), it reaches merge: refused there.
+    assert cli("build", c, tmp_path / "elsewhere", *base, "--task-index", "1").exit_code == 0
+    r = cli("merge", out / "part-00000", tmp_path / "elsewhere" / "part-00001", tmp_path / "m")
+    assert r.exit_code == 1 and "new input 0_new/late.txt" in r.output, r.output
+    assert not (tmp_path / "m" / "manifest.json").exists()
+    # The same corpus for both: merged, and equal to the single build's documents.
+    shutil.rmtree(c / "0_new")
+    assert cli("build", c, out, *base, "--task-index", "1").exit_code == 0
+    r = cli("merge", out / "part-00000", out / "part-00001", out, "--json")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["totals"]["documents"] == 7
+
+
+@pytest.mark.parametrize("extra, field", [(["--bos", "--bos-token", "<pad>"], "add_bos"), (["--eos-token", "o"], "eos_id"),
+                                          (["--special-tokens", "extract"], "special_tokens_in_text")])
+def test_merge_refuses_parts_built_with_other_tokenizer_options(tmp_path, small_corpus, small_tok, extra, field):
+    """merge compares every resolved choice that changes bytes (it used to compare only the
+    tokenizer's sha256 and state part 0's add_bos / eos_id / policy for all parts)."""
+    base = ["-t", small_tok, "-L", "16", "-j", "1", "-q", "--unit-size", "8KiB", "--num-tasks", "2"]
+    assert cli("build", small_corpus, tmp_path / "a", *base, "--task-index", "0").exit_code == 0
+    r = cli("build", small_corpus, tmp_path / "b", *base, "--task-index", "1", *extra)
+    assert r.exit_code == 0, r.output
+    r = cli("merge", tmp_path / "a" / "part-00000", tmp_path / "b" / "part-00001", tmp_path / "m")
+    assert r.exit_code == 1 and f"tokenizer {field} is" in r.output and "same options" in r.output, r.output
+
+
+def test_merge_follows_builds_ownership_rules(tmp_path, small_corpus, small_tok):
+    """merge never writes over a file it did not write; --overwrite removes what the previous
+    dataset listed, whichever command wrote it, and a later build --overwrite takes the merged folder."""
+    out = tmp_path / "out"
+    base = ["-t", small_tok, "-L", "16", "-j", "1", "-q", "--unit-size", "8KiB"]
+    for k in range(2):
+        assert cli("build", small_corpus, out, *base, "--num-tasks", 2, "--task-index", k).exit_code == 0
+    parts = [out / "part-00000", out / "part-00001"]
+    (out / "tokenizer.json").write_text("the user's own")
+    r = cli("merge", *parts, out)
+    assert r.exit_code == 1 and "'tokenizer.json'" in r.output and "did not write" in r.output, r.output
+    assert (out / "tokenizer.json").read_text() == "the user's own"
+    r = cli("merge", *parts, out, "--overwrite")
+    assert r.exit_code == 1 and (out / "tokenizer.json").read_text() == "the user's own"
+    (out / "tokenizer.json").unlink()
+    assert cli("merge", *parts, out).exit_code == 0
+    assert cli("verify", out).exit_code == 0
+    # A single build over the merged folder: the parts it listed go with it, nothing is called foreign.
+    r = cli("build", small_corpus, out, *base, "--overwrite")
+    assert r.exit_code == 0, r.output
+    single = sorted(os.listdir(out))
+    assert "part-00000" not in single and cli("verify", out).exit_code == 0
+    # merge --overwrite over that single build: its shards are removed, not left unreferenced.
+    for k in range(2):
+        assert cli("build", small_corpus, tmp_path / "p", *base, "--num-tasks", 2, "--task-index", k).exit_code == 0
+    r = cli("merge", tmp_path / "p" / "part-00000", tmp_path / "p" / "part-00001", out, "--overwrite")
+    assert r.exit_code == 0, r.output
+    assert sorted(os.listdir(out)) == ["manifest.json", "tokenizer.json"]
+    r = cli("build", small_corpus, out, *base, "--overwrite")
+    assert r.exit_code == 0, r.output
+    assert sorted(os.listdir(out)) == single
+
+
+def test_merge_refuses_a_part_without_a_plan_digest(tmp_path, small_corpus, small_tok):
+    base = ["-t", small_tok, "-L", "16", "-j", "1", "-q", "--unit-size", "8KiB", "--num-tasks", "2"]
+    out = tmp_path / "out"
+    for k in range(2):
+        assert cli("build", small_corpus, out, *base, "--task-index", k).exit_code == 0
+    mp = out / "part-00001" / "manifest.json"
+    m = json.loads(mp.read_text())
+    del m["partition"]["plan_sha256"]  # as an older helixtok wrote it
+    mp.write_text(json.dumps(m))
+    r = cli("merge", out / "part-00000", out / "part-00001", out)
+    assert r.exit_code == 1 and "records no plan digest" in r.output, r.output
