@@ -1,0 +1,335 @@
+"""A build's worker processes: plain interpreters fed over pipes, each watched for death and stalls.
+
+No wait on a worker is unbounded: a task's future fails once its worker dies, or sends nothing
+for `stall_seconds` (a stopped process, a stuck read), naming what the worker was doing.  No
+multiprocessing: its queues' named semaphores need the resource tracker, whose death (an OOM
+killer, `kill` of "the python processes") printed tracebacks, and its spawn bootstrap ran before
+a worker could ignore Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import pickle
+import queue
+import signal
+import struct
+import sys
+import threading
+import time
+from concurrent.futures import Future
+
+from .errors import HelixtokError
+
+MARK = "helixtok-worker"  # in each worker's command line: what `ps` (and the tests) look for
+_LEN = struct.Struct("<Q")
+_EOF = object()
+# Signals a terminal sends to the whole foreground group: the build handles them and stops its
+# workers; a worker that took them itself would print a traceback or die before being told.
+_TERMINAL = {signal.SIGINT, signal.SIGHUP}
+BEAT_SECONDS = 0.5  # a worker busy with a task that reports no progress says it is alive this often
+
+_SERVE = "from helixtok.pool import serve\nserve()\n"
+
+
+def _send(fh, obj, lock: threading.Lock | None = None) -> None:
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    if lock is None:
+        fh.write(_LEN.pack(len(data)))
+        fh.write(data)
+        fh.flush()
+        return
+    with lock:
+        _send(fh, obj)
+
+
+def _recv(fh):
+    head = fh.read(_LEN.size)
+    if len(head) < _LEN.size:
+        return _EOF
+    n = _LEN.unpack(head)[0]
+    data = fh.read(n)
+    return _EOF if len(data) < n else pickle.loads(data)
+
+
+# --------------------------------------------------------------------------- worker side
+
+
+class Beat:
+    """What a worker's task reports through: progress (bytes, documents, tokens) for the bar,
+    which also proves the worker is not stuck."""
+
+    def __init__(self, fh, lock: threading.Lock):
+        self._fh, self._lock = fh, lock
+
+    def bump(self, b: int, d: int, t: int) -> None:
+        _send(self._fh, ("progress", b, d, t), self._lock)
+
+
+def _portable(e: BaseException) -> BaseException:
+    """An exception the parent can unpickle: the error itself, or one line saying what it was."""
+    try:
+        pickle.loads(pickle.dumps(e))
+        return e
+    except Exception:  # noqa: BLE001 - any exception type may refuse pickling
+        return HelixtokError(f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}")
+
+
+def _alive(fh, lock: threading.Lock, stop: threading.Event) -> None:
+    while not stop.wait(BEAT_SECONDS):
+        try:
+            _send(fh, ("alive",), lock)
+        except OSError:
+            return
+
+
+def _run(fn, args, beats: bool, fh, lock):
+    """fn(*args); while it runs, a thread says the process lives unless fn reports progress itself."""
+    stop = threading.Event()
+    if not beats:
+        threading.Thread(target=_alive, args=(fh, lock, stop), daemon=True).start()
+    try:
+        return fn(*args)
+    finally:
+        stop.set()
+
+
+def serve() -> None:
+    """A worker's main loop: an init call, then tasks, each answered, until the parent closes the pipe."""
+    rfd, wfd = int(sys.argv[2]), int(sys.argv[3])
+    for s in _TERMINAL:  # ignored before they are unblocked: one sent meanwhile is discarded
+        signal.signal(s, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _TERMINAL)
+    os.dup2(2, 1)  # a library printing to stdout must not mix into the build's results (--json)
+    rf, wf, lock = os.fdopen(rfd, "rb"), os.fdopen(wfd, "wb"), threading.Lock()
+    beat = Beat(wf, lock)
+    msg = _recv(rf)
+    if msg is _EOF:
+        return
+    fn, args = msg
+    try:
+        _run(fn, (*args, beat), False, wf, lock)
+    except BaseException as e:  # noqa: BLE001 - told to the parent, which stops the build
+        _send(wf, ("fatal", _portable(e)), lock)
+        return
+    _send(wf, ("ready",), lock)
+    while (msg := _recv(rf)) is not _EOF:
+        tid, fn, args, beats = msg
+        try:
+            out = ("done", tid, True, _run(fn, args, beats, wf, lock))
+        except BaseException as e:  # noqa: BLE001 - the parent decides what an error means
+            out = ("done", tid, False, _portable(e))
+        try:
+            _send(wf, out, lock)
+        except (pickle.PicklingError, TypeError, AttributeError) as e:
+            _send(wf, ("done", tid, False, _portable(e)), lock)
+
+
+# --------------------------------------------------------------------------- parent side
+
+
+class _Worker:
+    def __init__(self, events: queue.Queue, init: tuple):
+        from .children import start_helper
+
+        task_r, task_w = os.pipe()
+        reply_r, reply_w = os.pipe()
+        try:
+            self.proc = start_helper(_SERVE, MARK, str(task_r), str(reply_w), pass_fds=(task_r, reply_w))
+        except BaseException:
+            for fd in (task_r, task_w, reply_r, reply_w):
+                os.close(fd)
+            raise
+        os.close(task_r)
+        os.close(reply_w)
+        self.tx, self.rx = os.fdopen(task_w, "wb"), os.fdopen(reply_r, "rb")
+        self.outbox: queue.Queue = queue.Queue()
+        self.task: tuple[Future, str] | None = None
+        self.ready = False
+        self.alive = True
+        self.since = time.monotonic()  # when it last showed it works
+        self.outbox.put(init)
+        for target in (self._send_loop, self._recv_loop):
+            threading.Thread(target=target, args=(events,), daemon=True, name="helixtok-pool-io").start()
+
+    def _send_loop(self, events: queue.Queue) -> None:
+        # Writes may block (a stopped worker, a large task): never in the thread that manages the pool.
+        while (msg := self.outbox.get()) is not None:
+            try:
+                _send(self.tx, msg)
+            except (OSError, ValueError):
+                break  # the worker is gone: its reader reports that
+        try:
+            self.tx.close()
+        except OSError:
+            pass
+
+    def _recv_loop(self, events: queue.Queue) -> None:
+        while True:
+            try:
+                msg = _recv(self.rx)
+            except Exception:  # noqa: BLE001 - a garbled reply: the worker is no longer trusted
+                msg = _EOF
+            events.put((self, msg))
+            if msg is _EOF:
+                return
+
+    def kill(self) -> None:
+        """SIGKILL: also ends a stopped process, which SIGTERM would not."""
+        if self.proc.poll() is None:
+            try:
+                self.proc.kill()
+            except OSError:
+                pass
+
+
+class WorkerPool:
+    """n worker processes; submit(fn, *args, what=...) returns a Future, FIFO over idle workers.
+
+    `init` = (fn, args): each worker calls fn(*args, beat) first.  A task either reports
+    progress itself (beats=True: it calls beat.bump, and silence means stuck) or gets a thread
+    that reports the process alive.  On a worker's death or stall, every unfinished future
+    fails with one error naming what that worker was doing, and the pool stops.
+    """
+
+    def __init__(self, n: int, init: tuple, stall_seconds: float):
+        self.n, self.stall = n, stall_seconds
+        self.counters = [0, 0, 0]  # bytes, documents, tokens reported by the workers' tasks
+        self.failure: HelixtokError | None = None
+        self._events: queue.Queue = queue.Queue()
+        self._pending: collections.deque = collections.deque()
+        self._lock = threading.Lock()
+        self._stopped = False
+        self._tid = 0
+        self._workers: list[_Worker] = []
+        # Blocked while the workers start: they inherit the mask and ignore these before unblocking.
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, _TERMINAL)
+        try:
+            for _ in range(n):
+                self._workers.append(_Worker(self._events, init))
+        except BaseException:
+            self.kill()
+            raise
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old)
+        self._manager = threading.Thread(target=self._manage, daemon=True, name="helixtok-pool")
+        self._manager.start()
+
+    @property
+    def procs(self) -> list:
+        return [w.proc for w in self._workers]
+
+    def submit(self, fn, *args, what: str, beats: bool = False) -> Future:
+        f: Future = Future()
+        with self._lock:
+            if self._stopped:
+                f.set_exception(self.failure or HelixtokError("the worker processes were stopped"))
+                return f
+            self._tid += 1
+            self._pending.append((f, self._tid, fn, args, what, beats))
+            self._dispatch()
+        return f
+
+    def _dispatch(self) -> None:
+        for w in self._workers:
+            if not self._pending:
+                return
+            if w.alive and w.task is None:
+                while self._pending:
+                    f, tid, fn, args, what, beats = self._pending.popleft()
+                    if f.set_running_or_notify_cancel():
+                        w.task, w.since = (f, what), time.monotonic()
+                        w.outbox.put((tid, fn, args, beats))
+                        break
+
+    def _manage(self) -> None:
+        while True:
+            try:
+                w, msg = self._events.get(timeout=0.2)
+            except queue.Empty:
+                w = msg = None
+            with self._lock:
+                if w is not None:
+                    self._handle(w, msg)
+                self._check_stalls()
+                self._dispatch()
+                if self._stopped and not any(x.alive for x in self._workers):
+                    return
+
+    def _handle(self, w: _Worker, msg) -> None:
+        if msg is _EOF:
+            w.alive = False
+            if not self._stopped:
+                what = w.task[1] if w.task else "starting" if not w.ready else "waiting for work"
+                self._break(HelixtokError(f"a worker process died while {what}; it was killed (out of memory?); "
+                                          "rerun the same command to resume"))
+            return
+        w.since = time.monotonic()
+        kind = msg[0]
+        if kind == "progress":
+            for i in range(3):
+                self.counters[i] += msg[1 + i]
+        elif kind == "ready":
+            w.ready = True
+        elif kind == "fatal":
+            err = msg[1]
+            self._break(err if isinstance(err, HelixtokError) else
+                        HelixtokError(f"a worker process failed while starting: {type(err).__name__}: {err}"))
+        elif kind == "done" and w.task is not None:
+            f, _ = w.task
+            w.task = None
+            if msg[2]:
+                f.set_result(msg[3])
+            else:
+                f.set_exception(msg[3])
+
+    def _check_stalls(self) -> None:
+        now = time.monotonic()
+        for w in self._workers:
+            if w.alive and (w.task is not None or not w.ready) and now - w.since > self.stall:
+                what = w.task[1] if w.task else "starting"
+                self._break(HelixtokError(f"no progress for {self.stall:g} s: a worker seems hung while {what}; "
+                                          "rerun the same command to resume (or raise --stall-timeout for huge "
+                                          "documents)"))
+                return
+
+    def _break(self, err: HelixtokError) -> None:
+        """Stop: every unfinished future fails with `err` (the first failure is what the build says)."""
+        if self.failure is None:
+            self.failure = err
+        self._stopped = True
+        for w in self._workers:
+            w.kill()
+            if w.task is not None:
+                w.task[0].set_exception(self.failure)
+                w.task = None
+            w.outbox.put(None)
+        while self._pending:
+            f = self._pending.popleft()[0]
+            if f.set_running_or_notify_cancel():
+                f.set_exception(self.failure)
+
+    def kill(self) -> None:
+        """Stop now (Ctrl-C, a failed unit); returns once every worker process has exited."""
+        with self._lock:
+            if not self._stopped:
+                self._break(HelixtokError("the build stopped"))
+        for w in self._workers:
+            w.kill()
+            w.proc.wait()
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Every task answered: let the workers exit (they read the end of their pipe), killing
+        any that does not within `timeout` (a stopped one never would)."""
+        with self._lock:
+            self._stopped = True
+            for w in self._workers:
+                w.outbox.put(None)
+        deadline = time.monotonic() + timeout
+        for w in self._workers:
+            try:
+                w.proc.wait(max(0.0, deadline - time.monotonic()))
+            except Exception:  # noqa: BLE001 - subprocess.TimeoutExpired
+                w.kill()
+                w.proc.wait()
