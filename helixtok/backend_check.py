@@ -37,7 +37,7 @@ def choose_backend(info: TokenizerInfo, units: list[Unit], config: BuildConfig,
                    executor=None) -> tuple[TokenizerInfo, dict]:
     """Pick the backend: the fastest library that gives tokenizers' ids on a sample of this
     corpus and the hostile sets (checked here, recorded in the manifest); else tokenizers.
-    With an `executor` (the build's worker pool), the fastest library's ids come from a worker."""
+    With an `executor` (the build's pool.WorkerPool), the fastest library's ids come from a worker."""
     from concurrent.futures import ThreadPoolExecutor
 
     from .backends import (FAST, answers, backend_version, digests_apart, flat_encoder, hf_answers, hf_tokenizer,
@@ -74,11 +74,12 @@ def choose_backend(info: TokenizerInfo, units: list[Unit], config: BuildConfig,
                 theirs = None
                 if long[name]:  # started first, to be encoded beside the answers
                     if hf_long is None:
-                        hf_long = digests_apart("hf", *key, executor)
+                        hf_long = digests_apart("hf", *key, executor, config.stall_seconds)
                         apart.append(hf_long)
-                    theirs = digests_apart(name, *key, executor)
+                    theirs = digests_apart(name, *key, executor, config.stall_seconds)
                     apart.append(theirs)
-                got = (executor.submit(worker_answers, name, info.path, info.special_tokens, texts).result()
+                got = (executor.submit(worker_answers, name, info.path, info.special_tokens, texts,
+                                       what=f"checking {name} against tokenizers").result()
                        if in_worker else answers(encode, texts))
                 ok, why = judge(name, ver, info.sha256, info.special_tokens, texts, (got, theirs),
                                 (want.result(), hf_long))

@@ -327,8 +327,8 @@ class Apart:
     """long_digests(name, ...) being computed in another process: call it for them (made here
     if that process failed), or drop() it when they are no longer wanted."""
 
-    def __init__(self, args: tuple, child=None, future=None, value: list[str] | None = None):
-        self._args, self._child, self._future, self._value = args, child, future, value
+    def __init__(self, args: tuple, child=None, future=None, value: list[str] | None = None, timeout: float = 600):
+        self._args, self._child, self._future, self._value, self._timeout = args, child, future, value, timeout
 
     def __call__(self) -> list[str]:
         if self._value is None:
@@ -339,7 +339,15 @@ class Apart:
     def _from_child(self) -> list[str] | None:
         if self._child is None:
             return None
-        out = self._child.communicate()[0]
+        try:
+            out = self._child.communicate(timeout=self._timeout)[0]
+        except subprocess.TimeoutExpired:  # a stopped or stuck helper: never wait on it for ever
+            self._child.kill()
+            self._child.communicate()
+            from .errors import HelixtokError
+
+            raise HelixtokError(f"no answer for {self._timeout:g} s from the process checking {self._args[0]} on "
+                                "the long inputs; rerun the same command (or raise --stall-timeout)") from None
         with contextlib.suppress(ValueError):
             got = json.loads(out)
             if self._child.returncode == 0 and isinstance(got, list) and len(got) == len(LONG_HOSTILE) and all(
@@ -358,7 +366,7 @@ class Apart:
         self._child = self._future = None
 
 
-def digests_apart(name: str, path: str, sha: str, special: str, executor=None) -> Apart:
+def digests_apart(name: str, path: str, sha: str, special: str, executor=None, stall: float = 600) -> Apart:
     """long_digests(name, ...), computed meanwhile in another process: a library takes up to
     ~400 bytes a character of the 1 MiB inputs, heap that a build's main process would keep.
     In a worker of `executor`, else in a child process (here if none can start or it fails).
@@ -368,11 +376,13 @@ def digests_apart(name: str, path: str, sha: str, special: str, executor=None) -
     if name == "hf" and (got := _cached_hf_long(sha, special)) is not None:
         return Apart(args, value=got)
     if executor is not None:
-        return Apart(args, future=executor.submit(long_digests, *args))
+        return Apart(args, future=executor.submit(long_digests, *args, what=f"checking {name} on the long inputs"))
     from .children import start_helper
 
     try:
-        return Apart(args, child=start_helper(_LONG_CHILD, *args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL))
+        # A helper says nothing until it is done: allowed a minute at least, whatever --stall-timeout.
+        return Apart(args, child=start_helper(_LONG_CHILD, *args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL),
+                     timeout=max(60.0, stall))
     except OSError:  # no interpreter to start (embedded Python)
         return Apart(args)
 

@@ -20,8 +20,7 @@ import threading
 import time
 import zlib
 from collections.abc import MutableMapping
-from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
-from concurrent.futures.process import BrokenProcessPool
+from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import dataclass
 from typing import Callable
 
@@ -31,7 +30,6 @@ from . import __version__, preload
 from .assemble import CHECKPOINT, Assembler
 from .backend_check import choose_backend
 from .backends import FAST, backend_version, forget_fast_tokenizers
-from .children import die_with_parent
 from .compressed import drop_index
 from .config import BuildConfig, worker_bytes
 from .errors import ConfigError, HelixtokError, InputError
@@ -40,6 +38,7 @@ from .manifest import DOC_SKIPS, FORMAT_VERSION, MANIFEST, REPAIRS, write_json_a
 from .merge import check_sibling_parts, partition
 from .objstore import current, expired, is_url
 from .outdir import PUBLISH, STATE, OutLock, read_list, refuse_foreign, remove_owned
+from .pool import WorkerPool
 from .planid import TASK_PLAN, describe_change, encode_plan, plan_digest, whole_plan
 from .shards import fsync_dir
 from .sources import LineRefs, StaleRange, Tally, Unit, UnitReader, discover, plan_units
@@ -98,37 +97,28 @@ _W = _PerThread()
 THREAD_ENV = ("TOKENIZERS_PARALLELISM", "FASTOKENS_BPE_THREADS")
 
 
-def _init_worker(config: BuildConfig, state_dir: str, run_id: str, counters, slots, parent: int | None) -> None:
-    if parent is not None:
-        # The parent handles Ctrl-C and stops us; a KeyboardInterrupt traceback per worker helps nobody.
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        die_with_parent(parent)
+def _init_worker(config: BuildConfig, state_dir: str, run_id: str, likely: tuple[str, str] | None, counters,
+                 spool: int = 0) -> None:
+    """Set up a tokenizing process: a worker (counters: its pool.Beat), or the build's own (spool:
+    a unit's tokens go to the assembly in memory)."""
     # One process per core: rayon threads inside each would oversubscribe the cores
     # (and --workers 1 means one core).  In the build's own process, build() restores it.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    slot = None
-    if slots is not None:  # claim a slot where the parent can see which unit this process works on
-        with slots.get_lock():
-            slot = next(i for i in range(0, len(slots), 2) if slots[i] == 0)
-            slots[slot] = os.getpid()
-            slots[slot + 1] = -1
-    # Tokenizing in the build's own process (no pool): a unit's tokens go to the assembly in memory.
-    _W.update(config=config, state=state_dir, run=run_id, counters=counters, slots=slots, slot=slot,
-              spool=SPOOL_BYTES if parent is None else 0)
+    _W.update(config=config, state=state_dir, run=run_id, counters=counters, spool=spool)
+    if likely is not None:
+        _warm(likely)
 
 
-def _warm(preload: tuple[str, str] | None) -> None:
-    """A pool's first task, while the main process checks backends: import what tokenizing needs,
-    and load the tokenizer into the backend the check most likely picks (a 100k vocabulary takes
-    fastokens ~0.5 s; the Encoder finds it in the backend's cache, or it is dropped unused)."""
-    from . import backends, tokenizer  # noqa: F401
-    with contextlib.suppress(ImportError):
-        import fastokens  # noqa: F401
-    if preload is not None:
-        name, path = preload
-        with contextlib.suppress(Exception):  # the check will say why this backend cannot be used
-            backends.flat_encoder(name, path, "", None)
-            _W["preloaded"] = name
+def _warm(likely: tuple[str, str]) -> None:
+    """A worker's start, while the main process checks backends: load the tokenizer into the
+    backend the check most likely picks (a 100k vocabulary takes fastokens ~0.5 s; the Encoder
+    finds it in the backend's cache, or it is dropped unused)."""
+    from . import backends
+
+    name, path = likely
+    with contextlib.suppress(Exception):  # the check will say why this backend cannot be used
+        backends.flat_encoder(name, path, "", None)
+        _W["preloaded"] = name
 
 
 def _encoder(info: TokenizerInfo) -> Encoder:
@@ -142,12 +132,8 @@ def _encoder(info: TokenizerInfo) -> Encoder:
 
 
 def _bump(counters, b: int, d: int, t: int) -> None:
-    if counters is None:
-        return
-    with counters.get_lock():
-        counters[0] += b
-        counters[1] += d
-        counters[2] += t
+    if counters is not None:
+        counters.bump(b, d, t)
 
 
 _HASH_STEP = 1 << 20
@@ -178,8 +164,6 @@ def run_unit(unit: Unit, info: TokenizerInfo) -> dict:
     Every failure leaves as a HelixtokError naming the unit: a Rust panic or MemoryError could
     not even be pickled back to the parent.
     """
-    if _W.get("slots") is not None:
-        _W["slots"][_W["slot"] + 1] = unit.index
     try:
         try:
             return _run_unit(unit, info)
@@ -442,7 +426,9 @@ class _Interrupt:
         self._old = None
 
     def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
+        # A build started with Ctrl-C ignored (a script's background job) keeps ignoring it.
+        if threading.current_thread() is threading.main_thread() and \
+                signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
             self._old = signal.signal(signal.SIGINT, lambda *_: setattr(self, "hit", True))
         return self
 
@@ -451,36 +437,13 @@ class _Interrupt:
             signal.signal(signal.SIGINT, self._old)
 
 
-class _Pool:
-    """The worker processes, started before the backend check so that their start-up overlaps it."""
+class _Pool(WorkerPool):
+    """The worker processes, started before the backend check so that their start-up (and the
+    load of the likeliest library's tokenizer) overlaps it."""
 
     def __init__(self, n: int, config: BuildConfig, state: str, run_id: str, tokenizer: str, load_likely: bool = True):
-        import multiprocessing as mp
-
-        ctx = mp.get_context("spawn")  # never fork a process that may hold tokenizer threads
-        self.n = n
-        self.counters = ctx.Array("q", 3)
-        self.slots = ctx.Array("q", 2 * n)  # (pid, unit index) per worker process
-        self.executor = ProcessPoolExecutor(n, mp_context=ctx, initializer=_init_worker,
-                                            initargs=(config, state, run_id, self.counters, self.slots, os.getpid()))
         likely = (FAST[0], tokenizer) if load_likely and config.backend in ("auto", FAST[0]) else None
-        try:
-            for _ in range(n):  # a spawn-context pool starts one process per task it cannot hand to an idle one
-                self.executor.submit(_warm, likely)
-        except BrokenProcessPool:
-            self.kill()
-            raise
-        # The worker processes: once the pool breaks it forgets them.
-        self.procs = list((getattr(self.executor, "_processes", None) or {}).values())
-
-    def kill(self) -> None:
-        """Stop now rather than after the current units (Ctrl-C, a failed or hung unit); SIGKILL
-        also ends a stopped process, which SIGTERM would not."""
-        for p in list((getattr(self.executor, "_processes", None) or {}).values()):  # None once shut down
-            p.kill()
-        # No future is cancelled: the pool's thread, seeing its workers dead, fails every pending
-        # one, and on a cancelled one it raises (Python < 3.12) and prints a traceback.
-        self.executor.shutdown(wait=True)
+        super().__init__(n, (_init_worker, (config, state, run_id, likely)), config.stall_seconds)
 
 
 def _run_units(units: list[Unit], pending: list[Unit], info: TokenizerInfo, config: BuildConfig, state: str,
@@ -505,7 +468,7 @@ def _run_units(units: list[Unit], pending: list[Unit], info: TokenizerInfo, conf
 
     if workers is None:  # inline: no pool, easy to debug and profile
         counters = _LocalCounters([0, 0, 0])
-        _init_worker(config, state, run_id, counters, None, None)
+        _init_worker(config, state, run_id, None, counters, spool=SPOOL_BYTES)
         try:
             for u in order:
                 results.append(run_unit(u, info))
@@ -516,13 +479,14 @@ def _run_units(units: list[Unit], pending: list[Unit], info: TokenizerInfo, conf
             _W.clear()  # this process's encoder (its tokenizer: ~100 MB for a 100k vocabulary) goes
         return results
 
-    counters, slots, procs = workers.counters, workers.slots, workers.procs
+    counters = workers.counters
     try:
         with _Interrupt() as interrupt:
-            futures = {workers.executor.submit(run_unit, u, info): u for u in order}
-            first_dead = _watch_deaths(procs)
+            # The pool bounds every wait: a unit's future fails once its worker dies or stalls
+            # (config.stall_seconds without progress), naming that unit.
+            futures = {workers.submit(run_unit, u, info, what=f"tokenizing {_where(u)}", beats=True): u
+                       for u in order}
             remaining = set(futures)
-            last, last_change = None, time.monotonic()
             bad: tuple[int, InputError] | None = None  # the first bad input in corpus order
             while remaining:
                 finished, remaining = wait(remaining, timeout=0.2, return_when=FIRST_COMPLETED)
@@ -530,7 +494,7 @@ def _run_units(units: list[Unit], pending: list[Unit], info: TokenizerInfo, conf
                     raise KeyboardInterrupt
                 for f in sorted(finished, key=lambda f: futures[f].index):
                     try:
-                        results.append(_result(f, futures[f], procs, first_dead, slots, units))
+                        results.append(_result(f, futures[f]))
                     except InputError as e:
                         if bad is None or futures[f].index < bad[0]:
                             bad = (futures[f].index, e)
@@ -543,20 +507,10 @@ def _run_units(units: list[Unit], pending: list[Unit], info: TokenizerInfo, conf
                     if not remaining:
                         raise bad[1]
                 report(counters, units_done, force=bool(finished))
-                # A hung worker (deadlock, stuck network file system) must not hang the build.
-                now_state = (tuple(counters[:]), units_done)
-                if now_state != last:
-                    last, last_change = now_state, time.monotonic()
-                elif time.monotonic() - last_change > config.stall_seconds:
-                    running = [futures[f] for f in remaining if f.running()]
-                    where = _where(running[0]) if running else "its input"
-                    raise HelixtokError(f"no progress for {config.stall_seconds:g} s: a worker seems hung while "
-                                        f"tokenizing {where}; rerun the same command to resume "
-                                        "(or raise --stall-timeout for huge documents)")
     except BaseException:
         workers.kill()
         raise
-    workers.executor.shutdown(wait=True)
+    workers.close()
     return results
 
 
@@ -581,43 +535,10 @@ def schedule(pending: list[Unit], unit_bytes: int, in_order: bool = False) -> li
     return big + [u for u in pending if cost(u) <= 2 * unit_bytes]
 
 
-def _watch_deaths(procs: list) -> list[int]:
-    """A list that receives the pids of the first worker(s) to exit: the pool SIGTERMs the others
-    only after it has seen one die, so when this thread wakes on its own the first is alone."""
-    from multiprocessing.connection import wait as wait_any
-
-    first: list[int] = []
-
-    def watch() -> None:
-        with contextlib.suppress(OSError, ValueError):  # sentinels closed at shutdown
-            ready = wait_any([p.sentinel for p in procs])
-            first.extend(p.pid for p in procs if p.sentinel in ready)
-
-    threading.Thread(target=watch, daemon=True).start()
-    return first
-
-
-def _result(f, u: Unit, procs: list, first_dead: list[int], slots, units: list[Unit]) -> dict:
+def _result(f, u: Unit) -> dict:
     """A finished future's journal entry, or one clear error naming the unit that failed."""
     try:
         return f.result()
-    except BrokenProcessPool:
-        # Every pending future fails at once: name the unit the dead process was working on.
-        # The pool SIGTERMs the other workers when one dies: the first to die is not among those.
-        # Its pipe closes a moment before it can be reaped: wait for that moment.
-        deadline = time.monotonic() + 2
-        while not (exited := [p for p in procs if p.exitcode is not None]) and time.monotonic() < deadline:
-            time.sleep(0.01)
-        dead = {p.pid for p in ([p for p in exited if p.exitcode != -signal.SIGTERM] or exited)}
-        if len(first_dead) == 1:  # the watcher saw it die alone: that settles it
-            dead = set(first_dead)
-        by_index = {x.index: x for x in units}
-        for i in range(0, len(slots), 2):
-            if slots[i] in dead and slots[i + 1] in by_index:
-                u = by_index[slots[i + 1]]
-                break
-        raise HelixtokError(f"a worker process died while tokenizing {_where(u)}; it was killed "
-                            "(out of memory?); rerun the same command to resume") from None
     except (HelixtokError, OSError):
         raise
     except Exception as e:  # noqa: BLE001
@@ -629,10 +550,12 @@ def _where(u: Unit) -> str:
 
 
 class _LocalCounters(list):
-    """The inline run's progress counters: the shared Array's interface, without a lock."""
+    """The inline run's progress counters: bytes, documents, tokens."""
 
-    def get_lock(self):
-        return contextlib.nullcontext()
+    def bump(self, b: int, d: int, t: int) -> None:
+        self[0] += b
+        self[1] += d
+        self[2] += t
 
 
 def build(inputs: list[str], out: str, tokenizer: str, config: BuildConfig, *, overwrite: bool = False,
@@ -681,12 +604,9 @@ def build(inputs: list[str], out: str, tokenizer: str, config: BuildConfig, *, o
                                  pad_token=config.pad_token, add_bos=config.add_bos,
                                  special_tokens=config.special_tokens)
         return _build_in(out, info, config, overwrite, on_progress, part, files, units, warnings, run_id, workers)
-    except BaseException as e:
+    except BaseException:
         if workers is not None:
             workers.kill()
-        if isinstance(e, BrokenProcessPool):  # the pool broke while starting (a submit, the backend check)
-            raise HelixtokError(f"a worker process died while starting ({e}); rerun the same command to "
-                                "resume") from None
         raise
     finally:
         # A load ahead still under way ends before build() returns or raises, and the tokenizers
@@ -761,7 +681,7 @@ def _build_to_url(inputs, url, tokenizer, config, overwrite, on_progress, task, 
 def _build_started(out, info, config, overwrite, on_progress, part, files, units, warnings, state, run_id,
                    workers) -> dict:
     """_build_in once it holds the lock: check the backend, resume or start, tokenize, assemble, publish."""
-    info, backend_check = choose_backend(info, units, config, workers and workers.executor)
+    info, backend_check = choose_backend(info, units, config, workers)
     if workers is not None:  # the workers tokenize: the main process needs no fast tokenizer now
         forget_fast_tokenizers()
     task_plan = None

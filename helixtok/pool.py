@@ -261,7 +261,7 @@ class WorkerPool:
         if msg is _EOF:
             w.alive = False
             if not self._stopped:
-                what = w.task[1] if w.task else "starting" if not w.ready else "waiting for work"
+                what = "starting" if not w.ready else w.task[1] if w.task else "waiting for work"
                 self._break(HelixtokError(f"a worker process died while {what}; it was killed (out of memory?); "
                                           "rerun the same command to resume"))
             return
@@ -288,7 +288,7 @@ class WorkerPool:
         now = time.monotonic()
         for w in self._workers:
             if w.alive and (w.task is not None or not w.ready) and now - w.since > self.stall:
-                what = w.task[1] if w.task else "starting"
+                what = "starting" if not w.ready else w.task[1]
                 self._break(HelixtokError(f"no progress for {self.stall:g} s: a worker seems hung while {what}; "
                                           "rerun the same command to resume (or raise --stall-timeout for huge "
                                           "documents)"))
