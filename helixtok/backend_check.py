@@ -5,12 +5,13 @@ from __future__ import annotations
 import dataclasses
 
 from .config import BuildConfig
-from .errors import TokenizerError
+from .errors import InputError, TokenizerError
 from .longdoc import LongText
 from .sources import StaleRange, Tally, Unit, UnitReader
 from .tokenizer import TokenizerInfo
 
 SAMPLE_UNITS, SAMPLE_CHARS = 8, 1 << 20
+SAMPLE_LINE_BYTES = 4 << 20  # longer JSON lines are not sampled (the long hostile inputs cover long text)
 
 
 def sample_texts(units: list[Unit], config: BuildConfig) -> list[str]:
@@ -22,12 +23,15 @@ def sample_texts(units: list[Unit], config: BuildConfig) -> list[str]:
     for u in picked:
         got, texts = 0, []
         try:
-            for text in UnitReader(u, config.text_field, Tally(), long_bytes=config.long_doc_bytes):
+            for text in UnitReader(u, config.text_field, Tally(), long_bytes=config.long_doc_bytes,
+                                   skip_lines_over=SAMPLE_LINE_BYTES):
                 texts.append(text.head(head) if isinstance(text, LongText) else text[:head])
                 got += len(texts[-1])
                 if got >= head:
                     break
         except StaleRange:  # read through a damaged seek index: not this unit's text; its worker reads it again
+            continue
+        except InputError:  # a damaged input: its worker reports it, in corpus order (--strict: the first)
             continue
         sample += texts
     return sample

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import errno
 import hashlib
 import json
 import os
@@ -32,12 +31,12 @@ from .backend_check import choose_backend
 from .backends import FAST, backend_version, forget_fast_tokenizers
 from .compressed import drop_index
 from .config import BuildConfig, worker_bytes
-from .errors import ConfigError, HelixtokError, InputError
+from .errors import ConfigError, HelixtokError, InputError, Interrupted, resource_error
 from .longdoc import LongText, stripped, utf8_len
 from .manifest import DOC_SKIPS, FORMAT_VERSION, MANIFEST, REPAIRS, write_json_atomic
 from .merge import check_sibling_parts, partition
 from .objstore import current, expired, is_url
-from .outdir import PUBLISH, STATE, OutLock, read_list, refuse_foreign, remove_owned
+from .outdir import PUBLISH, STATE, OutLock, check_out_path, read_list, refuse_foreign, remove_owned
 from .pool import WorkerPool
 from .planid import TASK_PLAN, describe_change, encode_plan, plan_digest, whole_plan
 from .shards import fsync_dir
@@ -418,23 +417,27 @@ def _trusted_results(state: str, units: list[Unit], assembled: set[int]) -> dict
 
 
 class _Interrupt:
-    """Ctrl-C while workers run: note it and stop at the next poll (a KeyboardInterrupt raised at
-    an arbitrary point inside concurrent.futures can be swallowed)."""
+    """A stop signal while workers run (Ctrl-C; SIGTERM or SIGHUP where the command line asked to
+    stop on them): note it and stop at the next poll (raised at an arbitrary point inside a wait
+    on futures it could be swallowed).  A signal that is ignored, or left to its default action,
+    stays so: a build started with Ctrl-C ignored (a script's background job) keeps ignoring it."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
     def __init__(self):
-        self.hit = False
-        self._old = None
+        self.hit = 0  # the signal's number
+        self._old: dict = {}
 
     def __enter__(self):
-        # A build started with Ctrl-C ignored (a script's background job) keeps ignoring it.
-        if threading.current_thread() is threading.main_thread() and \
-                signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
-            self._old = signal.signal(signal.SIGINT, lambda *_: setattr(self, "hit", True))
+        if threading.current_thread() is threading.main_thread():
+            for s in self.SIGNALS:
+                if signal.getsignal(s) not in (signal.SIG_IGN, signal.SIG_DFL, None):
+                    self._old[s] = signal.signal(s, lambda signum, _: setattr(self, "hit", signum))
         return self
 
     def __exit__(self, *exc):
-        if self._old is not None:
-            signal.signal(signal.SIGINT, self._old)
+        for s, old in self._old.items():
+            signal.signal(s, old)
 
 
 class _Pool(WorkerPool):
@@ -491,7 +494,7 @@ def _run_units(units: list[Unit], pending: list[Unit], info: TokenizerInfo, conf
             while remaining:
                 finished, remaining = wait(remaining, timeout=0.2, return_when=FIRST_COMPLETED)
                 if interrupt.hit:
-                    raise KeyboardInterrupt
+                    raise Interrupted(interrupt.hit)
                 for f in sorted(finished, key=lambda f: futures[f].index):
                     try:
                         results.append(_result(f, futures[f]))
@@ -571,8 +574,7 @@ def build(inputs: list[str], out: str, tokenizer: str, config: BuildConfig, *, o
     if is_url(out):
         return _build_to_url(inputs, out, tokenizer, config, overwrite, on_progress, task, staging)
     path = resolve_tokenizer_path(tokenizer)
-    if os.path.exists(out) and not os.path.isdir(out):
-        raise ConfigError(f"{out}: exists and is not a folder")
+    check_out_path(out)
     files, warnings = discover(inputs, exclude=out)
     units, plan_warn = plan_units(files, unit_bytes=config.unit_bytes, text_field=config.text_field)
     warnings.merge(plan_warn)
@@ -646,12 +648,8 @@ def _build_in(out, info, config, overwrite, on_progress, part, files, units, war
             shutil.rmtree(state, ignore_errors=True)
         raise
     except OSError as e:
-        if e.errno == errno.ENOSPC:
-            raise HelixtokError(f"{out}: disk full while building; no dataset was published. Free space "
-                                "and rerun the same command to resume") from None
-        if e.errno == errno.EMFILE:
-            raise HelixtokError(f"too many open files ({e.filename or e}); raise the limit (ulimit -n 4096) "
-                                "or use fewer --workers, then rerun the same command to resume") from None
+        if (err := resource_error(e, out)) is not None:
+            raise err from None
         raise
     finally:
         lock.release()
@@ -665,14 +663,14 @@ def _build_to_url(inputs, url, tokenizer, config, overwrite, on_progress, task, 
 
     if task is not None:
         raise ConfigError(f"{url}: partitioned builds write local parts; merge them, then `helixtok push` the result")
-    check_target(url, overwrite)  # before any work: the command would fail at the end anyway
+    check_target(url, overwrite, config.stall_seconds)  # before any work: the command would fail at the end anyway
     stage = staging_dir(url, staging)
     # Our own staging folder may hold a finished build whose upload failed: build again (resume
     # only covers unfinished builds); a --staging folder the user named is only replaced with --overwrite.
     finished = os.path.isfile(os.path.join(stage, MANIFEST))
     build(inputs, stage, tokenizer, config, overwrite=overwrite or (finished and staging is None),
           on_progress=on_progress)
-    remote = upload(stage, url, overwrite=overwrite)
+    remote = upload(stage, url, overwrite=overwrite, stall=config.stall_seconds)
     if staging is None:
         shutil.rmtree(stage, ignore_errors=True)
     return remote

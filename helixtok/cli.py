@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
-import errno
 import functools
 import json
 import re
+import signal
 import sys
+import threading
 
 import click
 
 from .config import BACKENDS, SPECIAL_POLICIES  # not numpy: `build` starts loading the tokenizer first
-from .errors import HelixtokError
+from .errors import HelixtokError, Interrupted, resource_error
 
 SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.I)
 UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
@@ -32,21 +33,43 @@ def handle_errors(fn):
 
     @functools.wraps(fn)
     def wrapper(*a, **kw):
+        stops = _stop_on_signals()
         try:
             return fn(*a, **kw)
         except HelixtokError as e:
             raise click.ClickException(str(e)) from e
-        except KeyboardInterrupt:
-            click.echo("\ninterrupted; rerun the same command to resume", err=True)
-            sys.exit(130)
+        except KeyboardInterrupt as e:
+            signum = getattr(e, "signum", signal.SIGINT)
+            name = "" if signum == signal.SIGINT else f" ({signal.Signals(signum).name})"
+            click.echo(f"\ninterrupted{name}; rerun the same command to resume", err=True)
+            sys.exit(128 + signum)
+        except MemoryError:
+            raise click.ClickException("out of memory; use fewer --workers, a smaller --unit-size, or a machine "
+                                       "with more memory, then rerun the same command (a build resumes)") from None
         except OSError as e:
-            if e.errno == errno.ENOSPC:
-                raise click.ClickException(f"disk full while writing {e.filename or 'output'}; no dataset was "
-                                           "published. Free space and rerun the same command to resume") from e
+            if (err := resource_error(e)) is not None:
+                raise click.ClickException(str(err)) from e
             where = f"{e.filename}: " if e.filename else ""
             raise click.ClickException(f"{where}{e.strerror or e}") from e
+        finally:
+            for s, old in stops.items():
+                signal.signal(s, old)
 
     return wrapper
+
+
+def _stop_on_signals() -> dict:
+    """SIGTERM and SIGHUP stop a command as Ctrl-C does (a clean, resumable stop), unless they
+    were ignored when it started (nohup): returns the handlers to put back."""
+    def stop(signum, frame):
+        raise Interrupted(signum)
+
+    old = {}
+    if threading.current_thread() is threading.main_thread():
+        for s in (signal.SIGTERM, signal.SIGHUP):
+            if signal.getsignal(s) is signal.SIG_DFL:
+                old[s] = signal.signal(s, stop)
+    return old
 
 
 def _console(quiet=False):
@@ -419,8 +442,10 @@ def verify(out, sample, as_json):
 @click.argument("out")
 @click.argument("url")
 @click.option("--overwrite", is_flag=True, help="Replace the dataset at URL (only files its manifest names).")
+@click.option("--stall-timeout", type=click.FloatRange(min=0, min_open=True), default=600, show_default=True,
+              help="Fail when the storage shows no progress for this many seconds (a stopped server).")
 @handle_errors
-def push(out, url, overwrite):
+def push(out, url, overwrite, stall_timeout):
     """Upload the finished dataset OUT to URL (s3://..., any fsspec URL), the manifest last.
 
     \b
@@ -430,7 +455,7 @@ def push(out, url, overwrite):
     from .objstore import redact
     from .publish import upload
 
-    m = upload(out, url, overwrite=overwrite)
+    m = upload(out, url, overwrite=overwrite, stall=stall_timeout)
     click.echo(f"pushed {m['totals']['chunks']:,} chunks to {redact(url)}")
 
 

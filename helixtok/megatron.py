@@ -181,7 +181,10 @@ def import_megatron(prefix: str, out: str, tokenizer: str, *, seq_len: int, shar
         "tokenizer": {**info.to_json(), "backend": "megatron-import", "backend_version": None,
                       "file": "tokenizer.json"},
         "options": {"shard_bytes": shard_bytes},
-        "inputs": {"megatron_prefix": os.path.abspath(prefix), "bytes": size, "files": 2, "units": 0, "list": []},
+        # The prefix's own name, never the host path (docs/format.md: no absolute host paths).
+        "inputs": {"megatron_prefix": os.path.basename(prefix), "bytes": size, "files": 2, "units": 0,
+                   "list": [{"name": os.path.basename(prefix) + ext, "bytes": os.path.getsize(prefix + ext)}
+                            for ext in (".bin", ".idx")]},
         "splits": {"train": split},
         "totals": {"documents": len(doc_starts), "tokens": total, "pad_tokens": 0,
                    "dropped_tokens": len(packer.carry), "dropped_documents": 0, "chunks": n, "stored_tokens": n * L},

@@ -9,7 +9,7 @@ import shutil
 
 from .errors import ConfigError, DatasetError
 from .manifest import MANIFEST, load_manifest, write_json_atomic
-from .outdir import OutLock, refuse_foreign, remove_owned
+from .outdir import OutLock, check_out_path, refuse_foreign, remove_owned
 from .planid import describe_change, plan_digest
 from .sources import Tally, Unit
 
@@ -172,8 +172,7 @@ def merge(parts: list[str], out: str, *, overwrite: bool = False) -> dict:
         why = plan_mismatch(parts[0], tasks[0], parts[0], tasks[0])  # a lone task's own record
         if why:
             raise DatasetError(why)
-    if os.path.exists(out) and not os.path.isdir(out):
-        raise ConfigError(f"{out}: exists and is not a folder")
+    check_out_path(out)
     os.makedirs(out, exist_ok=True)
     with OutLock(out):
         # The parts may live in OUT (part-00000, ...): they stay; anything else follows build's rules.

@@ -18,6 +18,15 @@ OWNED = "owned.json"  # in STATE: files of an earlier dataset being removed by -
 PUBLISH = "publish.json"  # in STATE: files being moved from STATE into OUT by the final step
 
 
+def check_out_path(out: str) -> None:
+    """OUT is a folder, or nothing yet: not a file, not a link to nowhere (said as such, not "File exists")."""
+    if os.path.islink(out) and not os.path.exists(out):
+        raise ConfigError(f"{out}: a symbolic link to {os.readlink(out)!r}, which does not exist; create that "
+                          "folder or remove the link")
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ConfigError(f"{out}: exists and is not a folder")
+
+
 class OutLock:
     """An exclusive flock on the OUT folder itself, held for a whole build or merge.
 

@@ -14,9 +14,11 @@ import json
 import os
 import posixpath
 import tempfile
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
-from .errors import ConfigError, DatasetError
+from .errors import ConfigError, DatasetError, HelixtokError
 from .manifest import MANIFEST, load_manifest, manifest_files, write_json_atomic
 from .objstore import filesystem, redact, reports_storage_errors
 from .outdir import OutLock
@@ -25,6 +27,53 @@ from .tokenizer import sha256_file
 
 UPLOAD_THREADS = 4  # objects in flight; each large one is itself a multipart upload
 COPY_BLOCK = 8 << 20
+
+
+class _Watched:
+    """An fsspec filesystem whose every call runs in a thread of its own and is waited for while
+    it shows life (an answer; a part of a transfer done): a server that stops answering fails the
+    command after `stall` s, naming the URL, instead of holding it for ever.  The abandoned
+    thread is a daemon: it cannot hold up the exit."""
+
+    def __init__(self, fs, url: str, stall: float):
+        self._fs, self._url, self._stall = fs, url, stall
+
+    def __getattr__(self, name: str):
+        fn = getattr(self._fs, name)
+        return (lambda *a, **kw: self._call(name, fn, a, kw)) if callable(fn) else fn
+
+    def _call(self, name, fn, a, kw):
+        from fsspec.callbacks import Callback
+
+        last = [time.monotonic()]
+        if name in ("put_file", "get_file"):
+            class Beat(Callback):
+                def call(self, *_, **__):
+                    last[0] = time.monotonic()
+            kw = {**kw, "callback": Beat()}
+        box: dict = {}
+
+        def run() -> None:
+            try:
+                box["value"] = fn(*a, **kw)
+            except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
+                box["error"] = e
+        t = threading.Thread(target=run, daemon=True, name="helixtok-storage")
+        t.start()
+        while t.is_alive():
+            t.join(0.2)
+            if t.is_alive() and time.monotonic() - last[0] > self._stall:
+                raise HelixtokError(f"{redact(self._url)}: no answer from the storage for {self._stall:g} s "
+                                    f"({name}); check the server, then rerun the same command (or raise "
+                                    "--stall-timeout)")
+        if "error" in box:
+            raise box["error"]
+        return box.get("value")
+
+
+def _filesystem(url: str, stall: float):
+    fs, root = filesystem(url)
+    return _Watched(fs, url, stall), root
 
 
 def staging_dir(url: str, staging: str | None) -> str:
@@ -52,9 +101,9 @@ def _remote_manifest(fs, root: str, url: str) -> dict | None:
 
 
 @reports_storage_errors
-def check_target(url: str, overwrite: bool) -> None:
+def check_target(url: str, overwrite: bool, stall: float = 600.0) -> None:
     """Before any work: refuse a URL that already holds a dataset (without --overwrite) or a foreign manifest."""
-    fs, root = filesystem(url)
+    fs, root = _filesystem(url, stall)
     if _remote_manifest(fs, root, url) is not None and not overwrite:
         raise ConfigError(f"{redact(url)}: already holds a finished dataset; pass --overwrite to replace it")
     probe = posixpath.join(root, ".helixtok-write-check")  # a missing bucket or no write access fails now, not
@@ -63,8 +112,9 @@ def check_target(url: str, overwrite: bool) -> None:
 
 
 @reports_storage_errors
-def upload(local: str, url: str, *, overwrite: bool) -> dict:
-    """Upload the finished dataset in `local` to `url`, the manifest last; returns the remote manifest."""
+def upload(local: str, url: str, *, overwrite: bool, stall: float = 600.0) -> dict:
+    """Upload the finished dataset in `local` to `url`, the manifest last; returns the remote manifest.
+    A storage call that shows no life for `stall` s fails the upload (the manifest is never written)."""
     m = load_manifest(local)
     with open(os.path.join(local, MANIFEST), "rb") as fh:
         folder = "data-" + hashlib.sha256(fh.read()).hexdigest()[:16]
@@ -72,7 +122,7 @@ def upload(local: str, url: str, *, overwrite: bool) -> dict:
     if any(p.startswith("..") or os.path.isabs(p) for p in map(os.path.normpath, paths)):
         raise ConfigError(f"{local}: names files outside its folder (a merge of parts elsewhere); "
                           "merge into one folder first")
-    fs, root = filesystem(url)
+    fs, root = _filesystem(url, stall)
     old = _remote_manifest(fs, root, url)
     if old is not None and not overwrite:
         raise ConfigError(f"{redact(url)}: already holds a finished dataset; pass --overwrite to replace it")

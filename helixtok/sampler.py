@@ -120,15 +120,46 @@ class ChunkSampler:
                 "shuffle": self.shuffle, "base": self._base, "global_consumed": consumed}
 
     def load_state_dict(self, state: dict) -> None:
+        """Continue from state_dict()'s output; a state that is not one (missing or mistyped
+        keys, world_size < 1, a position outside the epoch) is refused with one ConfigError."""
+        state = _checked_state(state)
         for k in ("seed", "n", "drop_last", "shuffle"):
             if state[k] != getattr(self, k):
                 raise ConfigError(f"sampler state has {k}={state[k]!r}, this sampler {getattr(self, k)!r}; "
                                   "resume with the same dataset, seed and drop_last")
-        self.epoch = state["epoch"]
         if state["world_size"] == self.world_size:  # the same split of the epoch: continue it exactly
-            self._rebase(state.get("base", 0))
-            if not 0 <= state["offset"] <= self.num_samples:
-                raise ConfigError(f"sampler state offset {state['offset']} outside [0, {self.num_samples}]")
+            base = state["base"]
+            num = samples_per_rank(self.n - base, self.world_size, self.drop_last) if base < self.n else 0
+            if not 0 <= state["offset"] <= num:
+                raise ConfigError(f"sampler state offset {state['offset']} outside [0, {num}]: not a position "
+                                  "of this epoch; pass the state_dict() this sampler's epoch gave")
+            self.epoch = state["epoch"]
+            self._rebase(base)
             self._offset = state["offset"]
         else:  # elastic: the rest of the epoch, from its global position, over the new ranks
+            self.epoch = state["epoch"]
             self._rebase(state["global_consumed"])
+
+
+_STATE_TYPES = {"seed": int, "epoch": int, "offset": int, "n": int, "world_size": int, "rank": int,
+                "drop_last": bool, "shuffle": bool, "base": int, "global_consumed": int}
+
+
+def _checked_state(state) -> dict:
+    """A sampler state's shape, checked: one ConfigError instead of a KeyError or numpy's ValueError later."""
+    if not isinstance(state, dict):
+        raise ConfigError(f"sampler state must be the dict state_dict() returns, got {type(state).__name__}")
+    state = {"base": 0, **state}  # states saved before `base` existed
+    for k, t in _STATE_TYPES.items():
+        v = state.get(k)
+        if not isinstance(v, t) or (t is int and isinstance(v, bool)):
+            raise ConfigError(f"sampler state: {k} must be {'true or false' if t is bool else 'a whole number'}, "
+                              f"got {v!r}; pass what state_dict() returned")
+    if state["world_size"] < 1 or not 0 <= state["rank"] < state["world_size"]:
+        raise ConfigError(f"sampler state: rank {state['rank']} of world_size {state['world_size']} is not a rank")
+    for k in ("epoch", "offset", "base", "n"):
+        if state[k] < 0:
+            raise ConfigError(f"sampler state: {k} is {state[k]}, below 0")
+    if not 0 <= state["base"] <= state["n"] or not 0 <= state["global_consumed"] <= state["n"]:
+        raise ConfigError(f"sampler state: position past the end of its {state['n']} samples")
+    return state

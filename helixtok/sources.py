@@ -611,6 +611,20 @@ def line_ref(unit: "Unit", n: int) -> str:
     return str(unit.first_line + n - 1) if unit.first_line else f"\x00L{unit.index}:{n}\x00"
 
 
+def _bounded_lines(stream, cap: int) -> Iterator[bytes | int]:
+    """The lines of `stream`, each longer than `cap` bytes given as its length, never held whole."""
+    if not isinstance(stream, io.BufferedReader):  # an object store's file: its readline takes no size
+        stream = io.BufferedReader(stream, 1 << 20)
+    while line := stream.readline(cap + 1):
+        if len(line) <= cap or line.endswith(b"\n"):
+            yield line
+            continue
+        n = len(line)
+        while (more := stream.readline(cap + 1)) and not more.endswith(b"\n"):
+            n += len(more)
+        yield n + len(more)
+
+
 class StaleRange(Exception):
     """A .gz range did not read as planned (its lines and CRC-32): its seek index is damaged, or,
     read without one, the file changed.  Raised at the range's end: what was read must be discarded."""
@@ -626,8 +640,12 @@ class UnitReader:
     Skips and repairs go to `tally`; fatal problems raise InputError naming file and line.
     """
 
-    def __init__(self, unit: Unit, text_field: str, tally: Tally, *, long_bytes: int | None = None):
+    def __init__(self, unit: Unit, text_field: str, tally: Tally, *, long_bytes: int | None = None,
+                 skip_lines_over: int | None = None):
         self.unit = unit
+        # A sample's reader: JSON lines longer than this are passed over without being held in
+        # memory (one 200 MB line read whole to sample 128 K characters of it ran out of memory).
+        self.skip_lines_over = skip_lines_over
         self.text_field = text_field
         self.tally = tally
         self.long_bytes = long_bytes  # documents above this many bytes come as LongText (None: never)
@@ -725,7 +743,13 @@ class UnitReader:
                     while (part := stream.readline(1 << 20)) and not part.endswith(b"\n"):
                         pos += len(part)
                     pos += len(part)
-                for line in stream:
+                for line in (stream if self.skip_lines_over is None else _bounded_lines(stream, self.skip_lines_over)):
+                    if isinstance(line, int):  # a line passed over (a sample's reader): its length
+                        pos += line
+                        n += 1
+                        if limit is not None and pos >= limit:
+                            break
+                        continue
                     if u.frames and limit is None and len(z.frames) > seen:  # once the next run's first frame begins
                         limit = next((d + 1 for c, d in z.frames[seen:] if c >= u.stop), None)
                         seen = len(z.frames)

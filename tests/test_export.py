@@ -196,6 +196,8 @@ def test_megatron_import_round_trips_and_reads_megatron_cores_own_files(tmp_path
         if f.endswith((".bin", ".docs")):
             assert (tmp_path / "back" / f).read_bytes() == open(os.path.join(dev_packed, f), "rb").read(), f
     assert CliRunner().invoke(main, ["verify", str(tmp_path / "back")]).exit_code == 0
+    raw = (tmp_path / "back" / "manifest.json").read_text()  # no host path in it (it had the absolute prefix)
+    assert str(tmp_path) not in raw and json.loads(raw)["inputs"]["megatron_prefix"] == "c"
     assert len(MemmapChunkDataset(str(tmp_path / "back"), tokenizer=tokenizer_path)) == \
         json.load(open(os.path.join(dev_packed, "manifest.json")))["splits"]["train"]["num_chunks"]
     # A dataset written by megatron-core itself: two documents of two sentences each, one of one.

@@ -762,3 +762,65 @@ def test_no_resource_tracker_so_killing_processes_prints_nothing(tmp_path, dev_c
     p.kill()
     _, err = p.communicate(timeout=10)
     assert err == "" and _gone_within(kids, 2)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_sigterm_and_sighup_stop_like_ctrl_c_and_the_rerun_resumes(tmp_path, dev_corpus, tokenizer_path, dev_packed,
+                                                                   sig):
+    """kill (SIGTERM) and a closed terminal (SIGHUP) end the build cleanly, resumably, with one
+    line and exit 128 + signum (they used to end it with Python's default: no message, exit -15)."""
+    out = tmp_path / "out"
+    p = start_cli(dev_corpus, out, tokenizer_path)
+    wait_for(str(out / STATE / "u*.train.tok.part"), p)
+    p.send_signal(sig)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 128 + sig, err
+    assert err == f"\ninterrupted ({signal.Signals(sig).name}); rerun the same command to resume\n"
+    assert not (out / "manifest.json").exists()
+    p = start_cli(dev_corpus, out, tokenizer_path)
+    assert p.wait() == 0
+    same_folder(out, dev_packed)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGINT])
+def test_a_build_started_with_a_signal_ignored_keeps_ignoring_it(tmp_path, small_corpus, small_tok, sig):
+    """nohup (SIGHUP), a script's background job (SIGINT): ignored when the build started, they
+    stay ignored while it tokenizes (SIGINT used to be obeyed from then on)."""
+    out = tmp_path / "out"
+    p = subprocess.Popen([sys.executable, "-m", "helixtok.cli", "build", str(small_corpus), str(out), "-t", small_tok,
+                          "-L", "16", "-j", "2", "-q", "--unit-size", "8KiB", "--backend", "hf"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         preexec_fn=lambda: signal.signal(sig, signal.SIG_IGN))
+    wait_for(str(out / STATE / "u*.done.json"), p)
+    p.send_signal(sig)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 0 and err == "" and (out / "manifest.json").exists()
+
+
+def test_file_size_limit_and_open_files_and_a_dangling_out_are_one_line_with_the_fix(tmp_path, small_corpus,
+                                                                                   small_tok, monkeypatch):
+    import resource
+
+    out = tmp_path / "out"
+    args = [sys.executable, "-m", "helixtok.cli", "build", str(small_corpus), str(out), "-t", small_tok, "-L", "16",
+            "-j", "1", "-q", "--shard-size", "1MiB"]
+    p = subprocess.run(args, capture_output=True, text=True,
+                       preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (20000, 20000)))
+    assert p.returncode == 1 and p.stderr.splitlines() == [
+        f"Error: {out}: larger than this process may write (ulimit -f); raise the limit (ulimit -f unlimited) or "
+        "use a smaller --shard-size, then rerun the same command to resume"], p.stderr
+    assert subprocess.run(args, capture_output=True).returncode == 0  # the limit lifted: it resumes
+    # Too many open files met before the build's own handler (listing the corpus): the same line.
+    import helixtok.build as hbuild
+
+    def emfile(*a, **k):
+        raise OSError(errno.EMFILE, "Too many open files", str(small_corpus / "c.txt"))
+    monkeypatch.setattr(hbuild, "discover", emfile)
+    r = CliRunner().invoke(main, ["build", str(small_corpus), str(tmp_path / "o2"), "-t", small_tok, "-q"])
+    assert r.exit_code == 1 and r.output == (f"Error: too many open files (at {small_corpus / 'c.txt'}); raise the "
+                                             "limit (ulimit -n 4096) or use fewer --workers, then rerun the same "
+                                             "command to resume\n")
+    monkeypatch.undo()
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    r = CliRunner().invoke(main, ["build", str(small_corpus), str(tmp_path / "dangling"), "-t", small_tok, "-q"])
+    assert r.exit_code == 1 and "a symbolic link to" in r.output and "which does not exist" in r.output, r.output

@@ -311,3 +311,51 @@ def test_a_gz_object_split_into_ranges_reads_like_the_local_file(s3, s3_corpus, 
     ml = build([str(dev_corpus / p) for p in gz], str(tmp_path / "local"), tokenizer_path, cfg(unit_bytes=128 << 10, workers=1))
     assert m["inputs"]["units"] == ml["inputs"]["units"] > len(gz)
     assert m["totals"] == ml["totals"] and m["splits"]["train"]["shards"] == ml["splits"]["train"]["shards"]
+
+
+def test_a_stopped_storage_server_fails_the_upload_within_the_stall_timeout(s3_server, dev_packed, tmp_path,
+                                                                           monkeypatch):
+    """A server that stops answering (SIGSTOP: it still accepts connections, then says nothing)
+    while a dataset is pushed: one line naming the URL within --stall-timeout and a few seconds,
+    not minutes of the driver's own timeouts and retries; nothing is published; once the server
+    answers again the same command publishes."""
+    import signal
+
+    import s3fs
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    env = {**os.environ, "AWS_ACCESS_KEY_ID": KEY_ID, "AWS_SECRET_ACCESS_KEY": SECRET,
+           "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_DEFAULT_REGION": "us-east-1"}
+    try:
+        for _ in range(200):
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+                break
+            except OSError:
+                time.sleep(0.05)
+        for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL", "AWS_DEFAULT_REGION"):
+            monkeypatch.setenv(k, env[k])
+        fs = s3fs.S3FileSystem(skip_instance_cache=True)
+        fs.mkdir("stalled")
+        server.send_signal(signal.SIGSTOP)
+        t = time.monotonic()
+        p = subprocess.run([sys.executable, "-m", "helixtok.cli", "push", dev_packed, "s3://stalled/ds",
+                            "--stall-timeout", "2"], capture_output=True, text=True, env=env, timeout=120)
+        took = time.monotonic() - t
+        assert p.returncode == 1 and len(p.stderr.splitlines()) == 1, p.stderr
+        assert "s3://stalled/ds: no answer from the storage for 2 s" in p.stderr and took < 2 + 8, (took, p.stderr)
+        server.send_signal(signal.SIGCONT)
+        assert not fs.exists("stalled/ds/manifest.json")
+        p = subprocess.run([sys.executable, "-m", "helixtok.cli", "push", dev_packed, "s3://stalled/ds"],
+                           capture_output=True, text=True, env=env, timeout=120)
+        assert p.returncode == 0, p.stderr
+        fs.invalidate_cache()
+        assert fs.exists("stalled/ds/manifest.json")
+    finally:
+        server.send_signal(signal.SIGCONT)
+        server.kill()
+        server.wait()

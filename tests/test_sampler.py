@@ -193,3 +193,19 @@ def test_mixture_uses_every_chunk_of_a_down_weighted_source_before_repeating():
     assert [other.locate(i) for i in range(100)] == [mix.locate(i) for i in range(100)]
     with pytest.raises(ConfigError, match="batch_size"):
         MixtureDataset([a, b], weights=[0.7, 0.3], batch_size=8, seed=3).load_state_dict(state)
+
+
+def test_malformed_sampler_states_are_one_config_error():
+    """load_state_dict checks the state's shape: a bare KeyError, numpy's ValueError, or a state
+    with world_size 0 or a position past the epoch (accepted before) is one ConfigError."""
+    s = ChunkSampler(range(100), seed=2, world_size=2, rank=1)
+    good = s.state_dict(10)
+    bad = [None, [], {}, {k: v for k, v in good.items() if k != "epoch"}, {**good, "world_size": 0},
+           {**good, "offset": 51}, {**good, "offset": -1}, {**good, "epoch": "1"}, {**good, "rank": 2},
+           {**good, "global_consumed": 101}, {**good, "drop_last": 0}, {**good, "seed": 2.0}, {**good, "base": 500}]
+    for state in bad:
+        with pytest.raises(ConfigError, match="sampler state"):
+            ChunkSampler(range(100), seed=2, world_size=2, rank=1).load_state_dict(state)
+    t = ChunkSampler(range(100), seed=2, world_size=2, rank=1)
+    t.load_state_dict(good)  # and the real one still loads
+    assert list(t) == list(s)[10:]

@@ -6,6 +6,7 @@ import gzip
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -691,3 +692,57 @@ def test_fifos_and_devices_are_never_read(tmp_path, small_tok):
         discover([str(d / "a.jsonl"), str(d / "b.jsonl")])
     with pytest.raises(InputError, match=r"z.txt: a character device, not a regular file"):
         discover([str(d / "z.txt")])
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_strict_reports_the_first_bad_input_in_corpus_order(tmp_path, small_tok, workers, pooled):
+    """The backend check samples units out of order: a damaged file it met first was reported
+    before an earlier bad record (not_gzip.jsonl.gz before missing_text.jsonl:2)."""
+    c = tmp_path / "c"
+    c.mkdir()
+    (c / "missing_text.jsonl").write_text('{"text": "hello world"}\n{"id": 3}\n')
+    (c / "not_gzip.jsonl.gz").write_text("not gzip at all\n")
+    with pytest.raises(InputError, match=r"^missing_text\.jsonl:2: missing text \(--strict\)$"):
+        do_build(tmp_path, small_tok, c, strict=True, workers=workers, unit_bytes=1)
+    with pytest.raises(InputError, match=r"not_gzip\.jsonl\.gz: truncated or corrupt"):
+        do_build(tmp_path, small_tok, c, workers=workers, unit_bytes=1)
+
+
+@settings(max_examples=200, deadline=None)
+@given(lines=st.lists(st.binary(max_size=40).map(lambda b: b.replace(b"\n", b"")), max_size=12),
+       cap=st.integers(1, 30), last_open=st.booleans())
+def test_a_samples_reader_passes_over_long_lines_without_holding_them(lines, cap, last_open):
+    """_bounded_lines: every line no longer than cap comes whole, each longer one as its length
+    (read cap + 1 bytes at a time), and together they are the stream."""
+    import io
+
+    from helixtok.sources import _bounded_lines
+
+    raw = b"".join(x + b"\n" for x in lines)
+    if last_open and lines:
+        raw = raw[:-1]
+    got = list(_bounded_lines(io.BytesIO(raw), cap))
+    want = re.findall(rb"[^\n]*\n|[^\n]+$", raw)
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert g == w if len(w) <= cap + 1 and (len(w) <= cap or w.endswith(b"\n")) else g == len(w)
+
+
+def test_one_huge_json_line_under_a_memory_limit_is_one_line(tmp_path, small_tok):
+    """A 200 MB JSON line under a 600 MiB address-space limit: the backend check's sample reads
+    it whole no more (a 44-line MemoryError traceback); what is left is one line saying what to do."""
+    import resource
+
+    c = tmp_path / "c"
+    c.mkdir()
+    with open(c / "a.jsonl", "w") as fh:
+        fh.write(json.dumps({"text": "a small document"}) + "\n")
+        fh.write('{"text": "' + "word " * 40_000_000 + '"}\n')
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_AS, (600 << 20, 600 << 20))
+    p = subprocess.run([sys.executable, "-m", "helixtok.cli", "build", str(c), str(tmp_path / "o"), "-t", small_tok,
+                        "-L", "64", "-j", "1", "-q"], preexec_fn=limit, capture_output=True, text=True, timeout=300)
+    (c / "a.jsonl").unlink()
+    assert p.returncode == 1 and len(p.stderr.splitlines()) == 1, p.stderr[-2000:]
+    assert "out of memory while tokenizing" in p.stderr and "a.jsonl" in p.stderr
