@@ -327,8 +327,8 @@ class Apart:
     """long_digests(name, ...) being computed in another process: call it for them (made here
     if that process failed), or drop() it when they are no longer wanted."""
 
-    def __init__(self, args: tuple, child=None, future=None, value: list[str] | None = None, timeout: float = 600):
-        self._args, self._child, self._future, self._value, self._timeout = args, child, future, value, timeout
+    def __init__(self, args: tuple, child=None, future=None, value: list[str] | None = None, stall: float = 600):
+        self._args, self._child, self._future, self._value, self._stall = args, child, future, value, stall
 
     def __call__(self) -> list[str]:
         if self._value is None:
@@ -339,15 +339,9 @@ class Apart:
     def _from_child(self) -> list[str] | None:
         if self._child is None:
             return None
-        try:
-            out = self._child.communicate(timeout=self._timeout)[0]
-        except subprocess.TimeoutExpired:  # a stopped or stuck helper: never wait on it for ever
-            self._child.kill()
-            self._child.communicate()
-            from .errors import HelixtokError
+        from .children import communicate_while_alive
 
-            raise HelixtokError(f"no answer for {self._timeout:g} s from the process checking {self._args[0]} on "
-                                "the long inputs; rerun the same command (or raise --stall-timeout)") from None
+        out = communicate_while_alive(self._child, self._stall, f"checking {self._args[0]} on the long inputs")[0]
         with contextlib.suppress(ValueError):
             got = json.loads(out)
             if self._child.returncode == 0 and isinstance(got, list) and len(got) == len(LONG_HOSTILE) and all(
@@ -380,9 +374,8 @@ def digests_apart(name: str, path: str, sha: str, special: str, executor=None, s
     from .children import start_helper
 
     try:
-        # A helper says nothing until it is done: allowed a minute at least, whatever --stall-timeout.
         return Apart(args, child=start_helper(_LONG_CHILD, *args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL),
-                     timeout=max(60.0, stall))
+                     stall=stall)
     except OSError:  # no interpreter to start (embedded Python)
         return Apart(args)
 

@@ -576,7 +576,8 @@ def build(inputs: list[str], out: str, tokenizer: str, config: BuildConfig, *, o
     path = resolve_tokenizer_path(tokenizer)
     check_out_path(out)
     files, warnings = discover(inputs, exclude=out)
-    units, plan_warn = plan_units(files, unit_bytes=config.unit_bytes, text_field=config.text_field)
+    units, plan_warn = plan_units(files, unit_bytes=config.unit_bytes, text_field=config.text_field,
+                                  stall=config.stall_seconds)
     warnings.merge(plan_warn)
     if config.strict and warnings.first:
         raise InputError(f"{warnings.first} (--strict)")

@@ -44,3 +44,33 @@ def start_helper(code: str, *args: str, **popen) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)}
     prelude = f"from helixtok.children import die_with_parent\ndie_with_parent({os.getpid()})\n"
     return subprocess.Popen([sys.executable, "-c", prelude + code, *args], env=env, stdin=subprocess.DEVNULL, **popen)
+
+
+def _cpu_ticks(pid: int) -> int | None:
+    """CPU time a process has used (user + system clock ticks), from /proc; None where there is none."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            fields = fh.read().rsplit(")", 1)[1].split()
+        return int(fields[11]) + int(fields[12])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def communicate_while_alive(proc: subprocess.Popen, stall: float, what: str) -> tuple:
+    """proc.communicate(), failing once the helper has used no CPU for `stall` s (stopped, or stuck
+    in a read): its work is all computation, so a helper that computes nothing is not working."""
+    from .errors import HelixtokError
+
+    ticks, last = _cpu_ticks(proc.pid), time.monotonic()
+    while True:
+        try:
+            return proc.communicate(timeout=0.5)
+        except subprocess.TimeoutExpired:
+            now = _cpu_ticks(proc.pid)
+            if now is None or now != ticks:  # None: no /proc here, so no telling: wait on
+                ticks, last = now, time.monotonic()
+            elif time.monotonic() - last > stall:
+                proc.kill()
+                proc.communicate()
+                raise HelixtokError(f"no progress for {stall:g} s from the process {what}; rerun the same command "
+                                    "(or raise --stall-timeout)") from None

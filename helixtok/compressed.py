@@ -49,7 +49,8 @@ except OSError as e:
 """
 
 
-def plan_gzip(f: InputFile, unit_bytes: int, halt: threading.Event) -> tuple[str, list[tuple[int, int, int]]]:
+def plan_gzip(f: InputFile, unit_bytes: int, halt: threading.Event, stall: float = 600.0
+              ) -> tuple[str, list[tuple[int, int, int, int, int]]]:
     """Line-aligned ranges of a large .gz file's decompressed bytes, and a seek index (cached by
     name, size and stamp) that lets each worker start at its range.
 
@@ -60,7 +61,7 @@ def plan_gzip(f: InputFile, unit_bytes: int, halt: threading.Event) -> tuple[str
     """
     import subprocess
 
-    from .children import start_helper
+    from .children import communicate_while_alive, start_helper
     from .config import cache_root
 
     identity = [f.path, f.size, f.stamp, GZ_INDEX_SPACING]
@@ -84,7 +85,8 @@ def plan_gzip(f: InputFile, unit_bytes: int, halt: threading.Event) -> tuple[str
         if halt.is_set():
             return "", cuts
         if indexer is not None:
-            why = indexer.communicate()[1].decode(errors="replace").strip().splitlines()
+            why = communicate_while_alive(indexer, stall, f"indexing {f.path}")[1]
+            why = why.decode(errors="replace").strip().splitlines()
             if indexer.returncode:
                 kind, _, msg = (why[-1] if why else "data:exit status %d" % indexer.returncode).partition(":")
                 if kind == "write":

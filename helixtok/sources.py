@@ -366,7 +366,8 @@ class Unit:
         return {"kind": self.kind, "files": list(self.names), "start": self.start, "stop": self.stop}
 
 
-def plan_units(files: list[InputFile], *, unit_bytes: int, text_field: str) -> tuple[list[Unit], Tally]:
+def plan_units(files: list[InputFile], *, unit_bytes: int, text_field: str, stall: float = 600.0
+               ) -> tuple[list[Unit], Tally]:
     units: list[Unit] = []
     warnings = Tally()
     # A compressed file is split into ranges when it is large in absolute terms and relative
@@ -382,7 +383,7 @@ def plan_units(files: list[InputFile], *, unit_bytes: int, text_field: str) -> t
 
     def ranges_of(f: InputFile) -> list[dict]:
         if f.kind == "jsonl.gz":
-            index, cuts = plan_gzip(f, range_bytes, halt)
+            index, cuts = plan_gzip(f, range_bytes, halt, stall)
             return [dict(start=a, stop=b, first_line=line, est_bytes=b - a, aux=index, check=(n, crc))
                     for a, b, line, n, crc in cuts]
         # A file holding a smaller share of the corpus needs fewer ranges to keep all cores busy.

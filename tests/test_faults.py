@@ -824,3 +824,35 @@ def test_file_size_limit_and_open_files_and_a_dangling_out_are_one_line_with_the
     (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
     r = CliRunner().invoke(main, ["build", str(small_corpus), str(tmp_path / "dangling"), "-t", small_tok, "-q"])
     assert r.exit_code == 1 and "a symbolic link to" in r.output and "which does not exist" in r.output, r.output
+
+
+def test_a_stopped_helper_process_fails_its_phase_within_the_stall_timeout(tmp_path, dev_docs, small_corpus,
+                                                                          small_tok, monkeypatch):
+    """The processes a build waits on besides its workers — the .gz seek indexer while planning,
+    the one-process check's long-input helper — are waited for while they compute: stopped, one
+    line within --stall-timeout (they used to be waited for without any bound)."""
+    import gzip
+
+    import helixtok.backends as hbk
+    import helixtok.compressed as hc
+    import helixtok.sources as hs
+    from helixtok.sources import discover, plan_units
+
+    stop_self = "import os, signal\nos.kill(os.getpid(), signal.SIGSTOP)\n"
+    monkeypatch.setenv("HELIXTOK_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "big.jsonl.gz").write_bytes(gzip.compress("".join(json.dumps({"text": t}) + "\n"
+                                                                  for t in dev_docs[:200]).encode()))
+    monkeypatch.setattr(hs, "SPLIT_BYTES", 1)
+    monkeypatch.setattr(hs, "RANGE_MIN_BYTES", 1)
+    monkeypatch.setattr(hc, "_GZ_INDEXER", stop_self + hc._GZ_INDEXER)
+    files, _ = discover([str(tmp_path / "big.jsonl.gz")])
+    t = time.monotonic()
+    with pytest.raises(HelixtokError, match=r"no progress for 1 s from the process indexing .*big\.jsonl\.gz"):
+        plan_units(files, unit_bytes=1 << 16, text_field="text", stall=1)
+    assert time.monotonic() - t < 6
+    monkeypatch.setattr(hbk, "_LONG_CHILD", stop_self + hbk._LONG_CHILD)
+    t = time.monotonic()
+    with pytest.raises(HelixtokError, match="no progress for 1 s from the process checking fastokens on the long"):
+        build([str(small_corpus)], str(tmp_path / "o"), small_tok,
+              BuildConfig(seq_len=16, workers=1, backend="fastokens", stall_seconds=1))
+    assert time.monotonic() - t < 10
