@@ -39,7 +39,7 @@ def resource_error(e: OSError, where: str = "") -> HelixtokError | None:
         said = f"{where}: disk full while building" if where else f"disk full while writing {name or 'output'}"
         return HelixtokError(f"{said}; no dataset was published. Free space and rerun the same command to resume")
     if e.errno in (errno.EMFILE, errno.ENFILE):
-        return HelixtokError(f"too many open files{f' (at {name})' if name else ''}; raise the limit (ulimit -n 4096) "
+        return HelixtokError(f"too many open files{f' ({name})' if name else ''}; raise the limit (ulimit -n 4096) "
                              "or use fewer --workers, then rerun the same command to resume")
     if e.errno == errno.EFBIG:
         return HelixtokError(f"{name or 'a file'}: larger than this process may write (ulimit -f); raise the limit "

@@ -783,12 +783,12 @@ def test_sigterm_and_sighup_stop_like_ctrl_c_and_the_rerun_resumes(tmp_path, dev
 
 
 @pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGINT])
-def test_a_build_started_with_a_signal_ignored_keeps_ignoring_it(tmp_path, small_corpus, small_tok, sig):
+def test_a_build_started_with_a_signal_ignored_keeps_ignoring_it(tmp_path, dev_corpus, tokenizer_path, sig):
     """nohup (SIGHUP), a script's background job (SIGINT): ignored when the build started, they
     stay ignored while it tokenizes (SIGINT used to be obeyed from then on)."""
     out = tmp_path / "out"
-    p = subprocess.Popen([sys.executable, "-m", "helixtok.cli", "build", str(small_corpus), str(out), "-t", small_tok,
-                          "-L", "16", "-j", "2", "-q", "--unit-size", "8KiB", "--backend", "hf"],
+    p = subprocess.Popen([sys.executable, "-m", "helixtok.cli", "build", str(dev_corpus / "txt"), str(out), "-t",
+                          tokenizer_path, "-L", "16", "-j", "2", "-q", "--unit-size", "64KiB", "--backend", "hf"],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                          preexec_fn=lambda: signal.signal(sig, signal.SIG_IGN))
     wait_for(str(out / STATE / "u*.done.json"), p)
@@ -817,7 +817,7 @@ def test_file_size_limit_and_open_files_and_a_dangling_out_are_one_line_with_the
         raise OSError(errno.EMFILE, "Too many open files", str(small_corpus / "c.txt"))
     monkeypatch.setattr(hbuild, "discover", emfile)
     r = CliRunner().invoke(main, ["build", str(small_corpus), str(tmp_path / "o2"), "-t", small_tok, "-q"])
-    assert r.exit_code == 1 and r.output == (f"Error: too many open files (at {small_corpus / 'c.txt'}); raise the "
+    assert r.exit_code == 1 and r.output == (f"Error: too many open files ({small_corpus / 'c.txt'}); raise the "
                                              "limit (ulimit -n 4096) or use fewer --workers, then rerun the same "
                                              "command to resume\n")
     monkeypatch.undo()
