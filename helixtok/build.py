@@ -33,12 +33,12 @@ from .compressed import drop_index
 from .config import BuildConfig, worker_bytes
 from .errors import ConfigError, HelixtokError, InputError, Interrupted, resource_error
 from .longdoc import LongText, stripped, utf8_len
-from .manifest import DOC_SKIPS, FORMAT_VERSION, MANIFEST, REPAIRS, write_json_atomic
+from .manifest import DOC_SKIPS, FORMAT_VERSION, MANIFEST, REPAIRS, load_manifest, manifest_files, write_json_atomic
 from .merge import check_sibling_parts, partition
 from .objstore import current, expired, is_url
 from .outdir import PUBLISH, STATE, OutLock, check_out_path, read_list, refuse_foreign, remove_owned
 from .pool import WorkerPool
-from .planid import TASK_PLAN, describe_change, encode_plan, plan_digest, whole_plan
+from .planid import PLAN_FILE, describe_change, encode_plan, plan_digest, whole_plan
 from .shards import fsync_dir
 from .sources import LineRefs, StaleRange, Tally, Unit, UnitReader, discover, plan_units
 from .tokenizer import Encoder, TokenizerInfo, forget_handed, inspect_tokenizer, resolve_tokenizer_path
@@ -592,7 +592,10 @@ def build(inputs: list[str], out: str, tokenizer: str, config: BuildConfig, *, o
         k, n = task
         a, b = partition(units, n)[k]
         part, mine = {"task_index": k, "num_tasks": n, "units": [a, b], "units_total": len(units)}, units[a:b]
-    n_workers = worker_count(config, mine, likely)
+    # A finished dataset in OUT (no --overwrite) is either this very build (up to date) or refused:
+    # either way nothing is tokenized, so no worker starts.
+    finished = not overwrite and os.path.isfile(os.path.join(out, MANIFEST))
+    n_workers = 1 if finished else worker_count(config, mine, likely)
     workers = None
     env = {k: os.environ.get(k) for k in THREAD_ENV}
     try:
@@ -601,7 +604,7 @@ def build(inputs: list[str], out: str, tokenizer: str, config: BuildConfig, *, o
         # the likeliest library's tokenizer, or that library's load here (~1.2 s for 100k).
         if n_workers > 1:
             workers = _Pool(n_workers, config, os.path.join(out, STATE), run_id, path)
-        elif config.backend in ("auto", "fastokens"):
+        elif config.backend in ("auto", "fastokens") and not finished:
             preload.start(path)  # unless the command line started it
         info = inspect_tokenizer(path, eos_token=config.eos_token, bos_token=config.bos_token,
                                  pad_token=config.pad_token, add_bos=config.add_bos,
@@ -639,9 +642,15 @@ def _build_in(out, info, config, overwrite, on_progress, part, files, units, war
     os.makedirs(out, exist_ok=True)
     lock = OutLock(out)
     state = os.path.join(out, STATE)
+    # The whole plan (every input, unit, option and resolved tokenizer choice that changes bytes):
+    # recorded beside the manifest, it tells a rerun that nothing changed and a merge that its
+    # parts belong together.
+    plan = encode_plan(whole_plan(files, units, config.identity(), info.identity(), part and part["num_tasks"]))
     try:
+        if not overwrite and os.path.isfile(os.path.join(out, MANIFEST)):
+            return _up_to_date(out, plan)
         return _build_started(out, info, config, overwrite, on_progress, part, files, units, warnings, state,
-                              run_id, workers)
+                              run_id, workers, plan)
     except InputError:
         # Bad input: the corrected command has other inputs or options, so nothing here can be
         # resumed; leave OUT as it was before (or absent) so that command just works.
@@ -657,6 +666,36 @@ def _build_in(out, info, config, overwrite, on_progress, part, files, units, war
         if created:
             with contextlib.suppress(OSError):
                 os.rmdir(out)  # only if the build left nothing: a failed first build leaves no trace
+
+
+class UpToDate(dict):
+    """The manifest build() returns when OUT already held this very build: nothing was written."""
+
+
+def _up_to_date(out: str, plan: bytes) -> UpToDate:
+    """The finished dataset in OUT, when it was built from this very plan and its files are all
+    there with their sizes (a Slurm requeue, a Ray retry of a finished task); else why not, as
+    the refusal to build over it."""
+    m = load_manifest(out)  # checked: a damaged manifest is refused, never called up to date
+    ref = m.get("plan")
+    if not isinstance(ref, dict) or not isinstance(ref.get("file"), str) or os.sep in ref["file"]:
+        raise ConfigError(f"{out}: already holds a finished dataset; pass --overwrite to replace it")
+    if ref.get("sha256") != plan_digest(plan):
+        try:
+            with open(os.path.join(out, ref["file"]), "rb") as fh:
+                change = describe_change(json.loads(fh.read()), json.loads(plan))
+        except (OSError, ValueError):
+            change = "its plan file is unreadable"
+        raise ConfigError(f"{out}: already holds a finished dataset built from other inputs or options ({change}); "
+                          "pass --overwrite to replace it")
+    sizes = {e["path"]: e["bytes"] for sp in m["splits"].values() for e in sp["shards"]}
+    for rel in manifest_files(m):
+        p = os.path.join(out, rel)
+        if not os.path.isfile(p) or os.path.getsize(p) != sizes.get(rel, os.path.getsize(p)):
+            raise ConfigError(f"{out}: holds this build's manifest but {rel} is missing or has another size; "
+                              "pass --overwrite to build it again")
+    shutil.rmtree(os.path.join(out, STATE), ignore_errors=True)  # an interrupted last step (cleanup)
+    return UpToDate(m)
 
 
 def _build_to_url(inputs, url, tokenizer, config, overwrite, on_progress, task, staging) -> dict:
@@ -678,18 +717,16 @@ def _build_to_url(inputs, url, tokenizer, config, overwrite, on_progress, task, 
 
 
 def _build_started(out, info, config, overwrite, on_progress, part, files, units, warnings, state, run_id,
-                   workers) -> dict:
+                   workers, whole: bytes) -> dict:
     """_build_in once it holds the lock: check the backend, resume or start, tokenize, assemble, publish."""
     info, backend_check = choose_backend(info, units, config, workers)
     if workers is not None:  # the workers tokenize: the main process needs no fast tokenizer now
         forget_fast_tokenizers()
-    task_plan = None
+    plan_ref = {"file": PLAN_FILE, "sha256": plan_digest(whole)}
     if part is not None:
         # Every task lists the corpus afresh: a file that lands between two tasks would shift the
-        # unit ranges.  Each part records a digest of the whole plan; merge compares them.
-        task_plan = encode_plan(whole_plan(files, units, config.identity(), info.identity(), part["num_tasks"]))
-        part = {**part, "plan": TASK_PLAN, "plan_sha256": plan_digest(task_plan)}
-        check_sibling_parts(out, part, task_plan)
+        # unit ranges.  Each part records the whole plan; merge compares them.
+        check_sibling_parts(out, plan_ref, whole)
         a, b = part["units"]
         names = {nm for u in units[a:b] for nm in u.names}
         units = units[a:b]
@@ -767,11 +804,8 @@ def _build_started(out, info, config, overwrite, on_progress, part, files, units
                          f"--seq-len {config.seq_len}; lower --seq-len or add text")
     _check_unchanged(files)
     shutil.copyfile(info.path, os.path.join(asm, "tokenizer.json"))
-    extra = ["tokenizer.json"]
-    if task_plan is not None:
-        with open(os.path.join(asm, TASK_PLAN), "wb") as fh:
-            fh.write(task_plan)
-        extra.append(TASK_PLAN)
+    with open(os.path.join(asm, PLAN_FILE), "wb") as fh:
+        fh.write(whole)
 
     totals = {k: sum(s[k] for s in splits.values())
               for k in ("documents", "tokens", "text_bytes", "pad_tokens", "dropped_tokens", "dropped_documents",
@@ -795,12 +829,13 @@ def _build_started(out, info, config, overwrite, on_progress, part, files, units
         "inputs": {"files": len(files), "bytes": sum(f.size for f in files), "units": len(units),
                    "list": [{"name": f.name, "bytes": f.size} for f in files]},
         **({"partition": part} if part else {}),
+        "plan": plan_ref,
         "splits": splits,
         "totals": totals,
         "skipped": tally.to_json(),
         "warnings": warnings.to_json(),
     }
-    _publish(out, state, asm, splits, manifest, extra)
+    _publish(out, state, asm, splits, manifest, ["tokenizer.json", PLAN_FILE])
     return manifest
 
 

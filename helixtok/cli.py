@@ -170,6 +170,15 @@ def build(corpus, out, tokenizer, seq_len, packing, min_tail_len, text_field, bo
         m = run_build(list(corpus), out, tokenizer, cfg, overwrite=overwrite, task=task)
     else:
         m = _build_with_progress(run_build, con, list(corpus), out, tokenizer, cfg, overwrite, task)
+    from .build import UpToDate
+
+    if isinstance(m, UpToDate):  # this very build is already in OUT: nothing was written
+        if as_json:
+            _print_build_summary(m, out, as_json, _console(), up_to_date=True)
+        else:
+            click.echo(f"up to date: {out} ({m['totals']['chunks']:,} chunks of {m['seq_len']}; inputs and options "
+                       "unchanged, nothing rewritten)")
+        return
     _print_build_summary(m, out, as_json, _console())  # -q hides the bar, never the warnings
 
 
@@ -207,10 +216,11 @@ def _build_with_progress(run_build, con, corpus, out, tokenizer, cfg, overwrite,
         bar.stop()
 
 
-def _print_build_summary(m, out, as_json, con):
+def _print_build_summary(m, out, as_json, con, up_to_date=False):
     t = m["totals"]
     if as_json:
-        click.echo(json.dumps({"out": out, "dtype": m["dtype"], "seq_len": m["seq_len"], "packing": m["packing"],
+        click.echo(json.dumps({"out": out, "up_to_date": up_to_date, "dtype": m["dtype"], "seq_len": m["seq_len"],
+                               "packing": m["packing"],
                                "totals": t, "splits": {k: {kk: v[kk] for kk in ("num_chunks", "num_tokens")}
                                                        for k, v in m["splits"].items()},
                                "skipped": m["skipped"], "warnings": m["warnings"]}))

@@ -74,8 +74,9 @@ def _merged_inputs(ms: list[dict]) -> dict:
             "list": [{"name": k, "bytes": v} for k, v in seen.items()]}
 
 
-def _read_task_plan(part: str, p: dict) -> dict:
-    name = p.get("plan")
+def _read_plan(part: str, m: dict) -> dict:
+    ref = m.get("plan") or {}
+    name = ref.get("file")
     if not isinstance(name, str) or os.sep in name or name in ("", ".", ".."):
         raise DatasetError(f"{part}: its manifest names no plan file; rebuild the part with this helixtok")
     try:
@@ -83,28 +84,31 @@ def _read_task_plan(part: str, p: dict) -> dict:
             raw = fh.read()
     except OSError as e:
         raise DatasetError(f"{part}: cannot read {name} ({e.strerror}); rebuild the part") from None
-    if plan_digest(raw) != p.get("plan_sha256"):
+    if plan_digest(raw) != ref.get("sha256"):
         raise DatasetError(f"{part}: {name} does not match the sha256 its manifest records; rebuild the part")
     return json.loads(raw)
 
 
-def plan_mismatch(part: str, p: dict, other: str, q: dict) -> str | None:
-    """Why two parts of partitioned builds cannot belong to one dataset, or None: each records a
-    digest of the whole plan (every input's name, size and stamp, the units, the options)."""
-    for name, x in ((part, p), (other, q)):
-        if not isinstance(x.get("plan_sha256"), str):
-            return (f"{name}: records no plan digest (built by an older helixtok), so nothing shows it was "
-                    "planned from the same corpus as the others; rebuild the part")
-    if p["num_tasks"] != q["num_tasks"]:
-        return f"{part} is a task of {p['num_tasks']}, {other} of {q['num_tasks']}"
-    if p["plan_sha256"] == q["plan_sha256"]:
+def _plan_sha(m: dict) -> str | None:
+    ref = m.get("plan")
+    return ref.get("sha256") if isinstance(ref, dict) and isinstance(ref.get("sha256"), str) else None
+
+
+def plan_mismatch(part: str, m: dict, other: str, m0: dict) -> str | None:
+    """Why two parts of partitioned builds cannot belong to one dataset, or None: each records
+    the whole plan (every input's name, size and stamp, the units, the options) and its sha256."""
+    for name, x in ((part, m), (other, m0)):
+        if _plan_sha(x) is None:
+            return (f"{name}: records no plan (built by an older helixtok), so nothing shows it was planned from "
+                    "the same corpus as the others; rebuild the part")
+    if _plan_sha(m) == _plan_sha(m0):
         return None
-    change = describe_change(_read_task_plan(other, q), _read_task_plan(part, p))
+    change = describe_change(_read_plan(other, m0), _read_plan(part, m))
     return (f"{part} was planned from other inputs or options than {other} ({change}); the corpus changed "
             "between tasks: rebuild every part from one unchanging corpus")
 
 
-def check_sibling_parts(out: str, part: dict, raw_plan: bytes) -> None:
+def check_sibling_parts(out: str, plan_ref: dict, raw_plan: bytes) -> None:
     """A task refuses to start when finished parts beside its folder were planned otherwise."""
     parent = os.path.dirname(os.path.abspath(out))
     here = os.path.basename(os.path.abspath(out))
@@ -113,16 +117,16 @@ def check_sibling_parts(out: str, part: dict, raw_plan: bytes) -> None:
     except OSError:
         return
     for e in names:
+        sibling = os.path.join(parent, e)
         try:
-            with open(os.path.join(parent, e, MANIFEST)) as fh:
-                theirs = json.load(fh).get("partition")
-        except (OSError, ValueError, AttributeError):
+            with open(os.path.join(sibling, MANIFEST)) as fh:
+                theirs = json.load(fh)
+        except (OSError, ValueError):
             continue  # not a finished part: nothing to compare
-        if not isinstance(theirs, dict) or not isinstance(theirs.get("plan_sha256"), str):
+        if not isinstance(theirs, dict) or _plan_sha(theirs) is None:
             continue  # an older part: merge will refuse it, naming why
-        if theirs["plan_sha256"] != part["plan_sha256"]:
-            sibling = os.path.join(parent, e)
-            change = describe_change(_read_task_plan(sibling, theirs), json.loads(raw_plan))
+        if _plan_sha(theirs) != plan_ref["sha256"]:
+            change = describe_change(_read_plan(sibling, theirs), json.loads(raw_plan))
             raise ConfigError(f"{out}: the corpus or options differ from those {sibling} was planned from "
                               f"({change}); rebuild every part from one unchanging corpus, or build into a new folder")
 
@@ -165,13 +169,10 @@ def merge(parts: list[str], out: str, *, overwrite: bool = False) -> dict:
                                if missing else f"a task is given twice: {idx}")
         order = sorted(range(len(parts)), key=lambda i: tasks[i]["task_index"])
         parts, ms, tasks = [parts[i] for i in order], [ms[i] for i in order], [tasks[i] for i in order]
-        for p, t in zip(parts[1:], tasks[1:]):
-            why = plan_mismatch(p, t, parts[0], tasks[0])
+        for p, m in zip(parts, ms):  # the first with itself: a lone part's own record
+            why = plan_mismatch(p, m, parts[0], ms[0])
             if why:
                 raise DatasetError(why)
-        why = plan_mismatch(parts[0], tasks[0], parts[0], tasks[0])  # a lone task's own record
-        if why:
-            raise DatasetError(why)
     check_out_path(out)
     os.makedirs(out, exist_ok=True)
     with OutLock(out):

@@ -95,9 +95,9 @@ def _manifest_files(out: str) -> list[str]:
     tok = m.get("tokenizer")
     if isinstance(tok, dict) and isinstance(tok.get("file"), str):
         names.append(tok["file"])
-    part = m.get("partition")
-    if isinstance(part, dict) and isinstance(part.get("plan"), str):
-        names.append(part["plan"])
+    plan = m.get("plan")
+    if isinstance(plan, dict) and isinstance(plan.get("file"), str):
+        names.append(plan["file"])
     # A merged dataset's parts: the folders in OUT it was joined from are part of it.
     merged = m.get("merged_from")
     names += [p for p in merged if isinstance(p, str)] if isinstance(merged, list) else []

@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 
-TASK_PLAN = "task-plan.json"  # in a part's folder: the whole plan every task of the build derived
+PLAN_FILE = "build-plan.json"  # beside the manifest: the whole plan (every task of a partitioned build derives it)
 
 
 def describe_change(old: dict, new: dict) -> str:
@@ -32,9 +32,11 @@ def describe_change(old: dict, new: dict) -> str:
     return "; ".join(parts) or "work units changed"
 
 
-def whole_plan(files, units, config_identity: dict, tokenizer_identity: dict, num_tasks: int) -> dict:
+def whole_plan(files, units, config_identity: dict, tokenizer_identity: dict, num_tasks: int | None) -> dict:
     """The plan every task of a partitioned build must share: every input (name, size, stamp),
     every unit, every option and resolved tokenizer choice that changes bytes, the task count."""
+    # The backend option is left out: every backend gives the same bytes (the check sees to it).
+    config_identity = {k: v for k, v in config_identity.items() if k != "backend"}
     return {"num_tasks": num_tasks, "config": config_identity, "tokenizer": tokenizer_identity,
             "files": [[f.name, f.size, f.stamp] for f in files], "units": [u.to_json() for u in units]}
 

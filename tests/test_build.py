@@ -8,7 +8,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from conftest import UNIT
-from helixtok.build import build
+from helixtok.build import UpToDate, build
 from helixtok.config import BuildConfig
 from helixtok.errors import ConfigError, InputError
 
@@ -323,8 +323,10 @@ def test_refuses_non_empty_out_and_finished_dataset(tmp_path, small_tok):
         build([str(tmp_path / "c")], str(out), small_tok, BuildConfig(seq_len=4, workers=1))
     (out / "other.txt").unlink()
     build([str(tmp_path / "c")], str(out), small_tok, BuildConfig(seq_len=4, workers=1))
-    with pytest.raises(ConfigError, match="--overwrite"):
-        build([str(tmp_path / "c")], str(out), small_tok, BuildConfig(seq_len=4, workers=1))
+    # The same build again is up to date (#30: idempotent tasks); another option is refused.
+    assert isinstance(build([str(tmp_path / "c")], str(out), small_tok, BuildConfig(seq_len=4, workers=1)), UpToDate)
+    with pytest.raises(ConfigError, match=r"other inputs or options \(seq_len: 4 -> 8\); pass --overwrite"):
+        build([str(tmp_path / "c")], str(out), small_tok, BuildConfig(seq_len=8, workers=1))
     build([str(tmp_path / "c")], str(out), small_tok, BuildConfig(seq_len=8, workers=1), overwrite=True)
     assert json.load(open(out / "manifest.json"))["seq_len"] == 8
 
@@ -402,3 +404,32 @@ def test_a_build_keeps_no_tokenizer_in_the_callers_process(tmp_path, small_tok, 
         build([str(bad)], str(tmp_path / "bad"), small_tok,
               BuildConfig(seq_len=64, workers=workers, backend="hf", strict=True, unit_bytes=16))
     assert ht._handed == {}
+
+
+def test_the_same_command_on_a_finished_out_is_up_to_date_and_rewrites_nothing(tmp_path, small_corpus, small_tok):
+    """A Slurm requeue or a Ray retry of a finished build or task: exit 0, one line, every file
+    untouched (same inode and mtime); a changed input is refused naming it; a damaged dataset is
+    not called up to date."""
+    from click.testing import CliRunner
+
+    from helixtok.cli import main
+
+    out = tmp_path / "out"
+    args = ["build", str(small_corpus), str(out), "-t", small_tok, "-L", "16", "-j", "1", "-q"]
+    for extra in ([], ["--num-tasks", "2", "--task-index", "1"]):
+        assert CliRunner().invoke(main, args + extra).exit_code == 0
+        folder = out / "part-00001" if extra else out
+        before = {n: (os.stat(folder / n).st_ino, os.stat(folder / n).st_mtime_ns) for n in os.listdir(folder)}
+        r = CliRunner().invoke(main, args + extra)
+        assert r.exit_code == 0 and r.output.startswith(f"up to date: {folder} (") and len(r.output.splitlines()) == 1
+        assert {n: (os.stat(folder / n).st_ino, os.stat(folder / n).st_mtime_ns) for n in os.listdir(folder)} == before
+        r = CliRunner().invoke(main, args + extra + ["--json"])
+        assert r.exit_code == 0 and json.loads(r.output)["up_to_date"] is True
+    (small_corpus / "h.txt").write_text("a new file")
+    r = CliRunner().invoke(main, args)
+    assert r.exit_code == 1 and "other inputs or options (new input h.txt); pass --overwrite" in r.output
+    (small_corpus / "h.txt").unlink()
+    shard = next(p for p in out.iterdir() if p.suffix == ".bin")
+    shard.write_bytes(shard.read_bytes()[:-2])
+    r = CliRunner().invoke(main, args)
+    assert r.exit_code == 1 and f"{shard.name} is missing or has another size" in r.output
