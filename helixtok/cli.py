@@ -91,7 +91,7 @@ def main():
 
 
 @main.command()
-@click.argument("corpus", nargs=-1, required=True)
+@click.argument("corpus", nargs=-1, required=False)  # checked in build(): a forgotten OUT is said as such
 @click.argument("out", nargs=1)
 @click.option("--tokenizer", "-t", required=True,
               help="tokenizer.json, a folder holding one, or a HF repo id in the local HF cache.")
@@ -148,6 +148,10 @@ def build(corpus, out, tokenizer, seq_len, packing, min_tail_len, text_field, bo
     """
     import functools
     import os
+
+    if not corpus:  # click gave the one path to OUT
+        raise click.UsageError(f"one path given ({out}): give the corpus, then the folder to build into, "
+                               f"e.g. helixtok build {out} out/ -t TOKENIZER")
 
     from .config import BuildConfig
     from .preload import speculate
@@ -228,7 +232,9 @@ def _print_build_summary(m, out, as_json, con, up_to_date=False):
     from rich.console import Console
     from rich.table import Table
 
-    tab = Table(title=f"{out}  ({m['packing']}, seq_len {m['seq_len']}, {m['dtype']})", show_header=True)
+    from rich.markup import escape
+
+    tab = Table(title=escape(f"{out}  ({m['packing']}, seq_len {m['seq_len']}, {m['dtype']})"), show_header=True)
     for col in ("split", "documents", "chunks", "stored tokens", "pad", "dropped"):
         tab.add_column(col, justify="right" if col != "split" else "left")
     for name, s in m["splits"].items():
@@ -285,7 +291,9 @@ def stats(out, split, batch_size, grad_accum, world_size, epochs, sampler_drop_l
     from rich.console import Console
     from rich.table import Table
 
-    tab = Table(title=f"{out} [{split}]", show_header=False)
+    from rich.markup import escape
+
+    tab = Table(title=escape(f"{out} [{split}]"), show_header=False)  # "[train]" is not rich markup
     tab.add_column(style="bold")
     tab.add_column(justify="right")
     for k, v in st.to_json().items():
@@ -322,6 +330,10 @@ def export_helixlm_cmd(out, dest, split):
     from .helixlm import export_helixlm
 
     st = export_helixlm(out, dest, split=split)
+    if not st["source"]["stripped"]:
+        click.echo(f"warning: {out} was built without --strip; HelixLM's compiler strips each text first, so its "
+                   "stream differs where a document starts or ends in whitespace (rebuild with --strip for the "
+                   "identical stream)", err=True)
     click.echo(f"{dest}: {st['sample_count']:,} samples x {st['seq_len']} in {len(st['shards'])} shards "
                f"({st['source']['shards']}), {st['encoded_tokens']:,} tokens from {st['source_rows']:,} rows")
 

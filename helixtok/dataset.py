@@ -107,6 +107,9 @@ class MemmapChunkDataset(Dataset):
         self.packing = m["packing"]
         self.dtype = np.dtype(DTYPES[m["dtype"]])
         self.pad_id = int(m["tokenizer"]["pad_id"])
+        self.eos_id = int(m["tokenizer"]["eos_id"])
+        self.bos_id = m["tokenizer"].get("bos_id")  # None: the tokenizer names no BOS
+        self.vocab_size = int(m["tokenizer"]["vocab_size"])  # largest id + 1: size an embedding table with it
         self.tokenizer_sha256 = m["tokenizer"]["sha256"]
         if (shifted or position_ids or document_masking) and self.packing != "packed":
             raise DatasetError(f"{self.path}: shifted/position_ids/document_masking need packed data; this "
@@ -168,10 +171,18 @@ class MemmapChunkDataset(Dataset):
 
     # ---------------------------------------------------------------- memmaps (lazy, per process)
 
+    @property
+    def manifest(self) -> dict:
+        """The dataset's manifest.json (docs/format.md), read when first asked for (never pickled)."""
+        if self.__dict__.get("_manifest") is None:
+            self._manifest = load_manifest(self.path)
+        return self._manifest
+
     def __getstate__(self):
         # Pickling a memmap would copy its data into every DataLoader worker: send paths only.
         d = self.__dict__.copy()
         d["_maps"] = None
+        d.pop("_manifest", None)
         return d
 
     def _files(self) -> list[str]:

@@ -73,7 +73,9 @@ def export_helixlm(src: str, dest: str, *, split: str = "train") -> dict:
         "causal_target_count": int(s["num_chunks"]) * (L - 1),  # next-token targets inside the samples
         "dropped_tail_tokens": int(s["dropped_tokens"]),
         "samples_per_shard": int(s["shards"][0]["num_chunks"]) if s["shards"] else 0,
-        "source": {"tool": f"helixtok {__version__}", "dataset": os.path.abspath(src), "split": split,
+        # Relative to the store: no host path in a file that travels (docs/format.md).
+        "source": {"tool": f"helixtok {__version__}", "dataset": os.path.relpath(os.path.abspath(src), os.path.abspath(dest)),
+                   "split": split,
                    "tokenizer_sha256": m["tokenizer"]["sha256"], "stripped": bool(m["options"].get("strip")),
                    "shards": "+".join(sorted(placed)) or "none"},
         "shards": shards,

@@ -20,6 +20,13 @@ PAD_CANDIDATES = ("<pad>", "<|pad|>", "[PAD]", "<|padding|>")
 def resolve_tokenizer_path(spec: str) -> str:
     """A tokenizer.json path, a folder holding one, or a HF repo id already in the local cache."""
     if os.path.isfile(spec):
+        with open(spec, "rb") as fh:
+            head = fh.read(64).lstrip(b"\xef\xbb\xbf \t\r\n")
+        if not head.startswith(b"{"):
+            kind = "a SentencePiece model" if spec.endswith(".model") else "not JSON"
+            raise TokenizerError(f"{spec}: {kind}, not a tokenizer.json; pass the tokenizer.json that ships beside "
+                                 "it (or write one: transformers' AutoTokenizer.from_pretrained(folder)"
+                                 ".save_pretrained(folder))")
         return spec
     if os.path.isdir(spec):
         p = os.path.join(spec, "tokenizer.json")

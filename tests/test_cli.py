@@ -228,3 +228,15 @@ def test_build_passes_special_tokens_and_strip_to_the_build(tmp_path, corpus, sm
     assert r.exit_code == 0, r.output
     m = json.load(open(tmp_path / "out" / "manifest.json"))
     assert m["tokenizer"]["special_tokens_in_text"] == "extract" and m["options"]["strip"] is True
+
+
+def test_small_defects_a_newcomer_met(tmp_path, corpus, small_tok, dev_packed):
+    """OUT forgotten; a SentencePiece .model as --tokenizer; the stats title's [train] (rich read it as markup)."""
+    r = CliRunner().invoke(main, ["build", str(corpus), "-t", small_tok])
+    assert r.exit_code == 2 and f"one path given ({corpus}): give the corpus, then the folder to build into" in r.output
+    (tmp_path / "tokenizer.model").write_bytes(b"\n\t\x08\x01sentencepiece")
+    r = CliRunner().invoke(main, ["build", str(corpus), str(tmp_path / "o"), "-t", str(tmp_path / "tokenizer.model")])
+    assert r.exit_code == 1 and "a SentencePiece model, not a tokenizer.json; pass the tokenizer.json" in r.output
+    assert not (tmp_path / "o").exists()
+    r = CliRunner().invoke(main, ["stats", dev_packed, "-b", "4"])
+    assert r.exit_code == 0 and "[train]" in r.output, r.output

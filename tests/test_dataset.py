@@ -237,3 +237,13 @@ def test_refuses_other_tokenizer_and_unknown_version(dev_packed, tmp_path, small
 def test_no_val_split_message(dev_packed):
     with pytest.raises(DatasetError, match="--val-fraction"):
         MemmapChunkDataset(dev_packed, split="val")
+
+
+def test_the_dataset_says_its_vocabulary_special_ids_and_manifest(dev_packed):
+    m = json.load(open(os.path.join(dev_packed, "manifest.json")))
+    ds = MemmapChunkDataset(dev_packed)
+    assert (ds.vocab_size, ds.eos_id, ds.pad_id, ds.bos_id) == (m["tokenizer"]["vocab_size"], m["tokenizer"]["eos_id"],
+                                                                m["tokenizer"]["pad_id"], m["tokenizer"]["bos_id"])
+    assert ds.manifest == m and max(int(ds[i]["input_ids"].max()) for i in range(len(ds))) < ds.vocab_size
+    blob = pickle.dumps(ds)  # read once asked for, never sent to DataLoader workers
+    assert len(blob) < 20_000 and pickle.loads(blob).manifest == m

@@ -63,6 +63,16 @@ def test_helixlm_store_has_the_published_fields_layout_and_the_compilers_stream(
     # No token bytes copied: the store's shards are the build's files.
     assert os.stat(tmp_path / "store" / "samples-00000.u16").st_ino == os.stat(helix_build / "train-00000.bin").st_ino
     assert st["source"]["shards"] == "linked" and st["source"]["stripped"] is True
+    # No host path in the store (it held the dataset's absolute path); no warning for a --strip build.
+    assert str(tmp_path) not in json.dumps(st) and st["source"]["dataset"] == os.path.relpath(helix_build,
+                                                                                              tmp_path / "store")
+    assert "warning" not in r.output
+
+
+def test_helixlm_export_of_a_build_without_strip_warns(tmp_path, dev_packed, small_tok):
+    r = CliRunner().invoke(main, ["export", "helixlm", dev_packed, str(tmp_path / "store")])
+    assert r.exit_code == 0, r.output
+    assert "was built without --strip" in r.stderr and "rebuild with --strip" in r.stderr
 
 
 def test_helixlm_export_refuses_what_the_store_cannot_hold(tmp_path, helix_build, small_tok, dev_document):
