@@ -38,7 +38,7 @@ from .merge import check_sibling_parts, partition
 from .objstore import current, expired, is_url
 from .outdir import PUBLISH, STATE, OutLock, check_out_path, read_list, refuse_foreign, remove_owned
 from .pool import WorkerPool
-from .planid import PLAN_FILE, describe_change, encode_plan, plan_digest, whole_plan
+from .planid import PLAN_FILE, describe_change, encode_plan, whole_plan
 from .shards import fsync_dir
 from .sources import LineRefs, StaleRange, Tally, Unit, UnitReader, discover, plan_units
 from .tokenizer import Encoder, TokenizerInfo, forget_handed, inspect_tokenizer, resolve_tokenizer_path
@@ -677,15 +677,16 @@ def _up_to_date(out: str, plan: bytes) -> UpToDate:
     there with their sizes (a Slurm requeue, a Ray retry of a finished task); else why not, as
     the refusal to build over it."""
     m = load_manifest(out)  # checked: a damaged manifest is refused, never called up to date
-    ref = m.get("plan")
-    if not isinstance(ref, dict) or not isinstance(ref.get("file"), str) or os.sep in ref["file"]:
-        raise ConfigError(f"{out}: already holds a finished dataset; pass --overwrite to replace it")
-    if ref.get("sha256") != plan_digest(plan):
+    try:
+        with open(os.path.join(out, PLAN_FILE), "rb") as fh:
+            theirs = fh.read()
+    except FileNotFoundError:  # built by an older helixtok: nothing tells what it was built from
+        raise ConfigError(f"{out}: already holds a finished dataset; pass --overwrite to replace it") from None
+    if theirs != plan:
         try:
-            with open(os.path.join(out, ref["file"]), "rb") as fh:
-                change = describe_change(json.loads(fh.read()), json.loads(plan))
-        except (OSError, ValueError):
-            change = "its plan file is unreadable"
+            change = describe_change(json.loads(theirs), json.loads(plan))
+        except ValueError:
+            change = f"its {PLAN_FILE} is unreadable"
         raise ConfigError(f"{out}: already holds a finished dataset built from other inputs or options ({change}); "
                           "pass --overwrite to replace it")
     sizes = {e["path"]: e["bytes"] for sp in m["splits"].values() for e in sp["shards"]}
@@ -722,11 +723,10 @@ def _build_started(out, info, config, overwrite, on_progress, part, files, units
     info, backend_check = choose_backend(info, units, config, workers)
     if workers is not None:  # the workers tokenize: the main process needs no fast tokenizer now
         forget_fast_tokenizers()
-    plan_ref = {"file": PLAN_FILE, "sha256": plan_digest(whole)}
     if part is not None:
         # Every task lists the corpus afresh: a file that lands between two tasks would shift the
         # unit ranges.  Each part records the whole plan; merge compares them.
-        check_sibling_parts(out, plan_ref, whole)
+        check_sibling_parts(out, whole)
         a, b = part["units"]
         names = {nm for u in units[a:b] for nm in u.names}
         units = units[a:b]
@@ -829,7 +829,6 @@ def _build_started(out, info, config, overwrite, on_progress, part, files, units
         "inputs": {"files": len(files), "bytes": sum(f.size for f in files), "units": len(units),
                    "list": [{"name": f.name, "bytes": f.size} for f in files]},
         **({"partition": part} if part else {}),
-        "plan": plan_ref,
         "splits": splits,
         "totals": totals,
         "skipped": tally.to_json(),

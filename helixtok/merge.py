@@ -10,7 +10,7 @@ import shutil
 from .errors import ConfigError, DatasetError
 from .manifest import MANIFEST, load_manifest, write_json_atomic
 from .outdir import OutLock, check_out_path, refuse_foreign, remove_owned
-from .planid import describe_change, plan_digest
+from .planid import PLAN_FILE, describe_change
 from .sources import Tally, Unit
 
 PART_NAME = re.compile(r"part-\d{5}")  # a task's folder in OUT (the command line's layout)
@@ -74,41 +74,38 @@ def _merged_inputs(ms: list[dict]) -> dict:
             "list": [{"name": k, "bytes": v} for k, v in seen.items()]}
 
 
-def _read_plan(part: str, m: dict) -> dict:
-    ref = m.get("plan") or {}
-    name = ref.get("file")
-    if not isinstance(name, str) or os.sep in name or name in ("", ".", ".."):
-        raise DatasetError(f"{part}: its manifest names no plan file; rebuild the part with this helixtok")
+def _plan_of(part: str) -> bytes | None:
+    """A part's build-plan.json (the whole plan its task derived), or None when it has none."""
     try:
-        with open(os.path.join(part, name), "rb") as fh:
-            raw = fh.read()
+        with open(os.path.join(part, PLAN_FILE), "rb") as fh:
+            return fh.read()
+    except FileNotFoundError:
+        return None
     except OSError as e:
-        raise DatasetError(f"{part}: cannot read {name} ({e.strerror}); rebuild the part") from None
-    if plan_digest(raw) != ref.get("sha256"):
-        raise DatasetError(f"{part}: {name} does not match the sha256 its manifest records; rebuild the part")
-    return json.loads(raw)
+        raise DatasetError(f"{part}: cannot read {PLAN_FILE} ({e.strerror}); rebuild the part") from None
 
 
-def _plan_sha(m: dict) -> str | None:
-    ref = m.get("plan")
-    return ref.get("sha256") if isinstance(ref, dict) and isinstance(ref.get("sha256"), str) else None
-
-
-def plan_mismatch(part: str, m: dict, other: str, m0: dict) -> str | None:
+def plan_mismatch(part: str, plan: bytes | None, other: str, plan0: bytes | None) -> str | None:
     """Why two parts of partitioned builds cannot belong to one dataset, or None: each records
-    the whole plan (every input's name, size and stamp, the units, the options) and its sha256."""
-    for name, x in ((part, m), (other, m0)):
-        if _plan_sha(x) is None:
+    the whole plan (every input's name, size and stamp, the units, the options)."""
+    for name, x in ((part, plan), (other, plan0)):
+        if x is None:
             return (f"{name}: records no plan (built by an older helixtok), so nothing shows it was planned from "
                     "the same corpus as the others; rebuild the part")
-    if _plan_sha(m) == _plan_sha(m0):
+    if plan == plan0:
         return None
-    change = describe_change(_read_plan(other, m0), _read_plan(part, m))
-    return (f"{part} was planned from other inputs or options than {other} ({change}); the corpus changed "
-            "between tasks: rebuild every part from one unchanging corpus")
+    return (f"{part} was planned from other inputs or options than {other} ({_change(plan0, plan)}); the corpus "
+            "changed between tasks: rebuild every part from one unchanging corpus")
 
 
-def check_sibling_parts(out: str, plan_ref: dict, raw_plan: bytes) -> None:
+def _change(old: bytes, new: bytes) -> str:
+    try:
+        return describe_change(json.loads(old), json.loads(new))
+    except ValueError:
+        return f"a {PLAN_FILE} is damaged"
+
+
+def check_sibling_parts(out: str, plan: bytes) -> None:
     """A task refuses to start when finished parts beside its folder were planned otherwise."""
     parent = os.path.dirname(os.path.abspath(out))
     here = os.path.basename(os.path.abspath(out))
@@ -118,17 +115,11 @@ def check_sibling_parts(out: str, plan_ref: dict, raw_plan: bytes) -> None:
         return
     for e in names:
         sibling = os.path.join(parent, e)
-        try:
-            with open(os.path.join(sibling, MANIFEST)) as fh:
-                theirs = json.load(fh)
-        except (OSError, ValueError):
-            continue  # not a finished part: nothing to compare
-        if not isinstance(theirs, dict) or _plan_sha(theirs) is None:
-            continue  # an older part: merge will refuse it, naming why
-        if _plan_sha(theirs) != plan_ref["sha256"]:
-            change = describe_change(_read_plan(sibling, theirs), json.loads(raw_plan))
+        theirs = _plan_of(sibling) if os.path.isfile(os.path.join(sibling, MANIFEST)) else None
+        if theirs is not None and theirs != plan:  # (an unfinished or older part: merge will say)
             raise ConfigError(f"{out}: the corpus or options differ from those {sibling} was planned from "
-                              f"({change}); rebuild every part from one unchanging corpus, or build into a new folder")
+                              f"({_change(theirs, plan)}); rebuild every part from one unchanging corpus, or "
+                              "build into a new folder")
 
 
 def _check_parts(parts: list[str], ms: list[dict]) -> None:
@@ -169,8 +160,9 @@ def merge(parts: list[str], out: str, *, overwrite: bool = False) -> dict:
                                if missing else f"a task is given twice: {idx}")
         order = sorted(range(len(parts)), key=lambda i: tasks[i]["task_index"])
         parts, ms, tasks = [parts[i] for i in order], [ms[i] for i in order], [tasks[i] for i in order]
-        for p, m in zip(parts, ms):  # the first with itself: a lone part's own record
-            why = plan_mismatch(p, m, parts[0], ms[0])
+        plans = [_plan_of(p) for p in parts]
+        for p, plan in zip(parts, plans):  # the first with itself: a lone part's own record
+            why = plan_mismatch(p, plan, parts[0], plans[0])
             if why:
                 raise DatasetError(why)
     check_out_path(out)

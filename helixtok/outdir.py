@@ -11,6 +11,7 @@ import time
 
 from .errors import ConfigError
 from .manifest import MANIFEST, write_json_atomic
+from .planid import PLAN_FILE
 
 STATE = ".helixtok-partial"  # everything an unfinished build keeps; only helixtok writes inside
 LOCK_INFO = ".helixtok-lock"  # who holds the lock, for the message a second build prints
@@ -95,9 +96,8 @@ def _manifest_files(out: str) -> list[str]:
     tok = m.get("tokenizer")
     if isinstance(tok, dict) and isinstance(tok.get("file"), str):
         names.append(tok["file"])
-    plan = m.get("plan")
-    if isinstance(plan, dict) and isinstance(plan.get("file"), str):
-        names.append(plan["file"])
+    if not m.get("merged_from"):
+        names.append(PLAN_FILE)  # what the build was built from (planid.py), beside its manifest
     # A merged dataset's parts: the folders in OUT it was joined from are part of it.
     merged = m.get("merged_from")
     names += [p for p in merged if isinstance(p, str)] if isinstance(merged, list) else []

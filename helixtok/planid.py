@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 
 PLAN_FILE = "build-plan.json"  # beside the manifest: the whole plan (every task of a partitioned build derives it)
@@ -45,5 +44,3 @@ def encode_plan(plan: dict) -> bytes:
     return json.dumps(plan, sort_keys=True, separators=(",", ":")).encode()
 
 
-def plan_digest(raw: bytes) -> str:
-    return hashlib.sha256(raw).hexdigest()

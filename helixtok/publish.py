@@ -158,7 +158,6 @@ def upload(local: str, url: str, *, overwrite: bool, stall: float = 600.0) -> di
 def _prefixed(m: dict, folder: str) -> dict:
     """The manifest with every file path moved under `folder` (as a merged manifest's are under parts)."""
     r = json.loads(json.dumps(m))
-    r.pop("plan", None)  # the build's plan stays with the local build (a rerun there, a merge of parts)
     r["tokenizer"]["file"] = f"{folder}/{m['tokenizer']['file']}"
     for s in r["splits"].values():
         for e in s["shards"]:

@@ -82,7 +82,9 @@ def shapes(tmp_path_factory, dev_corpus, tokenizer_path):
 
 
 def _shards(out):
-    return {n: open(os.path.join(out, n), "rb").read() for n in sorted(os.listdir(out)) if n != "manifest.json"}
+    # build-plan.json records the options, unit cuts included: it differs where they do, as the manifest's options.
+    return {n: open(os.path.join(out, n), "rb").read() for n in sorted(os.listdir(out))
+            if n not in ("manifest.json", "build-plan.json")}
 
 
 def _build_with_each_backend(corpus: list[str], shapes: dict, special: str, root: str) -> dict:

@@ -316,9 +316,11 @@ def test_dead_worker_fails_promptly_with_location(tmp_path, dev_corpus, tokenize
     out = tmp_path / "out"
     p = start_cli(dev_corpus, out, tokenizer_path, "--backend", "hf")  # slow enough to be caught mid-build
     wait_for(str(out / STATE / "u*.part"), p)
-    workers = [k for k in _children(p.pid) if "helixtok-worker" in open(f"/proc/{k}/cmdline").read()]
-    assert workers
-    os.kill(workers[0], signal.SIGKILL)
+    victim = None
+    while victim is None and p.poll() is None:  # one at work (the other may still be starting)
+        victim = next((k for k in _workers_of(p.pid) if _open_input(k, dev_corpus)), None)
+    assert victim
+    os.kill(victim, signal.SIGKILL)
     _, err = p.communicate(timeout=60)
     assert p.returncode == 1
     assert "a worker process died while tokenizing" in err and str(dev_corpus) in err
@@ -327,10 +329,12 @@ def test_dead_worker_fails_promptly_with_location(tmp_path, dev_corpus, tokenize
 
 
 def _open_input(pid, corpus):
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        target = os.readlink(f"/proc/{pid}/fd/{fd}")
-        if target.startswith(str(corpus)):
-            return target
+    with contextlib.suppress(OSError):  # the process, or one of its files, may be gone by now
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if target.startswith(str(corpus)):
+                    return target
     return None
 
 
