@@ -41,7 +41,8 @@ from .pool import WorkerPool
 from .planid import PLAN_FILE, describe_change, encode_plan, whole_plan
 from .shards import fsync_dir
 from .sources import LineRefs, StaleRange, Tally, Unit, UnitReader, discover, plan_units
-from .tokenizer import Encoder, TokenizerInfo, forget_handed, inspect_tokenizer, resolve_tokenizer_path
+from .encode import Encoder
+from .tokenizer import TokenizerInfo, forget_handed, inspect_tokenizer, resolve_tokenizer_path
 
 
 @dataclass
@@ -471,6 +472,7 @@ def _run_units(units: list[Unit], pending: list[Unit], info: TokenizerInfo, conf
 
     if workers is None:  # inline: no pool, easy to debug and profile
         counters = _LocalCounters([0, 0, 0])
+        counters.hook = lambda: report(counters, units_done)  # progress within a unit, as it is read
         _init_worker(config, state, run_id, None, counters, spool=SPOOL_BYTES)
         try:
             for u in order:
@@ -553,12 +555,16 @@ def _where(u: Unit) -> str:
 
 
 class _LocalCounters(list):
-    """The inline run's progress counters: bytes, documents, tokens."""
+    """The inline run's progress counters: bytes, documents, tokens; `hook` is told of each change."""
+
+    hook = None
 
     def bump(self, b: int, d: int, t: int) -> None:
         self[0] += b
         self[1] += d
         self[2] += t
+        if self.hook is not None:
+            self.hook()
 
 
 def build(inputs: list[str], out: str, tokenizer: str, config: BuildConfig, *, overwrite: bool = False,

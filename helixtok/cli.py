@@ -117,7 +117,9 @@ def main():
                    "(4 MiB with tiktoken or tokenizers).")
 @click.option("--overwrite", is_flag=True, help="Replace a dataset or unfinished build in OUT.")
 @click.option("--strict", is_flag=True, help="Fail instead of skipping any bad document or file.")
-@click.option("--quiet", "-q", is_flag=True, help="No progress bar (for logs); warnings and the summary still print.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress (bar or log lines); warnings and the summary still print.")
+@click.option("--log-interval", type=click.FloatRange(min=0, min_open=True), default=30, show_default=True,
+              help="Off a terminal (a pipe, nohup, a Slurm log): seconds between plain progress lines.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as one JSON object.")
 @click.option("--stall-timeout", type=click.FloatRange(min=0, min_open=True), default=600, show_default=True,
               help="Fail when no worker makes progress for this many seconds.")
@@ -139,7 +141,7 @@ def main():
 @handle_errors
 def build(corpus, out, tokenizer, seq_len, packing, min_tail_len, text_field, bos, eos_token, bos_token,
           pad_token, val_fraction, split_seed, shard_size, unit_size, workers, overwrite, strict, quiet, as_json,
-          stall_timeout, special_tokens, strip, backend, staging, num_tasks, task_index):
+          stall_timeout, special_tokens, strip, backend, staging, num_tasks, task_index, log_interval):
     """Tokenize CORPUS (files, folders, globs) into fixed-length token shards in OUT.
 
     \b
@@ -173,7 +175,8 @@ def build(corpus, out, tokenizer, seq_len, packing, min_tail_len, text_field, bo
     if quiet:
         m = run_build(list(corpus), out, tokenizer, cfg, overwrite=overwrite, task=task)
     else:
-        m = _build_with_progress(run_build, con, list(corpus), out, tokenizer, cfg, overwrite, task)
+        show = _build_with_progress if con.is_terminal else functools.partial(_build_with_log_lines, every=log_interval)
+        m = show(run_build, con, list(corpus), out, tokenizer, cfg, overwrite, task)
     from .build import UpToDate
 
     if isinstance(m, UpToDate):  # this very build is already in OUT: nothing was written
@@ -218,6 +221,31 @@ def _build_with_progress(run_build, con, corpus, out, tokenizer, cfg, overwrite,
         return run_build(corpus, out, tokenizer, cfg, overwrite=overwrite, on_progress=on_progress, task=part)
     finally:
         bar.stop()
+
+
+def _build_with_log_lines(run_build, con, corpus, out, tokenizer, cfg, overwrite, part, *, every: float):
+    """Progress where stderr is not a terminal: one plain line at each phase's start and every
+    `every` seconds (a bar would print nothing until the end in a log)."""
+    import time
+
+    t0, last = time.monotonic(), {"phase": None, "at": 0.0}
+
+    def on_progress(p):
+        now = time.monotonic()
+        if p.phase == last["phase"] and now - last["at"] < every:
+            return
+        last.update(phase=p.phase, at=now)
+        dt = max(now - t0, 1e-9)
+        rate = p.bytes_done / dt
+        pct = f" ({100 * p.bytes_done / p.bytes_total:.0f}%)" if p.bytes_total else ""
+        eta = (p.bytes_total - p.bytes_done) / rate if rate > 0 and p.bytes_total else None
+        eta_s = "-" if eta is None else time.strftime("%H:%M:%S", time.gmtime(eta))
+        phase = f"tokenize x{p.processes}" if p.phase == "tokenize" else p.phase
+        click.echo(f"helixtok: {phase}: {p.bytes_done / 1e6:,.1f} of {p.bytes_total / 1e6:,.1f} MB{pct}, "
+                   f"{p.documents:,} documents, {p.tokens:,} tokens, {rate / 1e6:.1f} MB/s, "
+                   f"{dt:.0f} s elapsed, ETA {eta_s}", err=True)
+
+    return run_build(corpus, out, tokenizer, cfg, overwrite=overwrite, on_progress=on_progress, task=part)
 
 
 def _print_build_summary(m, out, as_json, con, up_to_date=False):

@@ -11,13 +11,11 @@ import io
 import os
 import threading
 import zlib
-from typing import TYPE_CHECKING, Iterator
+from typing import Iterator
 
 from .errors import ConfigError, InputError
+from .inputfile import InputFile
 from .objstore import is_url, open_input, size_of
-
-if TYPE_CHECKING:
-    from .sources import InputFile
 
 GZ_INDEX_SPACING = 4 << 20  # decompressed bytes between seek points: what a worker decompresses to skip
 # zstd cannot resume inside a frame: a range decompresses its frame from the start and discards the

@@ -23,6 +23,7 @@ except ImportError:  # optional speed-up: the stdlib path reads every line the s
 
 from .compressed import ZstdRaw, damaged, drop_index, open_stream, plan_gzip, plan_zstd
 from .errors import InputError
+from .inputfile import InputFile
 from .longdoc import (
     LONG_DOC_BYTES,
     SURROGATE,
@@ -111,15 +112,6 @@ class Tally:
             t.counts[r] = v["count"]
             t.examples[r] = list(v["examples"])
         return t
-
-
-@dataclass(frozen=True)
-class InputFile:
-    path: str  # as found (a local path or a URL), used to open the file and in error messages
-    name: str  # relative to the common root of all inputs: what the manifest records
-    kind: str
-    size: int
-    stamp: str  # changes when the content does: see local_stamp; an object's ETag (or the like)
 
 
 # --------------------------------------------------------------------------- discovery

@@ -6,7 +6,7 @@ import hashlib
 import json
 import os
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator
+from typing import Iterable
 
 import numpy as np
 
@@ -237,134 +237,6 @@ def _splits_exactly(tok) -> bool:
         if whole != parts:
             return False
     return True
-
-
-def cut_points(text: str, max_chars: int) -> list[int]:
-    """Cut positions for a long text, each just before a space that follows a non-space and
-    precedes a letter: a pre-token boundary for byte-level BPE (GPT-2, Llama 3 style) and
-    Metaspace tokenizers, so the pieces encode to the same ids as the whole."""
-    cuts = []
-    pos = 0
-    n = len(text)
-    while n - pos > max_chars:
-        target = pos + max_chars
-        cut = -1
-        lo = pos + max_chars // 2
-        i = text.rfind(" ", lo, target)
-        while i > lo:
-            if not text[i - 1].isspace() and i + 1 < n and text[i + 1].isalpha():
-                cut = i
-                break
-            i = text.rfind(" ", lo, i)
-        if cut < 0:  # no boundary in the window: look further on
-            i = text.find(" ", target)
-            while i != -1:
-                if not text[i - 1].isspace() and i + 1 < n and text[i + 1].isalpha():
-                    cut = i
-                    break
-                i = text.find(" ", i + 1)
-        if cut < 0:
-            break
-        cuts.append(cut)
-        pos = cut
-    return cuts
-
-
-class Encoder:
-    """Encodes batches of documents into one id array plus per-document lengths (EOS/BOS added)."""
-
-    def __init__(self, info: TokenizerInfo, *, max_piece_chars: int):
-        self.info = info
-        from .backends import flat_encoder, hf_tokenizer
-
-        # The fast libraries load the file themselves; tokenizers is needed only where it encodes.
-        self.tok = hf_tokenizer(info.path, info.special_tokens) if info.backend in ("hf", "tiktoken") else None
-        self.dtype = info.dtype
-        self.max_piece_chars = max_piece_chars
-        # encode_batch_fast (inside hf) skips offset tracking, which we never use: ~25% faster.
-        self._encode, _, why = flat_encoder(info.backend, info.path, info.special_tokens, self.tok)
-        if self._encode is None:
-            raise TokenizerError(f"{info.path}: backend {info.backend} unavailable: {why}")
-
-    def _pieces(self, docs: list[str]) -> Iterator[tuple[int, str]]:
-        """(document index, text piece), made lazily: a huge document is never held twice."""
-        for d, text in enumerate(docs):
-            if self.info.splittable and len(text) > self.max_piece_chars:
-                bounds = [0, *cut_points(text, self.max_piece_chars), len(text)]
-                for a, b in zip(bounds, bounds[1:]):
-                    yield d, text[a:b]
-            else:
-                yield d, text
-
-    def _flat(self, texts: list[str]) -> np.ndarray:
-        return self._encode(texts)[0].astype(self.dtype, copy=False)
-
-    def encode_stream(self, pieces: Iterable[str], write: Callable[[np.ndarray], object]) -> int:
-        """Encode one document given as text pieces, handing its ids (BOS/EOS included) to
-        `write` a group at a time; returns how many.  The same ids as encode([joined text]):
-        cuts fall only on cut_points of the text seen so far, so memory stays flat."""
-        if not self.info.splittable:  # no exact cut rule: the whole text, as encode() does
-            ids, _ = self.encode(["".join(pieces)])
-            write(ids)
-            return len(ids)
-        n = 0
-
-        def emit(arr: np.ndarray) -> None:
-            nonlocal n
-            write(arr)
-            n += len(arr)
-
-        if self.info.add_bos:
-            emit(np.array([self.info.bos_id], dtype=self.dtype))
-        carry = ""
-        for piece in pieces:
-            carry += piece
-            if len(carry) > self.max_piece_chars:
-                cuts = cut_points(carry, self.max_piece_chars)
-                if cuts:
-                    bounds = [0, *cuts]
-                    emit(self._flat([carry[a:b] for a, b in zip(bounds, bounds[1:])]))
-                    carry = carry[cuts[-1]:]
-        emit(self._flat([carry]))
-        emit(np.array([self.info.eos_id], dtype=self.dtype))
-        return n
-
-    def encode(self, docs: list[str]) -> tuple[np.ndarray, np.ndarray]:
-        """Returns (ids, lengths): ids of all docs concatenated, each [BOS] + text + EOS.
-
-        Memory: the documents, plus about twice their ids (a 50 MB document: 2.4x its size
-        at most), because pieces are encoded in groups of about max_piece_chars characters —
-        an Encoding costs ~100 bytes per token, so one call over 50 MB would hold GBs."""
-        flats, owner, piece_lens = [], [], []
-        group: list[str] = []
-        size = 0
-
-        def encode_group() -> None:
-            ids, lens_ = self._encode(group)
-            flats.append(ids.astype(self.dtype, copy=False))
-            piece_lens.append(lens_)
-            group.clear()
-
-        for d, piece in self._pieces(docs):
-            if group and size + len(piece) > self.max_piece_chars:
-                encode_group()
-                size = 0
-            group.append(piece)
-            owner.append(d)
-            size += len(piece)
-        if group:
-            encode_group()
-        flat = np.concatenate(flats) if flats else np.empty(0, self.dtype)
-        flats.clear()
-        plens = np.concatenate(piece_lens) if piece_lens else np.empty(0, np.int64)
-        lens = np.bincount(np.asarray(owner, dtype=np.int64), weights=plens, minlength=len(docs)).astype(np.int64)
-        out = np.insert(flat, np.cumsum(lens), self.info.eos_id)
-        del flat
-        lens += 1
-        if self.info.add_bos:
-            out = np.insert(out, np.concatenate(([0], np.cumsum(lens)[:-1])), self.info.bos_id)
-            lens += 1
-        return out, lens
 
 
 def train_tokenizer(texts: Iterable[str], out_path: str, *, vocab_size: int, min_frequency: int = 2,

@@ -31,7 +31,8 @@ class TinyLM(nn.Module):
         self.emb = nn.Embedding(vocab, d)
         self.pos = nn.Embedding(max_len, d)
         block = nn.TransformerEncoderLayer(d, 4, 4 * d, dropout=0.0, batch_first=True, norm_first=True)
-        self.blocks = nn.TransformerEncoder(block, layers)
+        # enable_nested_tensor=False: with norm_first torch would only warn that it cannot use it.
+        self.blocks = nn.TransformerEncoder(block, layers, enable_nested_tensor=False)
         self.head = nn.Linear(d, vocab)
 
     def forward(self, input_ids, labels, attention_mask):

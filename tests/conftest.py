@@ -57,10 +57,8 @@ def _find_dev() -> Path | None:
     """The optional large tier: $HELIXTOK_DEV_CORPUS, else ../shared/corpus/dev beside the checkout."""
     if os.environ.get("HELIXTOK_DEV_CORPUS"):
         return Path(os.environ["HELIXTOK_DEV_CORPUS"])
-    for c in (Path(__file__).resolve().parents[2] / "shared" / "corpus" / "dev", Path("/work/shared/corpus/dev")):
-        if c.is_dir():
-            return c
-    return None
+    c = Path(__file__).resolve().parents[2] / "shared" / "corpus" / "dev"  # never a path of one machine
+    return c if c.is_dir() else None
 
 
 SHARED_DEV = _find_dev()

@@ -12,7 +12,8 @@ from helixtok.backends import hf_ids, hf_tokenizer, tiktoken_encoding
 from helixtok.build import build
 from helixtok.config import BuildConfig
 from helixtok.errors import TokenizerError
-from helixtok.tokenizer import Encoder, inspect_tokenizer
+from helixtok.encode import Encoder
+from helixtok.tokenizer import inspect_tokenizer
 
 
 def stream(out, split="train"):
