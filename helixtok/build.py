@@ -33,7 +33,7 @@ from .compressed import drop_index
 from .config import BuildConfig, worker_bytes
 from .errors import ConfigError, HelixtokError, InputError, Interrupted, resource_error
 from .longdoc import LongText, stripped, utf8_len
-from .manifest import DOC_SKIPS, FORMAT_VERSION, MANIFEST, REPAIRS, load_manifest, manifest_files, write_json_atomic
+from .manifest import DOC_SKIPS, FORMAT_VERSION, MANIFEST, REPAIRS, load_manifest, source_counts, manifest_files, write_json_atomic
 from .merge import check_sibling_parts, partition
 from .objstore import current, expired, is_url
 from .outdir import PUBLISH, STATE, OutLock, check_out_path, read_list, refuse_foreign, remove_owned
@@ -206,8 +206,16 @@ def _run_unit(unit: Unit, info: TokenizerInfo) -> dict:
     tally = Tally(strict=cfg.strict)
     reader = UnitReader(unit, cfg.text_field, tally, long_bytes=cfg.long_doc_bytes)
     batch = {s: [] for s in splits}
+    batch_src = {s: [] for s in splits}  # each batched document's source (UnitReader.source)
+    sources: dict[str, list[int]] = {}  # source -> [documents, tokens, text bytes]
     chars = 0
     last_consumed = 0
+
+    def count(src: str, d: int, t: int, b: int) -> None:
+        c = sources.setdefault(src, [0, 0, 0])
+        c[0] += d
+        c[1] += t
+        c[2] += b
 
     def flush() -> None:
         nonlocal chars, last_consumed
@@ -219,7 +227,11 @@ def _run_unit(unit: Unit, info: TokenizerInfo) -> dict:
             files[s][0].write(ids)
             files[s][1].write(lens.astype("<i8"))
             # Counted once encoded: the libraries have (mostly) cached each text's UTF-8 by then.
-            text_bytes[s] += sum(map(utf8_len, batch[s]))
+            sizes = list(map(utf8_len, batch[s]))
+            text_bytes[s] += sum(sizes)
+            for src, n, b in zip(batch_src[s], lens.tolist(), sizes):
+                count(src, 1, n, b)
+            batch_src[s].clear()
             docs[s] += len(lens)
             tokens[s] += len(ids)
             ntok += len(ids)
@@ -248,6 +260,7 @@ def _run_unit(unit: Unit, info: TokenizerInfo) -> dict:
                 docs[s] += 1
                 tokens[s] += n
                 text_bytes[s] += nbytes[0]
+                count(reader.source(), 1, n, nbytes[0])
                 _bump(counters, reader.consumed - last_consumed, 1, n)
                 last_consumed = reader.consumed
                 continue
@@ -258,6 +271,7 @@ def _run_unit(unit: Unit, info: TokenizerInfo) -> dict:
                 continue
             s = _split_of(text, cfg.val_fraction, cfg.split_seed) if cfg.val_fraction > 0 else 0
             batch[splits[s]].append(text)
+            batch_src[splits[s]].append(reader.source())
             chars += len(text)
             if chars >= cfg.batch_chars:
                 flush()
@@ -283,7 +297,7 @@ def _run_unit(unit: Unit, info: TokenizerInfo) -> dict:
                 os.replace(os.path.join(state, n + ".part"), os.path.join(state, n))
         spill[s] = [[n, fh.size, fh.crc] for n, fh in zip(names[s], files[s])]
     result = {"index": unit.index, "run": run, "spill": spill, "documents": docs, "tokens": tokens,
-              "text_bytes": text_bytes, "lines": reader.lines, "skipped": tally.to_json()}
+              "text_bytes": text_bytes, "lines": reader.lines, "skipped": tally.to_json(), "sources": sources}
     write_json_atomic(done_path(state, unit.index), result, durable=False)
     if memory:
         result["memory"] = memory  # {split: (id arrays, length arrays)}, for the assembly in this process
@@ -401,7 +415,7 @@ def _trusted_results(state: str, units: list[Unit], assembled: set[int]) -> dict
         try:
             with open(done_path(state, u.index)) as fh:
                 r = json.load(fh)
-            ok = r["index"] == u.index and "lines" in r and (u.index in assembled or all(
+            ok = r["index"] == u.index and "lines" in r and "sources" in r and (u.index in assembled or all(
                 _spill_intact(os.path.join(state, n), size, crc) for files in r["spill"].values() for n, size, crc in files))
         except (OSError, ValueError, KeyError, TypeError):
             ok = False
@@ -820,6 +834,12 @@ def _build_started(out, info, config, overwrite, on_progress, part, files, units
     totals["stored_tokens"] = totals["chunks"] * config.seq_len
     totals["skipped_documents"] = sum(tally.counts.get(r, 0) for r in DOC_SKIPS)
     totals["repaired_documents"] = sum(tally.counts.get(r, 0) for r in REPAIRS)
+    per_source: dict[str, list[int]] = {}
+    for r in results:
+        for src, c in r["sources"].items():
+            acc = per_source.setdefault(src, [0, 0, 0])
+            for i in range(3):
+                acc[i] += c[i]
     manifest = {
         "format_version": FORMAT_VERSION,
         "helixtok_version": __version__,
@@ -837,6 +857,7 @@ def _build_started(out, info, config, overwrite, on_progress, part, files, units
         **({"partition": part} if part else {}),
         "splits": splits,
         "totals": totals,
+        "sources": source_counts(per_source),
         "skipped": tally.to_json(),
         "warnings": warnings.to_json(),
     }

@@ -102,7 +102,9 @@ def main():
 @click.option("--min-tail-len", type=click.IntRange(min=1), default=None,
               help="document packing: shortest kept document / tail chunk [default: seq-len // 4].")
 @click.option("--text-field", default="text", show_default=True, help="JSON field or parquet column with the text.")
-@click.option("--bos/--no-bos", default=False, show_default=True, help="Prepend BOS to every document.")
+@click.option("--bos/--no-bos", default=None,
+              help="Prepend BOS to every document, or not [default: as the tokenizer's post-processor does for "
+                   "one sequence, e.g. Llama 3 yes, GPT-2 no].")
 @click.option("--eos-token", default=None, help="EOS token [default: detected from the tokenizer].")
 @click.option("--bos-token", default=None, help="BOS token for --bos [default: detected].")
 @click.option("--pad-token", default=None, help="Padding token for document packing [default: the tokenizer's, else EOS].")

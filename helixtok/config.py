@@ -44,7 +44,7 @@ class BuildConfig:
     packing: str = "packed"
     min_tail_len: int | None = None  # document packing only; default seq_len // 4
     text_field: str = "text"
-    add_bos: bool = False
+    add_bos: bool | None = None  # None: the tokenizer's own rule (its post-processor); True/False: --bos/--no-bos
     eos_token: str | None = None
     bos_token: str | None = None
     pad_token: str | None = None

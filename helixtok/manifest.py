@@ -69,6 +69,11 @@ def load_manifest(out_dir: str) -> dict:
     return m
 
 
+def source_counts(per_source: dict[str, list[int]]) -> dict:
+    """The manifest's `sources`: documents, tokens and text bytes per source (sources.source_of), by name."""
+    return {k: {"documents": d, "tokens": t, "text_bytes": b} for k, (d, t, b) in sorted(per_source.items())}
+
+
 def manifest_files(m: dict) -> dict[str, str]:
     """Every file a (validated) manifest names, relative path -> sha256: tokenizer, shards, sidecars."""
     files = {m["tokenizer"]["file"]: m["tokenizer"]["sha256"]}

@@ -618,6 +618,12 @@ def _bounded_lines(stream, cap: int) -> Iterator[bytes | int]:
         yield n + len(more)
 
 
+def source_of(name: str) -> str:
+    """A file's source, for per-source counts (mixture weights): its top-level folder under the
+    corpus root; "." for the files directly in it."""
+    return name.split("/", 1)[0] if "/" in name else "."
+
+
 class StaleRange(Exception):
     """A .gz range did not read as planned (its lines and CRC-32): its seek index is damaged, or,
     read without one, the file changed.  Raised at the range's end: what was read must be discarded."""
@@ -645,6 +651,10 @@ class UnitReader:
         self.consumed = 0
         self.lines = 0  # lines of a .jsonl unit read so far (all of them once it is read through)
         self._loc: tuple = ("", None, "")
+
+    def source(self) -> str:
+        """The source of the document last yielded: source_of its file."""
+        return source_of(self._loc[0])
 
     def where(self) -> str:
         """Location of the document last yielded: file, file:line, or file row N."""

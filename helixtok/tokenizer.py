@@ -117,6 +117,8 @@ class TokenizerInfo:
     # The tokenizers release every backend was checked against: its ids changed between releases
     # (Unicode tables 14 -> 16), so a resume or a merge across releases could mix two tokenizations.
     reference_version: str = ""
+    # Why add_bos is what it is: "tokenizer" (its post-processor's rule for one sequence), "--bos", "--no-bos".
+    bos_rule: str = "--no-bos"
 
     @property
     def dtype(self) -> np.dtype:
@@ -128,7 +130,7 @@ class TokenizerInfo:
             "backend_version": self.backend_version, "special_tokens_in_text": self.special_tokens,
             "eos_id": self.eos_id, "eos_token": self.eos_token,
             "pad_id": self.pad_id, "pad_token": self.pad_token,
-            "bos_id": self.bos_id, "bos_token": self.bos_token, "add_bos": self.add_bos,
+            "bos_id": self.bos_id, "bos_token": self.bos_token, "add_bos": self.add_bos, "bos_rule": self.bos_rule,
             "reference_version": self.reference_version,
         }
 
@@ -185,8 +187,11 @@ def _config_token(tok_path: str, key: str) -> str | None:
 
 
 def inspect_tokenizer(spec: str, *, eos_token: str | None = None, bos_token: str | None = None,
-                      pad_token: str | None = None, add_bos: bool = False, special_tokens: str = "text"
+                      pad_token: str | None = None, add_bos: bool | None = False, special_tokens: str = "text"
                       ) -> TokenizerInfo:
+    """What a build needs to know of a tokenizer: special ids, vocabulary size, dtype, whether long
+    documents may be cut.  add_bos None: what the tokenizer's post-processor puts before a single
+    sequence (Llama 3: <|begin_of_text|>; GPT-2: nothing), as tokenizer(text) does in transformers."""
     path = resolve_tokenizer_path(spec)
     tok = load_tokenizer(path)
     vocab = tok.get_vocab(with_added_tokens=True)
@@ -211,17 +216,37 @@ def inspect_tokenizer(spec: str, *, eos_token: str | None = None, bos_token: str
         return None
 
     eos = pick(eos_token, "eos_token", EOS_CANDIDATES, "eos", True)
+    rule = "--bos" if add_bos else "--no-bos"
+    if add_bos is None:
+        lead = _post_processor_bos(tok)
+        add_bos, rule = lead is not None, "tokenizer"
+        if lead is not None and bos_token is None:
+            bos_token = tok.id_to_token(lead)
     bos = pick(bos_token, "bos_token", BOS_CANDIDATES, "bos", add_bos)
     pad = pick(pad_token, "pad_token", PAD_CANDIDATES, "pad", False) or eos
     info = TokenizerInfo(
         path=path, sha256=sha256_file(path), vocab_size=max(vocab.values()) + 1,
         eos_id=vocab[eos], eos_token=eos, pad_id=vocab[pad], pad_token=pad,
-        bos_id=vocab[bos] if bos else None, bos_token=bos, add_bos=add_bos,
+        bos_id=vocab[bos] if bos else None, bos_token=bos, add_bos=add_bos, bos_rule=rule,
         splittable=_splits_exactly(tok), special_tokens=special_tokens, reference_version=reference_version(),
     )
     _handed.clear()
     _handed[_file_key(path)] = tok
     return info
+
+
+def _post_processor_bos(tok) -> int | None:
+    """The one special id the tokenizer's post-processor puts before a single sequence, or None."""
+    lead = None
+    for probe in ("a", "hello world"):
+        with_ = tok.encode(probe, add_special_tokens=True).ids
+        bare = tok.encode(probe, add_special_tokens=False).ids
+        k = next((k for k in range(len(with_) - len(bare) + 1) if with_[k: k + len(bare)] == bare), None)
+        if k != 1 or (lead is not None and with_[0] != lead):
+            return None
+        lead = with_[0]
+    specials = {i for i, t in tok.get_added_tokens_decoder().items() if t.special}
+    return lead if lead in specials else None
 
 
 # Probe texts with a cut point: encode(a + b) must equal encode(a) + encode(b) for a

@@ -433,3 +433,34 @@ def test_the_same_command_on_a_finished_out_is_up_to_date_and_rewrites_nothing(t
     shard.write_bytes(shard.read_bytes()[:-2])
     r = CliRunner().invoke(main, args)
     assert r.exit_code == 1 and f"{shard.name} is missing or has another size" in r.output
+
+
+def test_bos_follows_the_tokenizers_own_rule_unless_told(tmp_path, small_tok):
+    """Llama 3's tokenizer adds <|begin_of_text|> through its post-processor (what tokenizer(text)
+    gives in transformers): by default a build does the same, GPT-2's adds nothing; --bos/--no-bos
+    override; the manifest says which rule gave add_bos."""
+    from tokenizers import Tokenizer, processors
+
+    spec = Tokenizer.from_file(small_tok)
+    spec.add_special_tokens(["<|begin_of_text|>"])
+    bos = spec.token_to_id("<|begin_of_text|>")
+    spec.post_processor = processors.TemplateProcessing(single="<|begin_of_text|> $A", special_tokens=[
+        ("<|begin_of_text|>", bos)])
+    llama_like = str(tmp_path / "llama_like.json")
+    spec.save(llama_like)
+    write(tmp_path / "c" / "a.txt", "hello world " * 20)
+    write(tmp_path / "c" / "b.txt", "the quick brown fox " * 20)
+    got = {}
+    for name, tok, add_bos in (("llama", llama_like, None), ("llama-no", llama_like, False), ("gpt2", small_tok, None),
+                               ("gpt2-bos", small_tok, True)):
+        kw = {} if add_bos is None else {"add_bos": add_bos}
+        cfg = BuildConfig(seq_len=4, workers=1, bos_token="<pad>" if name == "gpt2-bos" else None, **kw)
+        m = build([str(tmp_path / "c")], str(tmp_path / name), tok, cfg)
+        stream = np.fromfile(tmp_path / name / "train-00000.bin", dtype="<u2")
+        starts = np.fromfile(tmp_path / name / "train-00000.docs", dtype="<u8")
+        got[name] = (m["tokenizer"]["add_bos"], m["tokenizer"]["bos_rule"], stream[starts[starts < len(stream)]])
+    assert got["llama"][:2] == (True, "tokenizer") and (got["llama"][2] == bos).all()
+    assert got["llama-no"][:2] == (False, "--no-bos") and not (got["llama-no"][2] == bos).any()
+    assert got["gpt2"][:2] == (False, "tokenizer")
+    pad = Tokenizer.from_file(small_tok).token_to_id("<pad>")
+    assert got["gpt2-bos"][:2] == (True, "--bos") and (got["gpt2-bos"][2] == pad).all()
