@@ -688,7 +688,14 @@ def _build_in(out, info, config, overwrite, on_progress, part, files, units, war
                 os.rmdir(out)  # only if the build left nothing: a failed first build leaves no trace
 
 
-class UpToDate(dict):
+class Built(dict):
+    """What build() returns: the manifest, and how the run went (not part of the dataset)."""
+
+    reused_units = 0  # work units an interrupted run had finished, taken as they were
+    units = 0
+
+
+class UpToDate(Built):
     """The manifest build() returns when OUT already held this very build: nothing was written."""
 
 
@@ -862,7 +869,9 @@ def _build_started(out, info, config, overwrite, on_progress, part, files, units
         "warnings": warnings.to_json(),
     }
     _publish(out, state, asm, splits, manifest, ["tokenizer.json", PLAN_FILE])
-    return manifest
+    built = Built(manifest)
+    built.reused_units, built.units = len(trusted), len(units)
+    return built
 
 
 def _check_unchanged(files) -> None:

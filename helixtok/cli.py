@@ -8,6 +8,7 @@ import re
 import signal
 import sys
 import threading
+import time
 
 import click
 
@@ -153,6 +154,7 @@ def build(corpus, out, tokenizer, seq_len, packing, min_tail_len, text_field, bo
     import functools
     import os
 
+    started = time.monotonic()
     if not corpus:  # click gave the one path to OUT
         raise click.UsageError(f"one path given ({out}): give the corpus, then the folder to build into, "
                                f"e.g. helixtok build {out} out/ -t TOKENIZER")
@@ -188,7 +190,9 @@ def build(corpus, out, tokenizer, seq_len, packing, min_tail_len, text_field, bo
             click.echo(f"up to date: {out} ({m['totals']['chunks']:,} chunks of {m['seq_len']}; inputs and options "
                        "unchanged, nothing rewritten)")
         return
-    _print_build_summary(m, out, as_json, _console())  # -q hides the bar, never the warnings
+    # -q hides the progress, never the summary or its warnings
+    _print_build_summary(m, out, as_json, _console(), up_to_date=False, elapsed=time.monotonic() - started,
+                         reused=getattr(m, "reused_units", 0), units=getattr(m, "units", 0))
 
 
 def _build_with_progress(run_build, con, corpus, out, tokenizer, cfg, overwrite, part):
@@ -250,19 +254,23 @@ def _build_with_log_lines(run_build, con, corpus, out, tokenizer, cfg, overwrite
     return run_build(corpus, out, tokenizer, cfg, overwrite=overwrite, on_progress=on_progress, task=part)
 
 
-def _print_build_summary(m, out, as_json, con, up_to_date=False):
-    t = m["totals"]
+def _print_build_summary(m, out, as_json, con, up_to_date=None, elapsed=None, reused=0, units=0):
+    """The table of splits, every term of the token arithmetic, what the build did, and warnings."""
+    from .summary import lines, summarize
+
+    t, summ = m["totals"], summarize(m, out)
     if as_json:
-        click.echo(json.dumps({"out": out, "up_to_date": up_to_date, "dtype": m["dtype"], "seq_len": m["seq_len"],
-                               "packing": m["packing"],
+        click.echo(json.dumps({"out": out, **({"up_to_date": up_to_date} if up_to_date is not None else {}),
+                               "dtype": m["dtype"], "seq_len": m["seq_len"], "packing": m["packing"],
                                "totals": t, "splits": {k: {kk: v[kk] for kk in ("num_chunks", "num_tokens")}
                                                        for k, v in m["splits"].items()},
-                               "skipped": m["skipped"], "warnings": m["warnings"]}))
+                               "skipped": m["skipped"], "warnings": m["warnings"], **summ,
+                               **({"elapsed_s": round(elapsed, 3), "reused_units": reused}
+                                  if elapsed is not None else {})}))
         return
     from rich.console import Console
-    from rich.table import Table
-
     from rich.markup import escape
+    from rich.table import Table
 
     tab = Table(title=escape(f"{out}  ({m['packing']}, seq_len {m['seq_len']}, {m['dtype']})"), show_header=True)
     for col in ("split", "documents", "chunks", "stored tokens", "pad", "dropped"):
@@ -276,10 +284,31 @@ def _print_build_summary(m, out, as_json, con, up_to_date=False):
     # Every term of the arithmetic, so no token is unaccounted for.
     click.echo(f"tokens: produced {t['tokens']:,} + pad {t['pad_tokens']:,} - dropped {t['dropped_tokens']:,} "
                f"= stored {t['chunks'] * m['seq_len']:,} = {t['chunks']:,} chunks x {m['seq_len']}")
+    for line in lines(summ, elapsed=elapsed, reused=reused, units=units):
+        click.echo(line)
     for kind in ("skipped", "warnings"):
         for reason, v in m[kind].items():
             con.print(f"[yellow]warning[/]: {v['count']:,} x {reason.replace('_', ' ')}, e.g. "
-                      + "; ".join(v["examples"][:3]))
+                      + escape("; ".join(v["examples"][:3])))
+    for a in summ["alerts"]:
+        con.print("[yellow]warning[/]: " + escape(a))
+
+
+@main.command()
+@click.argument("out")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@handle_errors
+def info(out, as_json):
+    """What a finished dataset holds, from its manifest: splits, token arithmetic, backend, BOS,
+    padding and dropped shares, size on disk, tokens per source, warnings.
+
+    \b
+    Example:
+      helixtok info out/
+    """
+    from .manifest import load_manifest
+
+    _print_build_summary(load_manifest(out), out, as_json, _console())
 
 
 @main.command()

@@ -258,3 +258,38 @@ def test_progress_off_a_terminal_is_plain_lines(tmp_path, corpus, small_tok):
                for ln in lines), lines
     p = subprocess.run(args[:5] + [str(tmp_path / "q")] + args[6:] + ["-q"], capture_output=True, text=True)
     assert p.returncode == 0 and p.stderr == ""
+
+
+def test_the_summary_says_what_happened_and_warns_with_the_fix(tmp_path, small_tok):
+    """Backend and version, BOS and its rule, time and MB/s, size on disk, padding and dropped
+    shares, tokens per source (also in the manifest), reused units; a warning naming the option
+    when over 5% of documents or tokens were dropped or over 10% of stored tokens are padding;
+    `helixtok info` says the same from the manifest alone."""
+    c = tmp_path / "c"
+    for src, n in (("web", 30), ("code", 10)):
+        (c / src).mkdir(parents=True)
+        for i in range(n):  # short documents: document packing at -L 64 drops those under 16 tokens
+            (c / src / f"{i:03d}.txt").write_text("hello world " * (2 + 5 * (i % 4)))
+    out = tmp_path / "out"
+    args = ["build", str(c), str(out), "-t", small_tok, "-L", "64", "--pack", "document", "-j", "1", "-q"]
+    r = CliRunner().invoke(main, args + ["--json"])
+    assert r.exit_code == 0, r.output
+    j = json.loads(r.stdout)
+    m = json.load(open(out / "manifest.json"))
+    assert m["sources"] == {k: {kk: v[kk] for kk in ("documents", "tokens", "text_bytes")} for k, v in j["sources"].items()}
+    assert sum(v["tokens"] for v in m["sources"].values()) == m["totals"]["tokens"]
+    assert (m["sources"]["web"]["documents"], m["sources"]["code"]["documents"]) == (30, 10)
+    assert j["bytes_on_disk"] == sum(os.path.getsize(out / n) for n in os.listdir(out)
+                                     if n not in ("manifest.json", "build-plan.json"))
+    t = m["totals"]
+    assert j["pad_share"] == t["pad_tokens"] / (t["chunks"] * 64) > 0.10
+    assert j["dropped_document_share"] == t["dropped_documents"] / t["documents"] > 0.05
+    assert j["backend_version"].startswith(j["backend"] if j["backend"] != "hf" else "tokenizers")
+    assert j["elapsed_s"] > 0 and j["reused_units"] == 0 and len(j["alerts"]) == 2
+    r = CliRunner().invoke(main, ["info", str(out)])
+    assert r.exit_code == 0, r.output
+    text = " ".join(r.output.split())
+    assert "--min-tail-len 1 keeps them" in text and "--pack packed stores none" in text
+    assert "no BOS (the tokenizer's rule)" in text and " on disk" in text and "took" not in text
+    assert f"web {m['sources']['web']['tokens']:,} tokens" in text and "padding " in text
+    assert json.loads(CliRunner().invoke(main, ["info", str(out), "--json"]).stdout)["alerts"] == j["alerts"]

@@ -6,6 +6,7 @@ import filecmp
 import glob
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -531,7 +532,9 @@ def test_kill_9_leaves_no_process_behind_and_the_rerun_succeeds_first_time(tmp_p
     p.communicate(timeout=10)  # returns only once no process holds its stdout/stderr: a `| cat` would end
     assert time.time() - t < 2 and _gone_within(kids, 2)
     p = start_cli(dev_corpus, out, tokenizer_path)
-    assert p.wait() == 0, p.communicate()
+    stdout, err = p.communicate()
+    assert p.returncode == 0, err
+    assert re.search(r"resumed: [1-9][\d,]* of [\d,]+ work units reused from an interrupted run", stdout), stdout
     same_folder(out, dev_packed)
 
 
