@@ -13,8 +13,8 @@ PIP=("$VENV/bin/python" -m pip)
 # torch: detected, never assumed. PyPI's default build is a multi-GB CUDA one, right only where
 # an NVIDIA GPU is; elsewhere a CPU build: one pip already sees offline (a local wheel, through
 # find-links or a wheelhouse) if there is one, else PyTorch's CPU wheel index.
-if "$VENV/bin/python" -c "import torch" 2>/dev/null; then
-    echo "quickstart: torch $("$VENV/bin/python" -c 'import torch; print(torch.__version__)') already in $VENV" >&2
+if "$VENV/bin/python" -c "from importlib.metadata import version; version('torch')" 2>/dev/null; then
+    echo "quickstart: torch $("$VENV/bin/python" -c "from importlib.metadata import version; print(version('torch'))") already in $VENV" >&2
 elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
     echo "quickstart: NVIDIA GPU found (nvidia-smi -L): PyPI's torch, a CUDA build" >&2
     "${PIP[@]}" install -q torch
@@ -36,7 +36,9 @@ print(url if "%2Bcpu" in url or "+cpu" in url else "")' || true)"
 fi
 # Keep that torch for every later pip call in this environment, from any folder: a constraint
 # named in the environment's own pip.conf (a test extra must not swap it for another build).
-"$VENV/bin/python" -c 'import torch; print(f"torch=={torch.__version__}")' > "$VENV/torch-constraint.txt"
+# (its version from the metadata: importing torch before numpy is installed prints a warning)
+"$VENV/bin/python" -c 'from importlib.metadata import version; print("torch==" + version("torch"))' \
+    > "$VENV/torch-constraint.txt"
 printf '[global]\nconstraint = %s\n' "$VENV/torch-constraint.txt" > "$VENV/pip.conf"
 "${PIP[@]}" install -q -e ".[torch]"
 export PATH="$VENV/bin:$PATH"
