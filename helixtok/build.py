@@ -154,6 +154,16 @@ def _split_of_pieces(pieces, fraction: float, seed: int) -> int:
     return int(int.from_bytes(h.digest(), "little") < fraction * 2.0**64)
 
 
+def kept(text: str, cfg: BuildConfig) -> tuple[str, int | None]:
+    """A document as tokenized (stripped with --strip) and its split (0 train, 1 val); split None:
+    skipped, being empty.  (A LongText is split by _split_of_pieces.)"""
+    if cfg.strip:
+        text = text.strip()
+    if not text or text.isspace():
+        return text, None
+    return text, _split_of(text, cfg.val_fraction, cfg.split_seed) if cfg.val_fraction > 0 else 0
+
+
 def done_path(state: str, index: int) -> str:
     return os.path.join(state, f"u{index:06d}.done.json")
 
@@ -264,12 +274,10 @@ def _run_unit(unit: Unit, info: TokenizerInfo) -> dict:
                 _bump(counters, reader.consumed - last_consumed, 1, n)
                 last_consumed = reader.consumed
                 continue
-            if cfg.strip:
-                text = text.strip()
-            if not text or text.isspace():
+            text, s = kept(text, cfg)
+            if s is None:
                 tally.add("empty", reader.where())
                 continue
-            s = _split_of(text, cfg.val_fraction, cfg.split_seed) if cfg.val_fraction > 0 else 0
             batch[splits[s]].append(text)
             batch_src[splits[s]].append(reader.source())
             chars += len(text)
@@ -865,6 +873,8 @@ def _build_started(out, info, config, overwrite, on_progress, part, files, units
         "splits": splits,
         "totals": totals,
         "sources": source_counts(per_source),
+        # Documents per work unit and split, in unit order: where a document came from (show.py).
+        "unit_documents": {sp: [r["documents"].get(sp, 0) for r in results] for sp in splits},
         "skipped": tally.to_json(),
         "warnings": warnings.to_json(),
     }

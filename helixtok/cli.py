@@ -296,6 +296,46 @@ def _print_build_summary(m, out, as_json, con, up_to_date=None, elapsed=None, re
 
 @main.command()
 @click.argument("out")
+@click.argument("index", nargs=-1, type=click.IntRange(min=0))
+@click.option("--split", default="train", show_default=True, help="Which split (train or val).")
+@click.option("--raw", is_flag=True, help="Ids instead of decoded text.")
+@click.option("--corpus", default=None,
+              help="The corpus the build read (as given to build): each document's exact file:line or row.")
+@handle_errors
+def show(out, index, split, raw, corpus):
+    """Print chunks INDEX... of OUT (default: chunk 0) decoded, cut where documents start, each
+    document with where it came from.
+
+    \b
+    Example:
+      helixtok show out/ 0 41 --corpus corpus/
+    """
+    import os
+
+    from .manifest import load_manifest
+    from .show import chunk_segments, document_source
+
+    m = load_manifest(out)
+    tok = None
+    if not raw:
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_file(os.path.join(out, m["tokenizer"]["file"]))
+    n = m["splits"][split]["num_chunks"] if split in m["splits"] else 0
+    for i in index or (0,):
+        click.echo(f"=== chunk {i} of {n:,} ({split}, {m['packing']}, seq_len {m['seq_len']}) ===")
+        for seg in chunk_segments(out, m, split, i):
+            if seg.document is not None:
+                how = "starts" if seg.starts else "continues"
+                click.echo(f"--- document {seg.document:,} {how}: {document_source(out, m, split, seg.document, corpus)}"
+                           " ---")
+            click.echo(" ".join(map(str, seg.ids)) if raw else tok.decode(seg.ids, skip_special_tokens=False))
+            if seg.pad:
+                click.echo(f"--- {seg.pad:,} pad ({m['tokenizer']['pad_token']}) ---")
+
+
+@main.command()
+@click.argument("out")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @handle_errors
 def info(out, as_json):

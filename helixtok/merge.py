@@ -212,7 +212,10 @@ def _merge_locked(parts: list[str], ms: list[dict], out: str) -> dict:
                                        "min_tail_len", "tokenizer", "options")},
               "inputs": _merged_inputs(ms),
               "merged_from": [os.path.relpath(os.path.abspath(p), os.path.abspath(out)) for p in parts],
-              "splits": splits, "totals": totals, "sources": source_counts(per_source), "skipped": skipped.to_json(),
+              "splits": splits, "totals": totals, "sources": source_counts(per_source),
+              "unit_documents": {sp: [n for m in ms for n in (m.get("unit_documents") or {}).get(sp, [])]
+                                 for sp in splits},
+              "skipped": skipped.to_json(),
               "warnings": warnings.to_json()}
     tok_src = os.path.join(parts[0], first["tokenizer"]["file"])
     shutil.copyfile(tok_src, os.path.join(out, ".tokenizer.json.tmp"))

@@ -7,6 +7,7 @@ import re
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 from click.testing import CliRunner
 
@@ -293,3 +294,48 @@ def test_the_summary_says_what_happened_and_warns_with_the_fix(tmp_path, small_t
     assert "no BOS (the tokenizer's rule)" in text and " on disk" in text and "took" not in text
     assert f"web {m['sources']['web']['tokens']:,} tokens" in text and "padding " in text
     assert json.loads(CliRunner().invoke(main, ["info", str(out), "--json"]).stdout)["alerts"] == j["alerts"]
+
+
+def test_show_cuts_chunks_at_documents_and_names_each_documents_line(tmp_path, small_tok):
+    """`helixtok show`: a chunk's ids, cut where documents start (the .docs sidecar), each document
+    numbered and named by its source line (read again with --corpus; empty lines skipped as the
+    build skips them), padding marked in document packing; --raw gives the ids themselves."""
+    from tokenizers import Tokenizer
+
+    c = tmp_path / "c"
+    (c / "web").mkdir(parents=True)
+    texts = [f"doc {i} " + "hello world " * (i % 7 + 1) for i in range(40)]
+    lines = [json.dumps({"text": t}) for t in texts]
+    lines.insert(5, json.dumps({"text": "   "}))  # skipped: line numbers and document numbers part ways here
+    (c / "web" / "a.jsonl").write_text("\n".join(lines) + "\n")
+    out = tmp_path / "out"
+    assert CliRunner().invoke(main, ["build", str(c), str(out), "-t", small_tok, "-L", "32", "-j", "1", "-q"]).exit_code == 0
+    tok = Tokenizer.from_file(small_tok)
+    eos = tok.token_to_id("<|endoftext|>")
+    stream = [i for t in texts for i in tok.encode(t, add_special_tokens=False).ids + [eos]]
+    starts = np.cumsum([0] + [len(tok.encode(t, add_special_tokens=False).ids) + 1 for t in texts])
+    for chunk in (0, 7, len(stream) // 32 - 1):
+        r = CliRunner().invoke(main, ["show", str(out), str(chunk), "--raw", "--corpus", str(c)])
+        assert r.exit_code == 0, r.output
+        body = r.output.splitlines()[1:]
+        heads, rows = body[0::2], body[1::2]
+        assert [int(x) for row in rows for x in row.split()] == stream[chunk * 32: (chunk + 1) * 32]
+        for h, row in zip(heads, rows):
+            d = int(re.search(r"document ([\d,]+)", h).group(1))
+            line = d + 1 + (d >= 5)  # the blank line 6 holds no document
+            assert h.endswith(f": a.jsonl:{line} ---"), h  # (names relative to the corpus's common root)
+            assert ("starts" in h) == (starts[d] >= chunk * 32)
+    r = CliRunner().invoke(main, ["show", str(out), "1"])
+    assert r.exit_code == 0 and "a.jsonl (work unit 0; --corpus for the line)" in r.output
+    raw = CliRunner().invoke(main, ["show", str(out), "1", "--raw"]).output.splitlines()
+    texts_shown = r.output.splitlines()
+    assert [ln for ln in texts_shown if ln.startswith("---")] == [ln for ln in raw if ln.startswith("---")]
+    for ids_line, text_line in zip(raw[2::2], texts_shown[2::2]):  # each document's ids, decoded
+        assert text_line == tok.decode([int(x) for x in ids_line.split()], skip_special_tokens=False)
+    doc = tmp_path / "doc"
+    assert CliRunner().invoke(main, ["build", str(c), str(doc), "-t", small_tok, "-L", "32", "-j", "1", "-q",
+                                     "--pack", "document", "--min-tail-len", "1"]).exit_code == 0
+    r = CliRunner().invoke(main, ["show", str(doc), "0", "--raw"])
+    n0 = len(tok.encode(texts[0], add_special_tokens=False).ids) + 1
+    assert r.exit_code == 0 and f"--- {32 - n0} pad (" in r.output
+    assert CliRunner().invoke(main, ["show", str(doc), "99999"]).exit_code == 1

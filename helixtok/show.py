@@ -1,0 +1,116 @@
+"""Look inside a built dataset: a chunk's ids cut at document boundaries, and where each document came from."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from .errors import ConfigError, DatasetError
+from .manifest import DTYPES, split_entry
+from .planid import PLAN_FILE
+
+
+@dataclass
+class Segment:
+    """Consecutive ids of one document inside a chunk; `pad` pad ids follow (document packing)."""
+
+    ids: list[int]
+    document: int | None  # the document's index in the split (packed data), else None
+    starts: bool | None  # the document starts in this chunk, or began in an earlier one (None: not known)
+    pad: int = 0
+
+
+def _shard_of(s: dict, index: int) -> tuple[int, int]:
+    """(shard number, row) of chunk `index` of a split."""
+    if not 0 <= index < s["num_chunks"]:
+        raise ConfigError(f"chunk {index} outside [0, {s['num_chunks']}) of this split")
+    for k, e in enumerate(s["shards"]):
+        if index < e["num_chunks"]:
+            return k, index
+        index -= e["num_chunks"]
+    raise DatasetError("the manifest's shard counts do not add up to num_chunks; rebuild the dataset")
+
+
+def chunk_segments(out: str, m: dict, split: str, index: int) -> list[Segment]:
+    """Chunk `index` of `split`, cut where documents start (packed: the .docs sidecar) or where
+    padding begins (document packing: the .valid sidecar)."""
+    s = split_entry(m, split, out)
+    L, dtype = int(m["seq_len"]), np.dtype(DTYPES[m["dtype"]])
+    k, row = _shard_of(s, index)
+    e = s["shards"][k]
+    ids = np.memmap(os.path.join(out, e["path"]), dtype=dtype, mode="r")[row * L: (row + 1) * L].tolist()
+    if m["packing"] != "packed":
+        valid = int(np.fromfile(os.path.join(out, e["valid"]["path"]), dtype="<u4", count=1, offset=4 * row)[0])
+        return [Segment(ids[:valid], None, None, pad=L - valid)]
+    before = sum(x["docs"]["count"] for x in s["shards"][:k])  # documents starting in earlier shards
+    offs = np.fromfile(os.path.join(out, e["docs"]["path"]), dtype="<u8")
+    lo, hi = np.searchsorted(offs, row * L), np.searchsorted(offs, (row + 1) * L)
+    cuts = [int(o) - row * L for o in offs[lo:hi]]
+    segs, first = [], before + lo - 1  # the document the chunk's first id belongs to
+    bounds = ([0] if not cuts or cuts[0] != 0 else []) + cuts + [L]
+    doc = first if not cuts or cuts[0] != 0 else first + 1
+    for a, b in zip(bounds, bounds[1:]):
+        segs.append(Segment(ids[a:b], doc if doc >= 0 else None, a in cuts))
+        doc += 1
+    return segs
+
+
+def document_source(out: str, m: dict, split: str, doc: int, corpus: str | None = None) -> str:
+    """Where document `doc` of `split` came from: its work unit's file(s), and with `corpus` (the
+    folder or files the build read) the exact file:line or file row N, read again."""
+    counts = (m.get("unit_documents") or {}).get(split)
+    if counts is None or m.get("merged_from"):
+        return "unknown (a merged or older dataset: look in its part)" if m.get("merged_from") else "unknown"
+    cum = np.cumsum(counts)
+    u = int(np.searchsorted(cum, doc, side="right"))
+    if u >= len(counts):
+        raise ConfigError(f"document {doc} outside the {int(cum[-1]) if len(cum) else 0} of this split")
+    nth = doc - (int(cum[u - 1]) if u else 0)
+    try:
+        with open(os.path.join(out, PLAN_FILE)) as fh:
+            plan = json.load(fh)
+    except (OSError, ValueError):
+        return "unknown (no build plan)"
+    unit = plan["units"][u]
+    files = unit["files"]
+    named = files[0] if len(files) == 1 else f"one of {files[0]} … {files[-1]} ({len(files)} files)"
+    if corpus is None:
+        return f"{named} (work unit {u}; --corpus for the line)"
+    return _locate(corpus, plan, u, split, nth) or f"{named} (work unit {u}; the corpus has changed since)"
+
+
+def _locate(corpus: str, plan: dict, u: int, split: str, nth: int) -> str | None:
+    """The nth kept document of `split` in unit u, found by reading the unit again as the build did."""
+    from .build import _split_of_pieces, kept
+    from .config import BuildConfig
+    from .longdoc import LongText, stripped
+    from .sources import LineRefs, Tally, UnitReader, discover, plan_units
+
+    cfg = BuildConfig(**{k: v for k, v in plan["config"].items() if k in BuildConfig.__dataclass_fields__})
+    files, _ = discover([corpus])
+    units, _ = plan_units(files, unit_bytes=cfg.unit_bytes, text_field=cfg.text_field)
+    if [x.to_json() for x in units] != plan["units"]:
+        return None
+    want = 0 if split == "train" else 1
+    refs = LineRefs(units)  # a range's lines are numbered once the ranges before it in its file are counted
+    for v in units[:u]:
+        if v.files == units[u].files and v.kind == units[u].kind:
+            r = UnitReader(v, cfg.text_field, Tally())
+            for _ in r:
+                pass
+            refs.record(v.index, r.lines)
+    reader = UnitReader(units[u], cfg.text_field, Tally(), long_bytes=cfg.long_doc_bytes)
+    for text in reader:
+        if isinstance(text, LongText):
+            pieces = stripped(text.pieces()) if cfg.strip else text.pieces()
+            s = _split_of_pieces(pieces, cfg.val_fraction, cfg.split_seed)
+        else:
+            s = kept(text, cfg)[1]
+        if s == want:
+            if nth == 0:
+                return refs.resolve(reader.where())
+            nth -= 1
+    return None
