@@ -2,7 +2,7 @@
 
 __version__ = "0.1.0"
 
-__all__ = ["ChunkSampler", "MemmapChunkDataset", "MixtureDataset", "__version__"]
+__all__ = ["BuildConfig", "ChunkSampler", "MemmapChunkDataset", "MixtureDataset", "build", "__version__"]
 
 
 def require_torch():
@@ -16,7 +16,15 @@ def require_torch():
 
 
 def __getattr__(name):
-    # torch is imported only when the dataset is asked for: the CLI must start fast without it.
+    # Imported when asked for: the CLI must start fast (no numpy, no torch) and build needs no torch.
+    if name == "build":
+        from .builder import build
+
+        return build
+    if name == "BuildConfig":
+        from .config import BuildConfig
+
+        return BuildConfig
     if name == "MemmapChunkDataset":
         from .dataset import MemmapChunkDataset
 

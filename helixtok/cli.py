@@ -168,7 +168,7 @@ def build(corpus, out, tokenizer, seq_len, packing, min_tail_len, text_field, bo
                       unit_bytes=unit_size, workers=workers, strict=strict, backend=backend,
                       stall_seconds=stall_timeout, special_tokens=special_tokens, strip=strip)
     speculate(list(corpus), tokenizer, cfg.num_workers, backend)  # before the imports below
-    from .build import build as run_build
+    from .builder import build as run_build
     from .merge import task_from_env
 
     task = task_from_env(num_tasks, task_index)
@@ -181,7 +181,7 @@ def build(corpus, out, tokenizer, seq_len, packing, min_tail_len, text_field, bo
     else:
         show = _build_with_progress if con.is_terminal else functools.partial(_build_with_log_lines, every=log_interval)
         m = show(run_build, con, list(corpus), out, tokenizer, cfg, overwrite, task)
-    from .build import UpToDate
+    from .builder import UpToDate
 
     if isinstance(m, UpToDate):  # this very build is already in OUT: nothing was written
         if as_json:

@@ -38,7 +38,7 @@ def main() -> None:
 
     from helixtok.assemble import Assembler
     from helixtok.backend_check import choose_backend
-    from helixtok.build import _W, _init_worker, run_unit
+    from helixtok.builder import _W, _init_worker, run_unit
     from helixtok.config import BuildConfig
     from helixtok.sources import discover, plan_units
     from helixtok.tokenizer import inspect_tokenizer

@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import helixtok.sources as hs  # noqa: E402
 from helixtok.backends import flat_encoder  # noqa: E402
 from helixtok.backend_check import choose_backend  # noqa: E402
-from helixtok.build import schedule  # noqa: E402
+from helixtok.builder import schedule  # noqa: E402
 from helixtok.config import BuildConfig  # noqa: E402
 from helixtok.tokenizer import inspect_tokenizer  # noqa: E402
 

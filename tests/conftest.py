@@ -170,7 +170,7 @@ def dev_ids(dev_docs, tokenizer_path) -> list[list[int]]:
 
 
 def _build(tmp_path_factory, corpus, tok, name, **kw):
-    from helixtok.build import build
+    from helixtok.builder import build
     from helixtok.config import BuildConfig
 
     out = str(tmp_path_factory.mktemp(name) / "out")

@@ -12,7 +12,7 @@ from functools import lru_cache
 import pytest
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from helixtok.build import build
+from helixtok.builder import build
 from helixtok.config import BuildConfig
 from helixtok.errors import TokenizerError
 

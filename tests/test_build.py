@@ -8,7 +8,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from conftest import UNIT
-from helixtok.build import UpToDate, build
+from helixtok.builder import UpToDate, build
 from helixtok.config import BuildConfig
 from helixtok.errors import ConfigError, InputError
 
@@ -146,7 +146,7 @@ def test_workers_are_as_many_as_the_input_keeps_busy(tmp_path, small_corpus, sma
     fewer, the pool it needs starts then.  The bytes never depend on it."""
     import dataclasses
 
-    import helixtok.build as hb
+    import helixtok.builder as hb
     import helixtok.config
     from helixtok.sources import discover, plan_units
 
@@ -310,7 +310,7 @@ def test_val_split_is_document_level_and_deterministic(tmp_path, small_tok):
     tr, va = m["splits"]["train"]["documents"], m["splits"]["val"]["documents"]
     assert tr + va == 220 and 20 < va < 80
     # Duplicates go to the same split (content hash), so no document is in both.
-    from helixtok.build import _split_of
+    from helixtok.builder import _split_of
 
     assert all(_split_of(t, 0.2, 0) == _split_of(t, 0.2, 0) for t in texts[:20])
 
@@ -374,7 +374,7 @@ def test_units_go_in_corpus_order_so_assembly_keeps_up(tmp_path, small_tok, monk
 
 
 def test_schedule_puts_costly_units_first_then_corpus_order():
-    from helixtok.build import schedule
+    from helixtok.builder import schedule
     from helixtok.sources import Unit
 
     U = 1000

@@ -143,7 +143,7 @@ def test_train_tokenizer(tmp_path, corpus):
 
 
 def test_cli_does_not_import_torch():
-    code = "import sys, helixtok.cli, helixtok.build, helixtok.stats; print('torch' in sys.modules)"
+    code = "import sys, helixtok.cli, helixtok.builder, helixtok.stats; print('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"
 
 
@@ -186,7 +186,7 @@ def test_dataset_without_torch_names_the_extra():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 1 and "pip install 'helixtok[torch]'" in r.stderr
     # ...while building and stats need no torch at all.
-    code = "import sys; sys.modules['torch'] = None\nimport helixtok.cli, helixtok.build, helixtok.stats, helixtok.verify"
+    code = "import sys; sys.modules['torch'] = None\nimport helixtok.cli, helixtok.builder, helixtok.stats, helixtok.verify"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 

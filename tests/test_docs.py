@@ -46,7 +46,7 @@ class TinyLM(torch.nn.Module):
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory, dev_corpus, tokenizer_path):
     """A folder laid out as the snippets assume: out/ (with a val split), tokenizer.json, web/, code/."""
-    from helixtok.build import build
+    from helixtok.builder import build
     from helixtok.config import BuildConfig
 
     d = tmp_path_factory.mktemp("docs")
@@ -63,7 +63,7 @@ def recipe_out(tmp_path_factory, dev_corpus, tokenizer_path) -> str:
     """A few hundred chunks: enough for partial accumulation windows and a resume, quick to train on."""
     import gzip
 
-    from helixtok.build import build
+    from helixtok.builder import build
     from helixtok.config import BuildConfig
 
     d = tmp_path_factory.mktemp("recipes")
@@ -80,20 +80,52 @@ def run(code: str, where: Path, monkeypatch, **names) -> dict:
     return ns
 
 
-def test_readme_quick_example_and_training_loop(workdir, monkeypatch):
-    from tokenizers import Tokenizer
+def test_readme_quick_example_and_training_loop(workdir, recipe_out, tokenizer_path, monkeypatch, tmp_path):
+    """The README's loop is a complete script: it runs as written (its own tiny model, tqdm with the
+    exact total) and the schedule ends on stats' last step; stopped mid-epoch and run again it goes
+    on from its checkpoint and ends with the very weights of the uninterrupted run.  (It used to
+    be a fragment run with a `model` handed in.)"""
+    import shutil
+
+    import tqdm
 
     ns = run(snippet("README.md", 'ds = MemmapChunkDataset("out/")'), workdir, monkeypatch)
     assert len(ns["ds"]) > 0
-    vocab = Tokenizer.from_file(str(workdir / "tokenizer.json")).get_vocab_size()
-    model = TinyLM(vocab)
-    ns = run(snippet("README.md", "LambdaLR"), workdir, monkeypatch, model=model)
-    st = ns["st"]
-    # The loop ran every batch, and stepped the scheduler exactly as often as stats said.
-    assert model.batches == st.batches_per_epoch * ns["E"]
-    assert ns["sched"].last_epoch == st.total_optimizer_steps
-    assert ns["opt"].param_groups[0]["lr"] == pytest.approx(0.0, abs=1e-12)  # the schedule ended on the last step
-    assert st.total_optimizer_steps == -(-st.batches_per_epoch // ns["G"])
+    script = snippet("README.md", "LambdaLR")
+    for d in ("whole", "stopped"):  # a few hundred chunks: three runs of the script stay quick
+        (tmp_path / d).mkdir()
+        (tmp_path / d / "out").symlink_to(recipe_out)
+        shutil.copy(tokenizer_path, tmp_path / d / "tokenizer.json")
+    totals, real = [], tqdm.tqdm
+
+    def counted(it, **kw):
+        totals.append((len(it), kw.get("total")))
+        return real(it, **kw)
+    monkeypatch.setattr(tqdm, "tqdm", counted)
+    whole = run(script, tmp_path / "whole", monkeypatch)
+    st = whole["st"]
+    assert totals == [(st.batches_per_epoch, None)]  # tqdm takes len(dl): the exact total
+    assert whole["sched"].last_epoch == st.total_optimizer_steps == -(-st.batches_per_epoch // whole["G"])
+    assert whole["opt"].param_groups[0]["lr"] == pytest.approx(0.0, abs=1e-12)  # the schedule ended on the last step
+
+    class Stop(Exception):
+        pass
+
+    def stopping(it, **kw):  # the process dies after 2 optimizer steps and 1 more batch
+        for k, x in enumerate(real(it, **kw)):
+            if k == 2 * whole["G"] + 1:
+                raise Stop
+            yield x
+    monkeypatch.setattr(tqdm, "tqdm", stopping)
+    with pytest.raises(Stop):
+        run(script, tmp_path / "stopped", monkeypatch)
+    monkeypatch.setattr(tqdm, "tqdm", counted)
+    totals.clear()
+    resumed = run(script, tmp_path / "stopped", monkeypatch)
+    assert totals == [(st.batches_per_epoch - 2 * whole["G"], None)]  # the rest of the epoch, exactly
+    assert resumed["sched"].last_epoch == st.total_optimizer_steps
+    for k, v in whole["model"].state_dict().items():
+        assert torch.equal(v, resumed["model"].state_dict()[k]), k
 
 
 def test_training_md_trainer_swap_resume_and_mixture(workdir, monkeypatch):

@@ -11,7 +11,7 @@ import pytest
 from click.testing import CliRunner
 from tokenizers import Tokenizer
 
-from helixtok.build import build
+from helixtok.builder import build
 from helixtok.cli import main
 from helixtok.config import BuildConfig
 from helixtok.errors import ConfigError

@@ -16,9 +16,9 @@ import time
 import pytest
 from click.testing import CliRunner
 
-import helixtok.build as hb
+import helixtok.builder as hb
 from conftest import UNIT
-from helixtok.build import STATE, build
+from helixtok.builder import STATE, build
 from helixtok.cli import main
 from helixtok.config import BuildConfig
 from helixtok.errors import ConfigError, HelixtokError
@@ -825,7 +825,7 @@ def test_file_size_limit_and_open_files_and_a_dangling_out_are_one_line_with_the
         "use a smaller --shard-size, then rerun the same command to resume"], p.stderr
     assert subprocess.run(args, capture_output=True).returncode == 0  # the limit lifted: it resumes
     # Too many open files met before the build's own handler (listing the corpus): the same line.
-    import helixtok.build as hbuild
+    import helixtok.builder as hbuild
 
     def emfile(*a, **k):
         raise OSError(errno.EMFILE, "Too many open files", str(small_corpus / "c.txt"))

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
 from helixtok import longdoc
-from helixtok.build import build
+from helixtok.builder import build
 from helixtok.config import BuildConfig
 from helixtok.errors import InputError
 from helixtok.longdoc import LongText
@@ -103,13 +103,13 @@ def test_build_is_byte_identical_whether_documents_are_read_whole_or_in_pieces(t
 
 PEAK = """
 import sys
-import helixtok.assemble, helixtok.build, helixtok.shards
-from helixtok.build import build
+import helixtok.assemble, helixtok.builder, helixtok.shards
+from helixtok.builder import build
 from helixtok.config import BuildConfig
 # The bounded buffers a large input fills and a small one does not (the in-memory hand-over, the
 # assembly's slice, the hash thread's queue: 64 MiB in all), made small: what is left to grow
 # with the input is what this test is about.
-helixtok.build.SPOOL_BYTES, helixtok.assemble.ASSEMBLY_TOKENS = 1 << 20, 1 << 18
+helixtok.builder.SPOOL_BYTES, helixtok.assemble.ASSEMBLY_TOKENS = 1 << 20, 1 << 18
 helixtok.shards._Sha256Behind.QUEUED_BYTES = 2 << 20
 build([sys.argv[1]], sys.argv[2], sys.argv[3], BuildConfig(seq_len=1024, workers=1))
 # VmHWM, not ru_maxrss: Linux carries ru_maxrss over from the forking parent (pytest) across exec.

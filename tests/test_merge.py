@@ -9,7 +9,7 @@ import pytest
 from click.testing import CliRunner
 
 from helixtok import MemmapChunkDataset
-from helixtok.build import build
+from helixtok.builder import build
 from helixtok.cli import main
 from helixtok.config import BuildConfig
 from helixtok.errors import ConfigError, DatasetError

@@ -19,7 +19,7 @@ import pytest
 from click.testing import CliRunner
 
 from conftest import UNIT
-from helixtok.build import STATE, build
+from helixtok.builder import STATE, build
 from helixtok.cli import main
 from helixtok.config import BuildConfig
 from helixtok.errors import ConfigError, DatasetError, InputError
@@ -183,7 +183,7 @@ def test_object_changed_between_runs_or_during_the_build_is_detected(s3, tmp_pat
     assert not (out / "manifest.json").exists()
     # An unfinished build whose object then changes: the rerun refuses to mix the two versions.
     state_plan = tmp_path / "resume"
-    import helixtok.build as hb
+    import helixtok.builder as hb
 
     real = hb._check_unchanged
 

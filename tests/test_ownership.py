@@ -11,9 +11,9 @@ import time
 import pytest
 from click.testing import CliRunner
 
-import helixtok.build as hb
+import helixtok.builder as hb
 from helixtok import MemmapChunkDataset
-from helixtok.build import build
+from helixtok.builder import build
 from helixtok.cli import main
 from helixtok.config import BuildConfig
 from helixtok.errors import ConfigError, DatasetError, InputError

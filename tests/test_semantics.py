@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from helixtok.backends import hf_ids, hf_tokenizer, tiktoken_encoding
-from helixtok.build import build
+from helixtok.builder import build
 from helixtok.config import BuildConfig
 from helixtok.errors import TokenizerError
 from helixtok.encode import Encoder

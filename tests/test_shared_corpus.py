@@ -14,7 +14,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from conftest import iter_dev_docs
-from helixtok.build import build
+from helixtok.builder import build
 from helixtok.config import BuildConfig
 from helixtok.verify import verify
 

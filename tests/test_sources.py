@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
 import helixtok.compressed as hc
-from helixtok.build import build
+from helixtok.builder import build
 from helixtok.config import BuildConfig
 from helixtok.errors import ConfigError, InputError
 from helixtok.sources import LineRefs, Tally, UnitReader, discover, plan_units

@@ -589,16 +589,26 @@ class _LocalCounters(list):
             self.hook()
 
 
-def build(inputs: list[str], out: str, tokenizer: str, config: BuildConfig, *, overwrite: bool = False,
+def build(corpus, out: str, tokenizer: str, config: BuildConfig | None = None, *, overwrite: bool = False,
           on_progress: Callable[[Progress], None] | None = None, task: tuple[int, int] | None = None,
-          staging: str | None = None) -> dict:
-    """Build a dataset in `out` from corpus paths or URLs; returns the manifest (also written to out/manifest.json).
+          staging: str | None = None, **options) -> "Built":
+    """Build a dataset in `out`; returns its manifest (also written to out/manifest.json) as a
+    Built, which also says how the run went (reused_units; UpToDate when OUT already held it).
 
-    task=(k, n) builds only the k-th of n contiguous partitions of the work units (see merge.py).
-    Holds an exclusive lock on `out` throughout: a second build into it fails at once.  An `out`
-    URL is built in a local staging folder first, then uploaded, its manifest last (publish.py).
-    Several threads of one program may build at once (into different folders).
+    corpus: a file, folder, glob or URL, a list of them, or an HF `datasets.Dataset` (its Arrow
+    cache files are read).  tokenizer: a tokenizer.json, a folder holding one, or a repo id in
+    the local HF cache.  Options are a BuildConfig, or its fields as keywords (seq_len=2048,
+    packing="packed", workers=8, ...), or both (keywords win).  on_progress receives a Progress
+    now and then.  task=(k, n) builds only the k-th of n contiguous partitions of the work units
+    (see merge.py).  Holds an exclusive lock on `out` throughout: a second build into it fails at
+    once.  An `out` URL is built in a local staging folder first, then uploaded, its manifest
+    last (publish.py).  Several threads of one program may build at once (into different folders).
+
+    Example: helixtok.build("corpus/", "out/", "tokenizer.json", seq_len=2048, val_fraction=0.01)
     """
+    config = dataclasses.replace(config, **options) if config is not None else BuildConfig(**options)
+    inputs = corpus_paths(corpus)
+    out = os.fspath(out)
     if is_url(out):
         return _build_to_url(inputs, out, tokenizer, config, overwrite, on_progress, task, staging)
     path = resolve_tokenizer_path(tokenizer)
@@ -652,6 +662,19 @@ def build(inputs: list[str], out: str, tokenizer: str, config: BuildConfig, *, o
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def corpus_paths(corpus) -> list[str]:
+    """build()'s corpus as paths: one path or URL, several, or an HF datasets.Dataset's cache files."""
+    if isinstance(corpus, (str, os.PathLike)):
+        return [os.fspath(corpus)]
+    files = getattr(corpus, "cache_files", None)
+    if files is not None and hasattr(corpus, "column_names"):  # a datasets.Dataset
+        if not files:
+            raise ConfigError("the datasets.Dataset is in memory only (no Arrow cache files to read): save it with "
+                              "ds.save_to_disk(path) and pass that folder, or load it from disk first")
+        return [f["filename"] for f in files]
+    return [os.fspath(p) for p in corpus]
 
 
 def worker_count(config: BuildConfig, units: list[Unit], backend: str) -> int:

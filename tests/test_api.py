@@ -1,0 +1,71 @@
+"""The Python API is the command line's equal: helixtok.build with keyword options, an HF datasets.Dataset as corpus."""
+
+import filecmp
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from click.testing import CliRunner
+
+import helixtok
+from helixtok.cli import main
+from helixtok.errors import ConfigError
+
+
+def test_build_takes_keywords_and_gives_what_the_command_line_gives(tmp_path, small_corpus, small_tok):
+    seen = []
+    m = helixtok.build(small_corpus, tmp_path / "api", small_tok, seq_len=16, workers=1, val_fraction=0.2,
+                       on_progress=seen.append)
+    assert isinstance(m, helixtok.builder.Built) and m.reused_units == 0 and m["seq_len"] == 16
+    assert seen and seen[-1].bytes_done == seen[-1].bytes_total
+    r = CliRunner().invoke(main, ["build", str(small_corpus), str(tmp_path / "cli"), "-t", small_tok, "-L", "16",
+                                  "-j", "1", "-q", "--val-fraction", "0.2"])
+    assert r.exit_code == 0, r.output
+    for n in os.listdir(tmp_path / "cli"):
+        assert filecmp.cmp(tmp_path / "api" / n, tmp_path / "cli" / n, shallow=False), n
+    # A BuildConfig and keywords together: the keywords win.
+    cfg = helixtok.BuildConfig(seq_len=8, workers=1)
+    assert helixtok.build([str(small_corpus)], tmp_path / "both", small_tok, cfg, seq_len=32)["seq_len"] == 32
+    with pytest.raises(ConfigError, match="--seq-len must be >= 1"):
+        helixtok.build(small_corpus, tmp_path / "bad", small_tok, seq_len=0)
+
+
+def test_a_datasets_dataset_is_a_corpus(tmp_path, small_tok):
+    """Its Arrow cache files are read (run in a child process: importing datasets costs pytest
+    ~200 MB); one only in memory is refused with what to do."""
+    pytest.importorskip("datasets")
+    code = (
+        "import json, sys, datasets, helixtok\n"
+        "rows = [f'row {i} ' + 'hello world ' * (i % 5 + 1) for i in range(50)]\n"
+        "mem = datasets.Dataset.from_dict({'text': rows})\n"
+        "try:\n"
+        "    helixtok.build(mem, sys.argv[1] + '/mem', sys.argv[2], seq_len=8, workers=1)\n"
+        "except helixtok.errors.ConfigError as e:\n"
+        "    print('refused:', e)\n"
+        "mem.save_to_disk(sys.argv[1] + '/saved')\n"
+        "ds = datasets.load_from_disk(sys.argv[1] + '/saved')\n"
+        "m = helixtok.build(ds, sys.argv[1] + '/out', sys.argv[2], seq_len=8, workers=1)\n"
+        "print(json.dumps(m['totals']))\n"
+    )
+    p = subprocess.run([sys.executable, "-c", code, str(tmp_path), small_tok], capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    refused, totals = p.stdout.splitlines()
+    assert refused.startswith("refused: the datasets.Dataset is in memory only") and "save_to_disk" in refused
+    assert json.loads(totals)["documents"] == 50
+
+
+def test_the_readme_api_snippet_runs_as_written(tmp_path, small_corpus, small_tok, monkeypatch, capsys):
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    code = next(s for s in re.findall(r"```python\n(.*?)```", readme, flags=re.S) if "helixtok.build(" in s)
+    (tmp_path / "corpus").symlink_to(small_corpus)
+    (tmp_path / "tokenizer.json").write_bytes(open(small_tok, "rb").read())
+    monkeypatch.chdir(tmp_path)
+    ns = {}
+    exec(compile(code.replace("seq_len=2048", "seq_len=16"), "<readme>", "exec"), ns)
+    out = capsys.readouterr().out.splitlines()
+    assert out[-1] == f"{ns['m']['totals']['chunks']} 0" and any(ln.startswith("tokenize ") for ln in out)
