@@ -337,8 +337,11 @@ def show(out, index, split, raw, corpus):
 @main.command()
 @click.argument("out")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@click.option("--html", "html_file", default=None,
+              help="Also write a self-contained HTML report: summary, tokens per source, document-length and "
+                   "chunk-fill histograms, a few decoded chunks.")
 @handle_errors
-def info(out, as_json):
+def info(out, as_json, html_file):
     """What a finished dataset holds, from its manifest: splits, token arithmetic, backend, BOS,
     padding and dropped shares, size on disk, tokens per source, warnings.
 
@@ -348,7 +351,18 @@ def info(out, as_json):
     """
     from .manifest import load_manifest
 
-    _print_build_summary(load_manifest(out), out, as_json, _console())
+    m = load_manifest(out)
+    _print_build_summary(m, out, as_json, _console())
+    if html_file:
+        import os
+
+        from .report import render
+
+        tmp = f"{html_file}.tmp"
+        with open(tmp, "w", encoding="utf-8") as fh:
+            fh.write(render(out, m))
+        os.replace(tmp, html_file)
+        click.echo(f"report: {html_file}", err=True)
 
 
 @main.command()

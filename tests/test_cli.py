@@ -4,6 +4,7 @@ import gzip
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -339,3 +340,72 @@ def test_show_cuts_chunks_at_documents_and_names_each_documents_line(tmp_path, s
     n0 = len(tok.encode(texts[0], add_special_tokens=False).ids) + 1
     assert r.exit_code == 0 and f"--- {32 - n0} pad (" in r.output
     assert CliRunner().invoke(main, ["show", str(doc), "99999"]).exit_code == 1
+
+
+def _png_rgb(path) -> np.ndarray:
+    """A PNG's pixels (8-bit RGB or RGBA, not interlaced: what Chromium writes), without an image library."""
+    import struct
+    import zlib
+
+    data = open(path, "rb").read()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    pos, idat = 8, b""
+    while pos < len(data):
+        n, kind = struct.unpack(">I4s", data[pos: pos + 8])
+        body = data[pos + 8: pos + 8 + n]
+        if kind == b"IHDR":
+            w, h, depth, color, _, _, interlace = struct.unpack(">IIBBBBB", body)
+            assert depth == 8 and color in (2, 6) and interlace == 0
+        elif kind == b"IDAT":
+            idat += body
+        pos += 12 + n
+    bpp = 3 if color == 2 else 4
+    raw = np.frombuffer(zlib.decompress(idat), dtype=np.uint8).reshape(h, 1 + w * bpp)
+    out = np.zeros((h, w * bpp), dtype=np.int32)
+    prev = np.zeros(w * bpp, dtype=np.int32)
+    for y in range(h):
+        f, line = raw[y, 0], raw[y, 1:].astype(np.int32)
+        cur = np.zeros_like(line)
+        if f == 0:
+            cur = line
+        elif f == 2:
+            cur = (line + prev) & 255
+        else:
+            for x in range(len(line)):
+                a = cur[x - bpp] if x >= bpp else 0
+                b, c = prev[x], prev[x - bpp] if x >= bpp else 0
+                if f == 1:
+                    pred = a
+                elif f == 3:
+                    pred = (a + b) // 2
+                else:
+                    p = a + b - c
+                    pa, pb, pc = abs(p - a), abs(p - b), abs(p - c)
+                    pred = a if pa <= pb and pa <= pc else b if pb <= pc else c
+                cur[x] = (line[x] + pred) & 255
+        out[y], prev = cur, cur
+    return out.reshape(h, w, bpp)[:, :, :3]
+
+
+@pytest.mark.skipif(shutil.which("chromium") is None, reason="needs Debian's chromium (.ci/run installs it)")
+def test_info_html_report_renders_in_a_browser(tmp_path, corpus, small_tok):
+    """`helixtok info --html`: one self-contained page (no script, no file beside it) with the
+    summary, tokens per source, the histograms and decoded chunks; rendered by headless Chromium,
+    the screenshot shows the charts' bars."""
+    out = tmp_path / "out"
+    assert CliRunner().invoke(main, ["build", str(corpus), str(out), "-t", small_tok, "-L", "32", "-j", "1",
+                                     "-q"]).exit_code == 0
+    page = tmp_path / "report.html"
+    r = CliRunner().invoke(main, ["info", str(out), "--html", str(page)])
+    assert r.exit_code == 0, r.output
+    text = page.read_text()
+    assert "<script" not in text and "src=" not in text and "Tokens per source" in text and "Document lengths" in text
+    assert "chunk 0" in text and text.count("<svg") == 3
+    shot = tmp_path / "shot.png"
+    p = subprocess.run(["chromium", "--headless", "--no-sandbox", "--disable-gpu", f"--screenshot={shot}",
+                        "--window-size=900,1200", page.as_uri()], capture_output=True, text=True, timeout=120)
+    assert shot.exists(), p.stderr[-2000:]
+    px = _png_rgb(shot)
+    bar = (np.abs(px - np.array([0x3B, 0x6E, 0xA5])).sum(axis=2) < 12).mean()  # the charts' blue
+    ink = (px.sum(axis=2) < 600).mean()  # text and bars, not page
+    assert bar > 0.03 and ink > 0.05, (bar, ink)
