@@ -38,8 +38,8 @@ def assert_same_build(a: dict, out_a: str, b: dict, out_b: str) -> None:
     """Two builds of the same documents cut into other units: the same manifest (but for the
     plan, the options, and the backend check's sample, which is drawn from the plan) and the
     same bytes in every file."""
-    for m in (a, b):
-        m.pop("inputs"), m.pop("options"), m["tokenizer"].pop("backend_check")
+    for m in (a, b):  # (unit_documents: documents per work unit, as cut)
+        m.pop("inputs"), m.pop("options"), m["tokenizer"].pop("backend_check"), m.pop("unit_documents")
     assert a == b
     for n in set(os.listdir(out_a)) - {"manifest.json", "build-plan.json"}:  # the plan records the unit cuts
         assert filecmp.cmp(os.path.join(out_a, n), os.path.join(out_b, n), shallow=False), n
