@@ -15,6 +15,7 @@ import pickle
 import queue
 import signal
 import struct
+import subprocess
 import sys
 import threading
 import time
@@ -183,6 +184,14 @@ class _Worker:
             except OSError:
                 pass
 
+    def reap(self) -> None:
+        """Wait for the killed process, but not for ever: one in an uninterruptible read (a dead
+        NFS server) dies only when the read returns, and the build must not wait for that."""
+        try:
+            self.proc.wait(5)
+        except subprocess.TimeoutExpired:
+            pass
+
 
 class WorkerPool:
     """n worker processes; submit(fn, *args, what=...) returns a Future, FIFO over idle workers.
@@ -317,7 +326,7 @@ class WorkerPool:
                 self._break(HelixtokError("the build stopped"))
         for w in self._workers:
             w.kill()
-            w.proc.wait()
+            w.reap()
 
     def close(self, timeout: float = 5.0) -> None:
         """Every task answered: let the workers exit (they read the end of their pipe), killing
@@ -330,6 +339,6 @@ class WorkerPool:
         for w in self._workers:
             try:
                 w.proc.wait(max(0.0, deadline - time.monotonic()))
-            except Exception:  # noqa: BLE001 - subprocess.TimeoutExpired
+            except subprocess.TimeoutExpired:
                 w.kill()
-                w.proc.wait()
+                w.reap()

@@ -172,7 +172,7 @@ def test_workers_load_the_likely_backend_early_and_drop_it_when_another_is_chose
     reuses it when fastokens is chosen, and it is freed when another backend is."""
 
     from helixtok import backends
-    from helixtok import build as hb
+    from helixtok import builder as hb
     from helixtok.tokenizer import inspect_tokenizer
 
     tok = shapes["llama3-like (uint32)"]
@@ -267,7 +267,7 @@ def test_an_inline_build_tokenizes_with_the_library_its_check_loaded(tmp_path, d
     # ... and freed when build() returns: a notebook that builds keeps no tokenizer (~100 MB for
     # a 100k vocabulary) alive, in the encoder or the cache; nor its one-core settings, which
     # would slow the notebook's own tokenizers.
-    from helixtok import build as hb
+    from helixtok import builder as hb
     assert real.cache_info().currsize == 0 and hb._W == {}
     assert [os.environ.get(k) for k in hb.THREAD_ENV] == [None, "4"]
 
@@ -505,7 +505,7 @@ def test_the_command_line_loads_fastokens_while_it_imports_and_the_build_takes_t
     assert _shards(tmp_path / "cli") == _shards(tmp_path / "lib")
 
     # A wrong guess: loaded for nothing, dropped; the workers load their own.
-    from helixtok import build as hb
+    from helixtok import builder as hb
 
     where.clear()
     pools, pool_cls = [], hb._Pool

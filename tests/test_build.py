@@ -102,7 +102,7 @@ def test_two_builds_in_threads_of_one_program_keep_to_their_own_options(tmp_path
     that set-up was process-wide, the second's options and folder were used by the first."""
     import threading
 
-    from helixtok import build as hb
+    from helixtok import builder as hb
 
     def config(k):  # options that change the bytes (the split, stripping); tokenizers: no backend check
         return BuildConfig(seq_len=64, workers=1, val_fraction=0.3 * k, strip=k == 0, backend="hf")
