@@ -107,10 +107,10 @@ def _change(old: bytes, new: bytes) -> str:
 
 def check_sibling_parts(out: str, plan: bytes) -> None:
     """A task refuses to start when finished parts beside its folder were planned otherwise."""
-    parent = os.path.dirname(os.path.abspath(out))
-    here = os.path.basename(os.path.abspath(out))
+    parent = os.path.dirname(os.path.normpath(out))  # as the user named it, for the message
+    here = os.path.basename(os.path.normpath(out))
     try:
-        names = sorted(e for e in os.listdir(parent) if PART_NAME.fullmatch(e) and e != here)
+        names = sorted(e for e in os.listdir(parent or ".") if PART_NAME.fullmatch(e) and e != here)
     except OSError:
         return
     for e in names:
