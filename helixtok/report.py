@@ -23,7 +23,7 @@ def _bars(title: str, labels: list[str], values: list[int], unit: str) -> str:
         f'height="{v / top * _BAR_H:.1f}" fill="#3b6ea5"><title>{html.escape(lab)}: {v:,} {unit}</title></rect>'
         for i, (lab, v) in enumerate(zip(labels, values)))
     ticks = "".join(f'<text x="{i * w + w / 2:.1f}" y="{_BAR_H + 14}" font-size="10" text-anchor="middle">'
-                    f"{html.escape(lab)}</text>" for i, lab in enumerate(labels) if n <= 24 or i % (n // 12 + 1) == 0)
+                    f"{html.escape(lab)}</text>" for i, lab in enumerate(labels) if n <= 12 or i % (n // 12 + 1) == 0)
     return (f"<h2>{html.escape(title)}</h2><svg width='{_BAR_W}' height='{_BAR_H + 20}' role='img' "
             f"aria-label='{html.escape(title)}'>{bars}{ticks}</svg><p class='top'>tallest bar: {top:,} {unit}</p>")
 
@@ -53,7 +53,7 @@ def _log2_buckets(x: np.ndarray) -> tuple[list[str], list[int]]:
         return [], []
     b = np.floor(np.log2(np.maximum(x, 1))).astype(int)
     counts = np.bincount(b)
-    return [f"{1 << i}" for i in range(len(counts))], counts.tolist()
+    return [f"{1 << i >> 10}k" if i >= 10 else f"{1 << i}" for i in range(len(counts))], counts.tolist()
 
 
 def render(out: str, m: dict, *, chunks: int = 3) -> str:
