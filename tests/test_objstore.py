@@ -35,23 +35,28 @@ pytestmark = pytest.mark.usefixtures("pooled")
 
 @pytest.fixture(scope="module")
 def s3_server(tmp_path_factory):
+    log = open(tmp_path_factory.mktemp("moto") / "moto.log", "w")
+    proc, url = start_moto(log)
+    yield url
+    proc.terminate()
+    proc.wait()
+    log.close()
+
+
+def start_moto(log) -> tuple[subprocess.Popen, str]:
+    """moto's S3 server on a free loopback port, once it accepts connections: (process, endpoint URL)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    log = open(tmp_path_factory.mktemp("moto") / "moto.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
                             stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
     for _ in range(200):
         try:
             socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
             break
         except OSError:
             time.sleep(0.05)
-    yield url
-    proc.terminate()
-    proc.wait()
-    log.close()
+    return proc, f"http://127.0.0.1:{port}"
 
 
 @pytest.fixture
@@ -324,20 +329,10 @@ def test_a_stopped_storage_server_fails_the_upload_within_the_stall_timeout(s3_s
 
     import s3fs
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server, endpoint = start_moto(subprocess.DEVNULL)  # a server of its own: this one is stopped
     env = {**os.environ, "AWS_ACCESS_KEY_ID": KEY_ID, "AWS_SECRET_ACCESS_KEY": SECRET,
-           "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_DEFAULT_REGION": "us-east-1"}
+           "AWS_ENDPOINT_URL": endpoint, "AWS_DEFAULT_REGION": "us-east-1"}
     try:
-        for _ in range(200):
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-                break
-            except OSError:
-                time.sleep(0.05)
         for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL", "AWS_DEFAULT_REGION"):
             monkeypatch.setenv(k, env[k])
         fs = s3fs.S3FileSystem(skip_instance_cache=True)
