@@ -1,15 +1,15 @@
 """Orchestrate a build: plan work units, tokenize them in worker processes, pack, shard, manifest last.
 
-Data flow: files -> units -> worker: read + tokenize -> spill files + journal entry per unit
--> ordered assembly: pack + shard -> manifest.json (atomic, last).  The journal makes an
-interrupted build resumable: finished units are never redone.
+Data flow: files -> units (sources.py) -> worker: read + tokenize -> spill files + journal entry
+per unit (unit.py, in pool.py's processes or this one) -> ordered assembly: pack + shard
+(assemble.py) -> manifest.json (atomic, last).  The journal makes an interrupted build
+resumable: finished units are never redone.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 import json
 import os
 import secrets
@@ -17,32 +17,27 @@ import shutil
 import signal
 import threading
 import time
-import zlib
-from collections.abc import MutableMapping
 from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import dataclass
 from typing import Callable
-
-import numpy as np
 
 from . import __version__, preload
 from .assemble import CHECKPOINT, Assembler
 from .backend_check import choose_backend
 from .backends import FAST, backend_version, forget_fast_tokenizers
-from .compressed import drop_index
 from .config import BuildConfig, worker_bytes
 from .errors import ConfigError, HelixtokError, InputError, Interrupted, resource_error
-from .longdoc import LongText, stripped, utf8_len
-from .manifest import DOC_SKIPS, FORMAT_VERSION, MANIFEST, REPAIRS, load_manifest, source_counts, manifest_files, write_json_atomic
+from .manifest import (DOC_SKIPS, FORMAT_VERSION, MANIFEST, REPAIRS, load_manifest, manifest_files, source_counts,
+                       write_json_atomic)
 from .merge import check_sibling_parts, partition
-from .objstore import current, expired, is_url
+from .objstore import current, is_url
 from .outdir import PUBLISH, STATE, OutLock, check_out_path, read_list, refuse_foreign, remove_owned
-from .pool import WorkerPool
 from .planid import PLAN_FILE, describe_change, encode_plan, whole_plan
+from .pool import WorkerPool
 from .shards import fsync_dir
-from .sources import LineRefs, StaleRange, Tally, Unit, UnitReader, discover, plan_units
-from .encode import Encoder
+from .sources import LineRefs, Tally, Unit, discover, plan_units
 from .tokenizer import TokenizerInfo, forget_handed, inspect_tokenizer, resolve_tokenizer_path
+from .unit import SPOOL_BYTES, THREAD_ENV, _init_worker, _LocalCounters, _spill_intact, _W, _where, done_path, run_unit
 
 
 @dataclass
@@ -59,327 +54,6 @@ class Progress:
     processes: int = 1  # tokenizing (worker processes, or this one)
 
 
-# --------------------------------------------------------------------------- worker side
-
-
-class _PerThread(MutableMapping):
-    """A dict of its own in each thread.  What a tokenizing process works with (`_W`: config,
-    state folder, run id, encoder) is set once per worker process, but a build without workers
-    sets it in its caller's thread: two such builds in two threads of one program must never
-    tokenize with each other's options or write into each other's folders."""
-
-    def __init__(self):
-        self._local = threading.local()
-
-    def _d(self) -> dict:
-        if not hasattr(self._local, "d"):
-            self._local.d = {}
-        return self._local.d
-
-    def __getitem__(self, k):
-        return self._d()[k]
-
-    def __setitem__(self, k, v) -> None:
-        self._d()[k] = v
-
-    def __delitem__(self, k) -> None:
-        del self._d()[k]
-
-    def __iter__(self):
-        return iter(self._d())
-
-    def __len__(self) -> int:
-        return len(self._d())
-
-
-_W = _PerThread()
-# What a build sets to keep each tokenizing process on one core (here and in backends.flat_encoder).
-THREAD_ENV = ("TOKENIZERS_PARALLELISM", "FASTOKENS_BPE_THREADS")
-
-
-def _init_worker(config: BuildConfig, state_dir: str, run_id: str, likely: tuple[str, str] | None, counters,
-                 spool: int = 0) -> None:
-    """Set up a tokenizing process: a worker (counters: its pool.Beat), or the build's own (spool:
-    a unit's tokens go to the assembly in memory)."""
-    # One process per core: rayon threads inside each would oversubscribe the cores
-    # (and --workers 1 means one core).  In the build's own process, build() restores it.
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    _W.update(config=config, state=state_dir, run=run_id, counters=counters, spool=spool)
-    if likely is not None:
-        _warm(likely)
-
-
-def _warm(likely: tuple[str, str]) -> None:
-    """A worker's start, while the main process checks backends: load the tokenizer into the
-    backend the check most likely picks (a 100k vocabulary takes fastokens ~0.5 s; the Encoder
-    finds it in the backend's cache, or it is dropped unused)."""
-    from . import backends
-
-    name, path = likely
-    with contextlib.suppress(Exception):  # the check will say why this backend cannot be used
-        backends.flat_encoder(name, path, "", None)
-        _W["preloaded"] = name
-
-
-def _encoder(info: TokenizerInfo) -> Encoder:
-    """This process's Encoder for `info` (the backend is chosen after the workers start)."""
-    if _W.get("encoder_info") != info:
-        if _W.pop("preloaded", info.backend) != info.backend:  # _warm loaded a tokenizer for nothing
-            forget_fast_tokenizers()
-        _W["encoder"] = Encoder(info, max_piece_chars=_W["config"].max_piece_chars)
-        _W["encoder_info"] = info
-    return _W["encoder"]
-
-
-def _bump(counters, b: int, d: int, t: int) -> None:
-    if counters is not None:
-        counters.bump(b, d, t)
-
-
-_HASH_STEP = 1 << 20
-
-
-def _split_of(text: str, fraction: float, seed: int) -> int:
-    # Content hash: identical documents always land in the same split, so none is in both.
-    return _split_of_pieces((text[i: i + _HASH_STEP] for i in range(0, len(text), _HASH_STEP)), fraction, seed)
-
-
-def _split_of_pieces(pieces, fraction: float, seed: int) -> int:
-    """_split_of for a text given in pieces (the hash of the pieces' bytes is the text's)."""
-    if fraction <= 0:
-        return 0
-    h = hashlib.blake2b(digest_size=8, key=seed.to_bytes(8, "little"))
-    for p in pieces:
-        h.update(p.encode("utf-8", "surrogatepass"))
-    return int(int.from_bytes(h.digest(), "little") < fraction * 2.0**64)
-
-
-def kept(text: str, cfg: BuildConfig) -> tuple[str, int | None]:
-    """A document as tokenized (stripped with --strip) and its split (0 train, 1 val); split None:
-    skipped, being empty.  (A LongText is split by _split_of_pieces.)"""
-    if cfg.strip:
-        text = text.strip()
-    if not text or text.isspace():
-        return text, None
-    return text, _split_of(text, cfg.val_fraction, cfg.split_seed) if cfg.val_fraction > 0 else 0
-
-
-def done_path(state: str, index: int) -> str:
-    return os.path.join(state, f"u{index:06d}.done.json")
-
-
-def run_unit(unit: Unit, info: TokenizerInfo) -> dict:
-    """Tokenize one unit into spill files named for this run; returns (and journals) where they are.
-
-    Every failure leaves as a HelixtokError naming the unit: a Rust panic or MemoryError could
-    not even be pickled back to the parent.
-    """
-    try:
-        try:
-            return _run_unit(unit, info)
-        except StaleRange:
-            if not unit.aux:
-                raise
-            # The cached seek index led elsewhere than planned: drop it and read the range again
-            # without it (decompressing up to it); what the first reading wrote is replaced.
-            drop_index(unit.aux)
-            return _run_unit(dataclasses.replace(unit, aux=""), info)
-    except StaleRange:
-        raise InputError(f"{_where(unit)}: changed while the build read it (the range read does not match "
-                         "the plan); rerun when the corpus is stable") from None
-    except OSError as e:
-        if expired(e):
-            raise InputError(f"{_where(unit)}: changed while the build read it; rerun when the corpus is "
-                             "stable") from None
-        raise
-    except (HelixtokError, KeyboardInterrupt, SystemExit):
-        raise
-    except MemoryError:
-        raise HelixtokError(f"out of memory while tokenizing {_where(unit)}; use fewer --workers or "
-                            "more memory, then rerun the same command to resume") from None
-    except BaseException as e:  # noqa: BLE001 - includes pyo3's PanicException
-        msg = (str(e).splitlines() or [""])[0][:200]
-        raise HelixtokError(f"tokenizing {_where(unit)} failed: {type(e).__name__}: {msg}") from None
-
-
-def _run_unit(unit: Unit, info: TokenizerInfo) -> dict:
-    enc = _encoder(info)
-    cfg: BuildConfig = _W["config"]
-    state, counters, run = _W["state"], _W["counters"], _W["run"]
-    splits = ("train", "val") if cfg.val_fraction > 0 else ("train",)
-    # Spill files carry this run's id: an orphan of an earlier run can never write into them.
-    names = {s: (f"u{unit.index:06d}.{run}.{s}.tok", f"u{unit.index:06d}.{run}.{s}.len") for s in splits}
-    files = {s: [_Spill(os.path.join(state, n + ".part"), _W["spool"]) for n in names[s]] for s in splits}
-    docs = {s: 0 for s in splits}
-    tokens = {s: 0 for s in splits}
-    text_bytes = {s: 0 for s in splits}  # UTF-8 bytes of the documents as tokenized
-    tally = Tally(strict=cfg.strict)
-    reader = UnitReader(unit, cfg.text_field, tally, long_bytes=cfg.long_doc_bytes)
-    batch = {s: [] for s in splits}
-    batch_src = {s: [] for s in splits}  # each batched document's source (UnitReader.source)
-    sources: dict[str, list[int]] = {}  # source -> [documents, tokens, text bytes]
-    chars = 0
-    last_consumed = 0
-
-    def count(src: str, d: int, t: int, b: int) -> None:
-        c = sources.setdefault(src, [0, 0, 0])
-        c[0] += d
-        c[1] += t
-        c[2] += b
-
-    def flush() -> None:
-        nonlocal chars, last_consumed
-        ntok = ndoc = 0
-        for s in splits:
-            if not batch[s]:
-                continue
-            ids, lens = enc.encode(batch[s])
-            files[s][0].write(ids)
-            files[s][1].write(lens.astype("<i8"))
-            # Counted once encoded: the libraries have (mostly) cached each text's UTF-8 by then.
-            sizes = list(map(utf8_len, batch[s]))
-            text_bytes[s] += sum(sizes)
-            for src, n, b in zip(batch_src[s], lens.tolist(), sizes):
-                count(src, 1, n, b)
-            batch_src[s].clear()
-            docs[s] += len(lens)
-            tokens[s] += len(ids)
-            ntok += len(ids)
-            ndoc += len(lens)
-            batch[s].clear()
-        _bump(counters, reader.consumed - last_consumed, ndoc, ntok)
-        last_consumed = reader.consumed
-        chars = 0
-
-    def read_all() -> None:
-        nonlocal last_consumed, chars
-        for text in reader:
-            if isinstance(text, LongText):  # read, hashed and encoded in pieces: memory stays flat
-                pieces = (lambda: stripped(text.pieces())) if cfg.strip else text.pieces
-                s = splits[_split_of_pieces(pieces(), cfg.val_fraction, cfg.split_seed)]
-                flush()  # the documents before it go first
-                nbytes = [0]
-
-                def counted(ps):  # the text's UTF-8 size, taken in the encoding pass, not a third read
-                    for p in ps:
-                        nbytes[0] += utf8_len(p)
-                        yield p
-
-                n = enc.encode_stream(counted(pieces()), files[s][0].write)
-                files[s][1].write(np.array([n], dtype="<i8"))
-                docs[s] += 1
-                tokens[s] += n
-                text_bytes[s] += nbytes[0]
-                count(reader.source(), 1, n, nbytes[0])
-                _bump(counters, reader.consumed - last_consumed, 1, n)
-                last_consumed = reader.consumed
-                continue
-            text, s = kept(text, cfg)
-            if s is None:
-                tally.add("empty", reader.where())
-                continue
-            batch[splits[s]].append(text)
-            batch_src[splits[s]].append(reader.source())
-            chars += len(text)
-            if chars >= cfg.batch_chars:
-                flush()
-        flush()
-
-    try:
-        read_all()
-    except BaseException as e:
-        for fh in (fh for pair in files.values() for fh in pair):
-            fh.abandon()  # closed now: a retry of this unit writes the same paths afresh
-        if isinstance(e, StaleRange):  # read again: what this reading counted is taken back
-            _bump(counters, -last_consumed, -sum(docs.values()), -sum(tokens.values()))
-        raise
-    _bump(counters, unit.est_bytes - last_consumed, 0, 0)  # close the gap of estimated sizes
-    spill, memory = {}, {}
-    for s in splits:
-        if all(fh.held is not None for fh in files[s]):
-            memory[s] = tuple(fh.held for fh in files[s])  # no file: the journal names none that exists
-        for fh in files[s]:
-            fh.close(keep=s in memory)
-        if s not in memory:
-            for n in names[s]:
-                os.replace(os.path.join(state, n + ".part"), os.path.join(state, n))
-        spill[s] = [[n, fh.size, fh.crc] for n, fh in zip(names[s], files[s])]
-    result = {"index": unit.index, "run": run, "spill": spill, "documents": docs, "tokens": tokens,
-              "text_bytes": text_bytes, "lines": reader.lines, "skipped": tally.to_json(), "sources": sources}
-    write_json_atomic(done_path(state, unit.index), result, durable=False)
-    if memory:
-        result["memory"] = memory  # {split: (id arrays, length arrays)}, for the assembly in this process
-    return result
-
-
-SPOOL_BYTES = 16 << 20  # a unit's tokens (or lengths) kept in memory by a build without workers
-
-
-class _Spill:
-    """A unit's spill file, with the CRC-32 of what was written.
-
-    Spill files are not fsynced: they live for one build, mostly in the page cache (a kill -9
-    leaves them intact).  After a power loss a journal entry may name a spill file whose data
-    never reached the disk: a resumed build checks size and CRC before it trusts a unit.
-
-    With `spool`, the arrays written are held in memory (`held`) until they exceed that many
-    bytes, and only then written to the file: a build that tokenizes in its own process hands a
-    unit's arrays to its assembly without writing and reading them back.  Such a unit is not
-    resumable until an assembly checkpoint covers it (its journal entry names no file).
-    """
-
-    def __init__(self, path: str, spool: int = 0):
-        self.path, self.spool = path, spool
-        self.fh = None
-        self.held: list[np.ndarray] | None = []
-        self.size = self.crc = 0
-        if not spool:
-            self._open()
-
-    def _open(self) -> None:
-        self.fh = open(self.path, "wb")
-        for a in self.held:
-            self._write(a)
-        self.held = None
-
-    def _write(self, arr: np.ndarray) -> None:
-        self.fh.write(arr.data)
-        self.crc = zlib.crc32(arr.data, self.crc)
-
-    def write(self, arr: np.ndarray) -> None:
-        self.size += arr.nbytes
-        if self.held is not None and self.size <= self.spool:
-            self.held.append(arr)  # each array is new: nothing writes into it later
-            return
-        if self.fh is None:
-            self._open()
-        self._write(arr)
-
-    def abandon(self) -> None:
-        """Close without finishing (the unit failed): nothing written later through this object."""
-        if self.fh is not None:
-            self.fh.close()
-        self.held = None
-
-    def close(self, keep: bool = False) -> None:
-        """keep: the arrays stay in memory (for the assembly); else all of it goes to the file."""
-        if not keep and self.fh is None:
-            self._open()
-        if self.fh is not None:
-            self.fh.close()
-
-
-def _spill_intact(path: str, size: int, crc: int) -> bool:
-    if os.path.getsize(path) != size:
-        return False
-    c = 0
-    with open(path, "rb") as fh:
-        while block := fh.read(8 << 20):
-            c = zlib.crc32(block, c)
-    return c == crc
-
-
-# --------------------------------------------------------------------------- main side
 
 
 def _prepare_out(out: str, plan: dict, overwrite: bool, protect: list[str]) -> bool:
@@ -570,23 +244,6 @@ def _result(f, u: Unit) -> dict:
         raise
     except Exception as e:  # noqa: BLE001
         raise HelixtokError(f"tokenizing {_where(u)} failed: {type(e).__name__}: {e}") from None
-
-
-def _where(u: Unit) -> str:
-    return u.files[0] + (f" (+{len(u.files) - 1} files)" if len(u.files) > 1 else "")
-
-
-class _LocalCounters(list):
-    """The inline run's progress counters: bytes, documents, tokens; `hook` is told of each change."""
-
-    hook = None
-
-    def bump(self, b: int, d: int, t: int) -> None:
-        self[0] += b
-        self[1] += d
-        self[2] += t
-        if self.hook is not None:
-            self.hook()
 
 
 def build(corpus, out: str, tokenizer: str, config: BuildConfig | None = None, *, overwrite: bool = False,

@@ -84,7 +84,7 @@ def document_source(out: str, m: dict, split: str, doc: int, corpus: str | None 
 
 def _locate(corpus: str, plan: dict, u: int, split: str, nth: int) -> str | None:
     """The nth kept document of `split` in unit u, found by reading the unit again as the build did."""
-    from .builder import _split_of_pieces, kept
+    from .unit import _split_of_pieces, kept
     from .config import BuildConfig
     from .longdoc import LongText, stripped
     from .sources import LineRefs, Tally, UnitReader, discover, plan_units

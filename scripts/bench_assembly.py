@@ -38,7 +38,7 @@ def main() -> None:
 
     from helixtok.assemble import Assembler
     from helixtok.backend_check import choose_backend
-    from helixtok.builder import _W, _init_worker, run_unit
+    from helixtok.unit import _W, _init_worker, run_unit
     from helixtok.config import BuildConfig
     from helixtok.sources import discover, plan_units
     from helixtok.tokenizer import inspect_tokenizer
@@ -52,7 +52,7 @@ def main() -> None:
         spill = os.path.join(work, "spill")
         os.makedirs(spill)
         # A worker's own code path (build.run_unit), its spill files kept on disk as a pool's are.
-        _init_worker(cfg, spill, "rbench", None, None, None)
+        _init_worker(cfg, spill, "rbench", None, None)
         _W["spool"] = 0
         t0 = time.perf_counter()
         results = [run_unit(u, info) for u in units]

@@ -172,7 +172,7 @@ def test_workers_load_the_likely_backend_early_and_drop_it_when_another_is_chose
     reuses it when fastokens is chosen, and it is freed when another backend is."""
 
     from helixtok import backends
-    from helixtok import builder as hb
+    from helixtok import unit as hb
     from helixtok.tokenizer import inspect_tokenizer
 
     tok = shapes["llama3-like (uint32)"]

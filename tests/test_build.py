@@ -102,7 +102,7 @@ def test_two_builds_in_threads_of_one_program_keep_to_their_own_options(tmp_path
     that set-up was process-wide, the second's options and folder were used by the first."""
     import threading
 
-    from helixtok import builder as hb
+    from helixtok import unit as hb
 
     def config(k):  # options that change the bytes (the split, stripping); tokenizers: no backend check
         return BuildConfig(seq_len=64, workers=1, val_fraction=0.3 * k, strip=k == 0, backend="hf")
@@ -310,7 +310,7 @@ def test_val_split_is_document_level_and_deterministic(tmp_path, small_tok):
     tr, va = m["splits"]["train"]["documents"], m["splits"]["val"]["documents"]
     assert tr + va == 220 and 20 < va < 80
     # Duplicates go to the same split (content hash), so no document is in both.
-    from helixtok.builder import _split_of
+    from helixtok.unit import _split_of
 
     assert all(_split_of(t, 0.2, 0) == _split_of(t, 0.2, 0) for t in texts[:20])
 

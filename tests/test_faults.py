@@ -17,6 +17,7 @@ import pytest
 from click.testing import CliRunner
 
 import helixtok.builder as hb
+import helixtok.unit
 from conftest import UNIT
 from helixtok.builder import STATE, build
 from helixtok.cli import main
@@ -195,12 +196,12 @@ def test_a_build_without_workers_hands_its_tokens_to_the_assembly_in_memory(tmp_
     no file, so a build stopped before one tokenizes it again."""
     from helixtok import assemble
 
-    opened, real = [], hb._Spill._open
+    opened, real = [], helixtok.unit._Spill._open
 
     def spy(self):
         opened.append(self.path)
         real(self)
-    monkeypatch.setattr(hb._Spill, "_open", spy)
+    monkeypatch.setattr(helixtok.unit._Spill, "_open", spy)
     if spool:
         monkeypatch.setattr(hb, "SPOOL_BYTES", spool)
     cfg = BuildConfig(seq_len=512, workers=1, shard_bytes=1 << 20, unit_bytes=UNIT)

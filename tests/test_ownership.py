@@ -339,6 +339,8 @@ def test_a_panic_inside_the_tokenizer_is_one_line_naming_the_unit(tmp_path, smal
     def panic(self, docs):
         raise PanicException("called `Result::unwrap()` on an `Err` value")
 
-    monkeypatch.setattr(hb.Encoder, "encode", panic)
+    from helixtok.encode import Encoder
+
+    monkeypatch.setattr(Encoder, "encode", panic)
     with pytest.raises(hb.HelixtokError, match=r"tokenizing .*a.txt.* failed: PanicException: called"):
         build([str(small_corpus)], str(tmp_path / "out"), small_tok, BuildConfig(seq_len=16, workers=1))
