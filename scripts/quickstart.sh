@@ -20,14 +20,15 @@ elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; the
     "${PIP[@]}" install -q torch
 else
     local_wheel="$("${PIP[@]}" install --dry-run --no-deps --no-index --quiet --report - torch 2>/dev/null \
-        | "$VENV/bin/python" -c 'import json, sys
+        | "$VENV/bin/python" -c 'import json, sys, urllib.parse
 try:
     url = json.load(sys.stdin)["install"][0]["download_info"]["url"]
 except (ValueError, LookupError):
     url = ""
-print(url if "%2Bcpu" in url or "+cpu" in url else "")' || true)"
+path = urllib.parse.unquote(url[len("file://"):]) if url.startswith("file://") else ""
+print(path if "+cpu" in path else "")' || true)"
     if [ -n "$local_wheel" ]; then
-        echo "quickstart: no NVIDIA GPU; a CPU build of torch found offline: ${local_wheel#file://}" >&2
+        echo "quickstart: no NVIDIA GPU; a CPU build of torch found offline: $local_wheel" >&2
         "${PIP[@]}" install -q "$local_wheel"
     else
         echo "quickstart: no NVIDIA GPU; torch's CPU build from https://download.pytorch.org/whl/cpu" >&2
