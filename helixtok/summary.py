@@ -56,7 +56,8 @@ def summarize(m: dict, folder: str) -> dict:
         "documents": t["documents"], "tokens": t["tokens"], "chunks": t["chunks"], "stored_tokens": stored,
         "pad_share": _share(t["pad_tokens"], stored), "dropped_token_share": _share(t["dropped_tokens"], t["tokens"]),
         "dropped_document_share": _share(t["dropped_documents"], t["documents"]),
-        "input_bytes": m.get("inputs", {}).get("bytes"), "bytes_on_disk": bytes_on_disk(m, folder),
+        "input_bytes": m.get("inputs", {}).get("bytes"), "text_bytes": m["totals"].get("text_bytes"),
+        "bytes_on_disk": bytes_on_disk(m, folder),
         "sources": {k: {**v, "token_share": _share(v["tokens"], t["tokens"])} for k, v in (m.get("sources") or {}).items()},
         "alerts": alerts(m),
     }
@@ -78,7 +79,9 @@ def lines(s: dict, *, elapsed: float | None = None, reused: int = 0, units: int 
            + f"; {bos} ({'the tokenizer' + chr(39) + 's rule' if s['bos_rule'] == 'tokenizer' else s['bos_rule']})"]
     size = "" if s["bytes_on_disk"] is None else f"{human_bytes(s['bytes_on_disk'])} on disk"
     if elapsed is not None:
-        rate = f", {s['input_bytes'] / elapsed / 1e6:,.1f} MB/s of input" if s.get("input_bytes") and elapsed > 0 else ""
+        # Text tokenized per second (what the progress lines count), and the files' size as read.
+        rate = (f", {s['text_bytes'] / elapsed / 1e6:,.1f} MB/s of text ({human_bytes(s['input_bytes'])} of files)"
+                if s.get("text_bytes") and s.get("input_bytes") and elapsed > 0 else "")
         out.append(f"took {elapsed:,.1f} s{rate}" + (f"; {size}" if size else ""))
     elif size:
         out.append(size)
