@@ -26,9 +26,10 @@ from .errors import HelixtokError
 MARK = "helixtok-worker"  # in each worker's command line: what `ps` (and the tests) look for
 _LEN = struct.Struct("<Q")
 _EOF = object()
-# Signals a terminal sends to the whole foreground group: the build handles them and stops its
-# workers; a worker that took them itself would print a traceback or die before being told.
-_TERMINAL = {signal.SIGINT, signal.SIGHUP}
+# Signals sent to a whole process group (a terminal's Ctrl-C or hang-up; `scancel`, `docker stop`,
+# `kill -- -PGID`): the build handles them and stops its workers; a worker that took them itself
+# would print a traceback, or die first and be reported as killed.  (SIGKILL still ends a worker.)
+_TERMINAL = {signal.SIGINT, signal.SIGHUP, signal.SIGTERM}
 BEAT_SECONDS = 0.5  # a worker busy with a task that reports no progress says it is alive this often
 
 _SERVE = "from helixtok.pool import serve\nserve()\n"

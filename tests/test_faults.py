@@ -779,15 +779,18 @@ def test_no_resource_tracker_so_killing_processes_prints_nothing(tmp_path, dev_c
     assert err == "" and _gone_within(kids, 2)
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+@pytest.mark.parametrize("sig, group", [(signal.SIGTERM, False), (signal.SIGHUP, True), (signal.SIGTERM, True)])
 def test_sigterm_and_sighup_stop_like_ctrl_c_and_the_rerun_resumes(tmp_path, dev_corpus, tokenizer_path, dev_packed,
-                                                                   sig):
-    """kill (SIGTERM) and a closed terminal (SIGHUP) end the build cleanly, resumably, with one
-    line and exit 128 + signum (they used to end it with Python's default: no message, exit -15)."""
+                                                                   sig, group):
+    """kill (SIGTERM), a closed terminal (SIGHUP), and either sent to the whole process group
+    (scancel, docker stop) end the build cleanly, resumably, with one line and exit 128 + signum
+    (they used to end it with Python's default: no message, exit -15; a worker took them too)."""
     out = tmp_path / "out"
-    p = start_cli(dev_corpus, out, tokenizer_path)
+    p = subprocess.Popen([sys.executable, "-m", "helixtok.cli", "build", str(dev_corpus), str(out), "-t",
+                          tokenizer_path, "-L", "512", "-j", "2", "-q", "--shard-size", "1MiB", "--unit-size", "512KiB"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     wait_for(str(out / STATE / "u*.train.tok.part"), p)
-    p.send_signal(sig)
+    os.killpg(p.pid, sig) if group else p.send_signal(sig)
     _, err = p.communicate(timeout=60)
     assert p.returncode == 128 + sig, err
     assert err == f"\ninterrupted ({signal.Signals(sig).name}); rerun the same command to resume\n"
