@@ -62,15 +62,17 @@ def document_source(out: str, m: dict, split: str, doc: int, corpus: str | None 
     """Where document `doc` of `split` came from: its work unit's file(s), and with `corpus` (the
     folder or files the build read) the exact file:line or file row N, read again."""
     counts = (m.get("unit_documents") or {}).get(split)
-    if counts is None or m.get("merged_from"):
-        return "unknown (a merged or older dataset: look in its part)" if m.get("merged_from") else "unknown"
+    if counts is None:
+        return "unknown (built by an older helixtok)"
     cum = np.cumsum(counts)
     u = int(np.searchsorted(cum, doc, side="right"))
     if u >= len(counts):
         raise ConfigError(f"document {doc} outside the {int(cum[-1]) if len(cum) else 0} of this split")
     nth = doc - (int(cum[u - 1]) if u else 0)
+    # A merged dataset's parts all hold the whole plan, and its unit_documents run over all units.
+    where = os.path.join(out, m["merged_from"][0]) if m.get("merged_from") else out
     try:
-        with open(os.path.join(out, PLAN_FILE)) as fh:
+        with open(os.path.join(where, PLAN_FILE)) as fh:
             plan = json.load(fh)
     except (OSError, ValueError):
         return "unknown (no build plan)"

@@ -41,6 +41,14 @@ def test_three_tasks_merged_equal_a_single_build(tmp_path, txt_corpus, tokenizer
         parts.append(p)
     mm = merge(list(reversed(parts)), str(root))  # order given does not matter: task order is used
     assert mm["merged_from"] == ["part-00000", "part-00001", "part-00002"]
+    # Each document's source is the single build's (the parts hold the whole plan; unit_documents run over all).
+    from helixtok.show import document_source
+
+    n = ms["totals"]["documents"]
+    for d in (0, n // 2, n - 1):
+        assert document_source(str(root), mm, "train", d) == document_source(single, ms, "train", d)
+    assert document_source(str(root), mm, "train", n - 1, txt_corpus).startswith(os.path.basename(
+        sorted(os.listdir(txt_corpus))[-1]))
     assert verify(str(root)).ok
     ds = MemmapChunkDataset(str(root))
     assert len(ds) == mm["splits"]["train"]["num_chunks"]
