@@ -329,9 +329,10 @@ class WorkerPool:
             w.kill()
             w.reap()
 
-    def close(self, timeout: float = 5.0) -> None:
+    def close(self, timeout: float = 1.0) -> None:
         """Every task answered: let the workers exit (they read the end of their pipe), killing
-        any that does not within `timeout` (a stopped one never would)."""
+        any that does not within `timeout` (a stopped one never would; one that is still
+        shutting down has nothing left to write: its results are all in)."""
         with self._lock:
             self._stopped = True
             for w in self._workers:
