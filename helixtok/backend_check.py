@@ -29,10 +29,8 @@ def sample_texts(units: list[Unit], config: BuildConfig) -> list[str]:
                 got += len(texts[-1])
                 if got >= head:
                     break
-        except StaleRange:  # read through a damaged seek index: not this unit's text; its worker reads it again
-            continue
-        except InputError:  # a damaged input: its worker reports it, in corpus order (--strict: the first)
-            continue
+        except (StaleRange, InputError):  # a damaged seek index or input: the unit's worker reads it again
+            continue                      # and reports what is wrong, in corpus order (--strict: the first)
         sample += texts
     return sample
 

@@ -14,6 +14,7 @@ from itertools import chain
 import numpy as np
 
 from . import preload
+from .tokenizer import load_tokenizer, reference_version
 
 # The pre-tokenizer regex of HF's ByteLevel(use_regex=True): GPT-2's pattern.
 GPT2_PAT = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
@@ -103,8 +104,6 @@ def hf_tokenizer(path: str, special: str):
     """A tokenizers Tokenizer that treats special-token strings inside a document per `special`:
     "text" encodes them as ordinary characters (no hidden boundaries or control tokens from
     crawled text), "extract" turns them into their special ids (for corpora with markup)."""
-    from .tokenizer import load_tokenizer
-
     tok = load_tokenizer(path)
     tok.encode_special_tokens = special == "text"
     return tok
@@ -231,7 +230,7 @@ def _cache_file(kind: str, *key: str) -> str:
     from .config import cache_root  # config imports this module
 
     # Keyed by the reference tokenizers release too: a verdict against another release says nothing here.
-    digest = hashlib.sha256("|".join((*key, backend_version("hf") or "", str(LONG_HOSTILE_VERSION))).encode()).hexdigest()
+    digest = hashlib.sha256("|".join((*key, reference_version(), str(LONG_HOSTILE_VERSION))).encode()).hexdigest()
     return os.path.join(cache_root(), kind, digest + ".json")
 
 
@@ -282,7 +281,7 @@ def _ids_digest(ids) -> str:
 
 
 def _hf_long_file(sha: str, special: str) -> str:
-    return _cache_file("hf-ids", backend_version("hf") or "", sha, special)
+    return _cache_file("hf-ids", sha, special)  # (per tokenizers release: _cache_file keys every entry by it)
 
 
 def _cached_hf_long(sha: str, special: str) -> list[str] | None:

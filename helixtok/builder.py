@@ -27,7 +27,7 @@ from .backend_check import choose_backend
 from .backends import FAST, backend_version, forget_fast_tokenizers
 from .config import BuildConfig, worker_bytes
 from .errors import ConfigError, HelixtokError, InputError, Interrupted, resource_error
-from .manifest import (DOC_SKIPS, FORMAT_VERSION, MANIFEST, REPAIRS, load_manifest, manifest_files, source_counts,
+from .manifest import (DOC_SKIPS, FORMAT_VERSION, MANIFEST, REPAIRS, load_manifest, manifest_files, sum_sources,
                        write_json_atomic)
 from .merge import check_sibling_parts, partition
 from .objstore import current, is_url
@@ -57,16 +57,13 @@ class Progress:
 
 
 def _prepare_out(out: str, plan: dict, overwrite: bool, protect: list[str]) -> bool:
-    """Make the locked OUT ready; returns True when an unfinished build with the same plan can resume."""
+    """Make the locked OUT ready; returns True when an unfinished build with the same plan can resume.
+    (A finished dataset without --overwrite never gets here: _up_to_date says what it is.)"""
     state = os.path.join(out, STATE)
-    if os.path.isfile(os.path.join(out, MANIFEST)) and os.path.isdir(state) and not overwrite:
-        shutil.rmtree(state)  # the last step of a finished build (cleanup) was interrupted
     refuse_foreign(out)
     if overwrite:
         remove_owned(out, protect=protect)
         return False
-    if os.path.isfile(os.path.join(out, MANIFEST)):
-        raise ConfigError(f"{out}: already holds a finished dataset; pass --overwrite to replace it")
     plan_path = os.path.join(state, "plan.json")
     if os.path.isfile(plan_path):
         try:
@@ -404,10 +401,10 @@ def _up_to_date(out: str, plan: bytes) -> UpToDate:
             change = f"its {PLAN_FILE} is unreadable"
         raise ConfigError(f"{out}: already holds a finished dataset built from other inputs or options ({change}); "
                           "pass --overwrite to replace it")
-    sizes = {e["path"]: e["bytes"] for sp in m["splits"].values() for e in sp["shards"]}
+    sizes = {e["path"]: e["bytes"] for sp in m["splits"].values() for e in sp["shards"]}  # (sidecars: no size)
     for rel in manifest_files(m):
         p = os.path.join(out, rel)
-        if not os.path.isfile(p) or os.path.getsize(p) != sizes.get(rel, os.path.getsize(p)):
+        if not (os.path.isfile(p) and (rel not in sizes or os.path.getsize(p) == sizes[rel])):
             raise ConfigError(f"{out}: holds this build's manifest but {rel} is missing or has another size; "
                               "pass --overwrite to build it again")
     shutil.rmtree(os.path.join(out, STATE), ignore_errors=True)  # an interrupted last step (cleanup)
@@ -529,12 +526,6 @@ def _build_started(out, info, config, overwrite, on_progress, part, files, units
     totals["stored_tokens"] = totals["chunks"] * config.seq_len
     totals["skipped_documents"] = sum(tally.counts.get(r, 0) for r in DOC_SKIPS)
     totals["repaired_documents"] = sum(tally.counts.get(r, 0) for r in REPAIRS)
-    per_source: dict[str, list[int]] = {}
-    for r in results:
-        for src, c in r["sources"].items():
-            acc = per_source.setdefault(src, [0, 0, 0])
-            for i in range(3):
-                acc[i] += c[i]
     manifest = {
         "format_version": FORMAT_VERSION,
         "helixtok_version": __version__,
@@ -552,7 +543,7 @@ def _build_started(out, info, config, overwrite, on_progress, part, files, units
         **({"partition": part} if part else {}),
         "splits": splits,
         "totals": totals,
-        "sources": source_counts(per_source),
+        "sources": sum_sources(r["sources"] for r in results),
         # Documents per work unit and split, in unit order: where a document came from (show.py).
         "unit_documents": {sp: [r["documents"].get(sp, 0) for r in results] for sp in splits},
         "skipped": tally.to_json(),

@@ -196,8 +196,6 @@ def build(corpus, out, tokenizer, seq_len, packing, min_tail_len, text_field, bo
 
 
 def _build_with_progress(run_build, con, corpus, out, tokenizer, cfg, overwrite, part):
-    import time
-
     from rich.progress import (
         BarColumn,
         DownloadColumn,
@@ -232,8 +230,6 @@ def _build_with_progress(run_build, con, corpus, out, tokenizer, cfg, overwrite,
 def _build_with_log_lines(run_build, con, corpus, out, tokenizer, cfg, overwrite, part, *, every: float):
     """Progress where stderr is not a terminal: one plain line at each phase's start and every
     `every` seconds (a bar would print nothing until the end in a log)."""
-    import time
-
     t0, last = time.monotonic(), {"phase": None, "at": 0.0}
 
     def on_progress(p):

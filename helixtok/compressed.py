@@ -8,6 +8,7 @@ import contextlib
 import gzip
 import hashlib
 import io
+import json
 import os
 import threading
 import zlib
@@ -15,6 +16,7 @@ from typing import Iterator
 
 from .errors import ConfigError, InputError
 from .inputfile import InputFile
+from .manifest import write_json_atomic
 from .objstore import is_url, open_input, size_of
 
 GZ_INDEX_SPACING = 4 << 20  # decompressed bytes between seek points: what a worker decompresses to skip
@@ -138,8 +140,6 @@ def _index_sha256(index: str) -> str:
 def _seal_index(index: str, identity: list) -> None:
     """Record the index's sha256 and the exact file it indexes beside it (written after the index:
     an index without its record is never trusted)."""
-    from .manifest import write_json_atomic
-
     try:
         write_json_atomic(_index_meta(index), {"sha256": _index_sha256(index), "file": identity}, durable=False)
     except OSError as e:
@@ -148,8 +148,6 @@ def _seal_index(index: str, identity: list) -> None:
 
 def index_intact(index: str, identity: list) -> bool:
     """Whether a cached seek index is whole and is the index of this very file (name, size, stamp)."""
-    import json
-
     try:
         with open(_index_meta(index)) as fh:
             meta = json.load(fh)

@@ -69,9 +69,19 @@ def load_manifest(out_dir: str) -> dict:
     return m
 
 
-def source_counts(per_source: dict[str, list[int]]) -> dict:
-    """The manifest's `sources`: documents, tokens and text bytes per source (sources.source_of), by name."""
-    return {k: {"documents": d, "tokens": t, "text_bytes": b} for k, (d, t, b) in sorted(per_source.items())}
+SOURCE_COUNTS = ("documents", "tokens", "text_bytes")
+
+
+def sum_sources(parts) -> dict:
+    """The manifest's `sources` (documents, tokens and text bytes per source, sources.source_of,
+    by name) summed over `parts`: units' journal entries, or parts' manifests, in that form."""
+    total: dict[str, dict] = {}
+    for part in parts:
+        for src, c in part.items():
+            acc = total.setdefault(src, dict.fromkeys(SOURCE_COUNTS, 0))
+            for k in SOURCE_COUNTS:
+                acc[k] += c[k]
+    return dict(sorted(total.items()))
 
 
 def manifest_files(m: dict) -> dict[str, str]:

@@ -8,7 +8,7 @@ import re
 import shutil
 
 from .errors import ConfigError, DatasetError
-from .manifest import MANIFEST, load_manifest, source_counts, write_json_atomic
+from .manifest import MANIFEST, load_manifest, sum_sources, write_json_atomic
 from .outdir import OutLock, check_out_path, refuse_foreign, remove_owned
 from .planid import PLAN_FILE, describe_change
 from .sources import Tally, Unit
@@ -198,12 +198,6 @@ def _merge_locked(parts: list[str], ms: list[dict], out: str) -> dict:
                         e[side] = {**e[side], "path": os.path.normpath(os.path.join(rel, e[side]["path"]))}
                 d["shards"].append(e)
     totals = {k: sum(m["totals"][k] for m in ms) for k in first["totals"]}
-    per_source: dict[str, list[int]] = {}
-    for m in ms:
-        for src, c in (m.get("sources") or {}).items():
-            acc = per_source.setdefault(src, [0, 0, 0])
-            for i, k in enumerate(("documents", "tokens", "text_bytes")):
-                acc[i] += c[k]
     skipped, warnings = Tally(), Tally()
     for m in ms:
         skipped.merge(Tally.from_json(m["skipped"]))
@@ -212,7 +206,7 @@ def _merge_locked(parts: list[str], ms: list[dict], out: str) -> dict:
                                        "min_tail_len", "tokenizer", "options")},
               "inputs": _merged_inputs(ms),
               "merged_from": [os.path.relpath(os.path.abspath(p), os.path.abspath(out)) for p in parts],
-              "splits": splits, "totals": totals, "sources": source_counts(per_source),
+              "splits": splits, "totals": totals, "sources": sum_sources(m.get("sources") or {} for m in ms),
               "unit_documents": {sp: [n for m in ms for n in (m.get("unit_documents") or {}).get(sp, [])]
                                  for sp in splits},
               "skipped": skipped.to_json(),

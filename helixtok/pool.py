@@ -117,15 +117,15 @@ def serve() -> None:
         return
     _send(wf, ("ready",), lock)
     while (msg := _recv(rf)) is not _EOF:
-        tid, fn, args, beats = msg
+        fn, args, beats = msg  # one task at a time: its answer needs no id
         try:
-            out = ("done", tid, True, _run(fn, args, beats, wf, lock))
+            out = ("done", True, _run(fn, args, beats, wf, lock))
         except BaseException as e:  # noqa: BLE001 - the parent decides what an error means
-            out = ("done", tid, False, _portable(e))
+            out = ("done", False, _portable(e))
         try:
             _send(wf, out, lock)
         except (pickle.PicklingError, TypeError, AttributeError) as e:
-            _send(wf, ("done", tid, False, _portable(e)), lock)
+            _send(wf, ("done", False, _portable(e)), lock)
 
 
 # --------------------------------------------------------------------------- parent side
@@ -152,10 +152,10 @@ class _Worker:
         self.alive = True
         self.since = time.monotonic()  # when it last showed it works
         self.outbox.put(init)
-        for target in (self._send_loop, self._recv_loop):
-            threading.Thread(target=target, args=(events,), daemon=True, name="helixtok-pool-io").start()
+        threading.Thread(target=self._send_loop, daemon=True, name="helixtok-pool-io").start()
+        threading.Thread(target=self._recv_loop, args=(events,), daemon=True, name="helixtok-pool-io").start()
 
-    def _send_loop(self, events: queue.Queue) -> None:
+    def _send_loop(self) -> None:
         # Writes may block (a stopped worker, a large task): never in the thread that manages the pool.
         while (msg := self.outbox.get()) is not None:
             try:
@@ -211,7 +211,6 @@ class WorkerPool:
         self._pending: collections.deque = collections.deque()
         self._lock = threading.Lock()
         self._stopped = False
-        self._tid = 0
         self._workers: list[_Worker] = []
         # Blocked while the workers start: they inherit the mask and ignore these before unblocking.
         old = signal.pthread_sigmask(signal.SIG_BLOCK, _TERMINAL)
@@ -236,8 +235,7 @@ class WorkerPool:
             if self._stopped:
                 f.set_exception(self.failure or HelixtokError("the worker processes were stopped"))
                 return f
-            self._tid += 1
-            self._pending.append((f, self._tid, fn, args, what, beats))
+            self._pending.append((f, fn, args, what, beats))
             self._dispatch()
         return f
 
@@ -247,10 +245,10 @@ class WorkerPool:
                 return
             if w.alive and w.task is None:
                 while self._pending:
-                    f, tid, fn, args, what, beats = self._pending.popleft()
+                    f, fn, args, what, beats = self._pending.popleft()
                     if f.set_running_or_notify_cancel():
                         w.task, w.since = (f, what), time.monotonic()
-                        w.outbox.put((tid, fn, args, beats))
+                        w.outbox.put((fn, args, beats))
                         break
 
     def _manage(self) -> None:
@@ -289,10 +287,10 @@ class WorkerPool:
         elif kind == "done" and w.task is not None:
             f, _ = w.task
             w.task = None
-            if msg[2]:
-                f.set_result(msg[3])
+            if msg[1]:
+                f.set_result(msg[2])
             else:
-                f.set_exception(msg[3])
+                f.set_exception(msg[2])
 
     def _check_stalls(self) -> None:
         now = time.monotonic()
@@ -321,7 +319,7 @@ class WorkerPool:
                 f.set_exception(self.failure)
 
     def kill(self) -> None:
-        """Stop now (Ctrl-C, a failed unit); returns once every worker process has exited."""
+        """Stop now (Ctrl-C, a failed unit); returns once every worker has exited (or 5 s after its kill)."""
         with self._lock:
             if not self._stopped:
                 self._break(HelixtokError("the build stopped"))

@@ -86,10 +86,10 @@ def document_source(out: str, m: dict, split: str, doc: int, corpus: str | None 
 
 def _locate(corpus: str, plan: dict, u: int, split: str, nth: int) -> str | None:
     """The nth kept document of `split` in unit u, found by reading the unit again as the build did."""
-    from .unit import _split_of_pieces, kept
     from .config import BuildConfig
-    from .longdoc import LongText, stripped
+    from .longdoc import LongText
     from .sources import LineRefs, Tally, UnitReader, discover, plan_units
+    from .unit import kept, kept_long
 
     cfg = BuildConfig(**{k: v for k, v in plan["config"].items() if k in BuildConfig.__dataclass_fields__})
     files, _ = discover([corpus])
@@ -106,11 +106,7 @@ def _locate(corpus: str, plan: dict, u: int, split: str, nth: int) -> str | None
             refs.record(v.index, r.lines)
     reader = UnitReader(units[u], cfg.text_field, Tally(), long_bytes=cfg.long_doc_bytes)
     for text in reader:
-        if isinstance(text, LongText):
-            pieces = stripped(text.pieces()) if cfg.strip else text.pieces()
-            s = _split_of_pieces(pieces, cfg.val_fraction, cfg.split_seed)
-        else:
-            s = kept(text, cfg)[1]
+        s = (kept_long if isinstance(text, LongText) else kept)(text, cfg)[1]
         if s == want:
             if nth == 0:
                 return refs.resolve(reader.where())

@@ -696,6 +696,28 @@ class UnitReader:
             self._loc = (name, None, "")
             yield text
 
+    def _gz_range(self, path: str, raw):
+        """A stream at the start of this .gz range: through its seek index (`aux`), or, with none or
+        a damaged one (dropped from the cache), by decompressing up to it."""
+        u = self.unit
+        if u.aux:
+            import indexed_gzip
+
+            try:
+                stream = indexed_gzip.IndexedGzipFile(fileobj=raw, readbuf_size=1 << 20)
+                stream.import_index(u.aux)
+                stream.seek(u.start)
+                return io.BufferedReader(stream, 1 << 20)
+            except Exception:  # noqa: BLE001 - whatever a damaged index makes the library raise
+                drop_index(u.aux)  # nothing read yet: read this range without it
+                self.unit = dataclasses.replace(u, aux="")
+                raw.seek(0)
+        stream = open_stream(path, u.kind, raw)
+        left = u.start
+        while left and (got := stream.read(min(left, 8 << 20))):
+            left -= len(got)
+        return stream
+
     def _jsonl(self) -> Iterator[str]:
         u = self.unit
         path, name = u.files[0], u.names[0]
@@ -705,27 +727,9 @@ class UnitReader:
             return f"{name}:{line_ref(u, n)}"
         with open_input(path) as raw:
             gz_range = u.kind == "jsonl.gz" and u.stop
-            stream = None
-            if u.aux:  # a line range of a large .gz file: start at the seek point before it
-                import indexed_gzip
-
-                try:
-                    stream = indexed_gzip.IndexedGzipFile(fileobj=raw, readbuf_size=1 << 20)
-                    stream.import_index(u.aux)
-                    stream.seek(u.start)
-                    stream = io.BufferedReader(stream, 1 << 20)
-                except Exception:  # noqa: BLE001 - whatever a damaged index makes the library raise
-                    drop_index(u.aux)  # nothing read yet: read this range without it
-                    self.unit = u = dataclasses.replace(u, aux="")
-                    raw.seek(0)
-                    stream = None
-            if stream is not None:
-                pass
-            elif gz_range:  # the same range without a seek index: decompress up to it
-                stream = open_stream(path, u.kind, raw)
-                left = u.start
-                while left and (got := stream.read(min(left, 8 << 20))):
-                    left -= len(got)
+            if gz_range:  # a line range of a large .gz file: from its seek point, or decompressed up to it
+                stream = self._gz_range(path, raw)
+                u = self.unit  # without its seek index, if that was found damaged
             elif u.kind == "jsonl.zst" and u.stop:  # a range of a large .zst: from its frame's start
                 raw.seek(u.seek[0])
                 stream = io.BufferedReader(z := ZstdRaw(raw, u.seek[0]), 1 << 20)

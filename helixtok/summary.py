@@ -74,9 +74,10 @@ def human_bytes(n: float) -> str:
 def lines(s: dict, *, elapsed: float | None = None, reused: int = 0, units: int = 0) -> list[str]:
     """The summary's plain lines (after the table of splits), the alerts last."""
     bos = f"BOS {s['bos_token']}" if s["add_bos"] else "no BOS"
+    rule = "the tokenizer's rule" if s["bos_rule"] == "tokenizer" else s["bos_rule"]
     out = [f"backend {s['backend_version'] or s['backend']}"
            + (f" (checked against {s['reference_version']})" if s.get("reference_version") else "")
-           + f"; {bos} ({'the tokenizer' + chr(39) + 's rule' if s['bos_rule'] == 'tokenizer' else s['bos_rule']})"]
+           + f"; {bos} ({rule})"]
     size = "" if s["bytes_on_disk"] is None else f"{human_bytes(s['bytes_on_disk'])} on disk"
     if elapsed is not None:
         # Text tokenized per second (what the progress lines count), and the files' size as read.

@@ -19,7 +19,7 @@ from .config import BuildConfig
 from .encode import Encoder
 from .errors import HelixtokError, InputError
 from .longdoc import LongText, stripped, utf8_len
-from .manifest import write_json_atomic
+from .manifest import SOURCE_COUNTS, write_json_atomic
 from .objstore import expired
 from .sources import StaleRange, Tally, Unit, UnitReader
 from .tokenizer import TokenizerInfo
@@ -128,6 +128,12 @@ def kept(text: str, cfg: BuildConfig) -> tuple[str, int | None]:
     return text, _split_of(text, cfg.val_fraction, cfg.split_seed) if cfg.val_fraction > 0 else 0
 
 
+def kept_long(text: LongText, cfg: BuildConfig):
+    """kept() for a document read in pieces: (a function giving its pieces as tokenized, its split)."""
+    pieces = (lambda: stripped(text.pieces())) if cfg.strip else text.pieces
+    return pieces, _split_of_pieces(pieces(), cfg.val_fraction, cfg.split_seed)
+
+
 def done_path(state: str, index: int) -> str:
     return os.path.join(state, f"u{index:06d}.done.json")
 
@@ -219,8 +225,8 @@ def _run_unit(unit: Unit, info: TokenizerInfo) -> dict:
         nonlocal last_consumed, chars
         for text in reader:
             if isinstance(text, LongText):  # read, hashed and encoded in pieces: memory stays flat
-                pieces = (lambda: stripped(text.pieces())) if cfg.strip else text.pieces
-                s = splits[_split_of_pieces(pieces(), cfg.val_fraction, cfg.split_seed)]
+                pieces, s = kept_long(text, cfg)
+                s = splits[s]
                 flush()  # the documents before it go first
                 nbytes = [0]
 
@@ -269,7 +275,8 @@ def _run_unit(unit: Unit, info: TokenizerInfo) -> dict:
                 os.replace(os.path.join(state, n + ".part"), os.path.join(state, n))
         spill[s] = [[n, fh.size, fh.crc] for n, fh in zip(names[s], files[s])]
     result = {"index": unit.index, "run": run, "spill": spill, "documents": docs, "tokens": tokens,
-              "text_bytes": text_bytes, "lines": reader.lines, "skipped": tally.to_json(), "sources": sources}
+              "text_bytes": text_bytes, "lines": reader.lines, "skipped": tally.to_json(),
+              "sources": {k: dict(zip(SOURCE_COUNTS, v)) for k, v in sources.items()}}
     write_json_atomic(done_path(state, unit.index), result, durable=False)
     if memory:
         result["memory"] = memory  # {split: (id arrays, length arrays)}, for the assembly in this process
