@@ -1,9 +1,10 @@
-"""Orchestrate a build: plan work units, tokenize them in worker processes, pack, shard, manifest last.
+"""Orchestrate a build: plan work units, have them tokenized, packed and written, publish, manifest last.
 
-Data flow: files -> units (sources.py) -> worker: read + tokenize -> spill files + journal entry
-per unit (unit.py, in pool.py's processes or this one) -> ordered assembly: pack + shard
-(assemble.py) -> manifest.json (atomic, last).  The journal makes an interrupted build
-resumable: finished units are never redone.
+Data flow: files -> units (sources.py) -> worker: read + tokenize + pack + write the unit's final
+shards, and its journal entry (unit.py, pack.py, in pool.py's processes or this one) -> publish:
+rename the shards into OUT, manifest.json from the journal entries (catalog.py; atomic, last).
+No step here touches a token.  The journal makes an interrupted build resumable: finished units
+are never redone.
 """
 
 from __future__ import annotations
@@ -22,9 +23,9 @@ from dataclasses import dataclass
 from typing import Callable
 
 from . import __version__, preload
-from .assemble import CHECKPOINT, Assembler
 from .backend_check import choose_backend
 from .backends import FAST, backend_version, forget_fast_tokenizers
+from .catalog import join_split, published, unit_counts
 from .config import BuildConfig, worker_bytes
 from .errors import ConfigError, HelixtokError, InputError, Interrupted, resource_error
 from .manifest import (DOC_SKIPS, FORMAT_VERSION, MANIFEST, REPAIRS, load_manifest, manifest_files, sum_sources,
@@ -32,12 +33,13 @@ from .manifest import (DOC_SKIPS, FORMAT_VERSION, MANIFEST, REPAIRS, load_manife
 from .merge import check_sibling_parts, partition
 from .objstore import current, is_url
 from .outdir import PUBLISH, STATE, OutLock, check_out_path, read_list, refuse_foreign, remove_owned
+from .pack import BESTFIT_WINDOW
 from .planid import PLAN_FILE, describe_change, encode_plan, whole_plan
 from .pool import WorkerPool
 from .shards import fsync_dir
 from .sources import LineRefs, Tally, Unit, discover, plan_units
 from .tokenizer import TokenizerInfo, forget_handed, inspect_tokenizer, resolve_tokenizer_path
-from .unit import SPOOL_BYTES, THREAD_ENV, _init_worker, _LocalCounters, _spill_intact, _W, _where, done_path, run_unit
+from .unit import THREAD_ENV, _init_worker, _LocalCounters, _W, _where, done_path, run_unit, state_files
 
 
 @dataclass
@@ -81,33 +83,37 @@ def _prepare_out(out: str, plan: dict, overwrite: bool, protect: list[str]) -> b
     return False
 
 
-def _trusted_results(state: str, units: list[Unit], assembled: set[int]) -> dict[int, dict] | None:
-    """Journal entries of finished units: those `assembled` (a checkpoint covers them: their
-    spill files may be gone) and those whose spill files are all there with the size and CRC
-    recorded; None if an assembled unit has no readable entry (then the checkpoint is of no use).
+def _trusted_results(out: str, state: str, units: list[Unit]) -> dict[int, dict]:
+    """Journal entries of finished units whose shards are all there with the sizes recorded: in
+    STATE, or already moved into OUT by a build stopped while publishing (publish.json names
+    those).  Shards are fsynced before their entry is written, so a size that matches is the data.
 
     Read once, at start: the lock guarantees no other build writes here, and an orphan that
     journals late only ever names its own run's files, which this run then does not use.
     """
+    moved = set(read_list(os.path.join(state, PUBLISH)))
     trusted: dict[int, dict] = {}
     for u in units:
         try:
             with open(done_path(state, u.index)) as fh:
                 r = json.load(fh)
-            ok = r["index"] == u.index and "lines" in r and "sources" in r and (u.index in assembled or all(
-                _spill_intact(os.path.join(state, n), size, crc) for files in r["spill"].values() for n, size, crc in files))
+            ok = r["index"] == u.index and "lines" in r and "sources" in r and "counts" in r and all(
+                _has(os.path.join(state, n), size) or (p in moved and _has(os.path.join(out, p), size))
+                for n, p, size in state_files(r))
         except (OSError, ValueError, KeyError, TypeError):
             ok = False
         if ok:
             trusted[u.index] = r
-        elif u.index in assembled:
-            return None
-    keep = {n for i, r in trusted.items() if i not in assembled for files in r["spill"].values() for n, _, _ in files}
-    for e in os.listdir(state):  # spill files of runs that did not finish their unit, or no longer needed
+    keep = {n for r in trusted.values() for n, _, _ in state_files(r)}
+    for e in os.listdir(state):  # shards of runs that did not finish their unit
         if e.startswith("u") and e not in keep and not e.endswith(".done.json"):
             with contextlib.suppress(OSError):
                 os.remove(os.path.join(state, e))
     return trusted
+
+
+def _has(path: str, size: int) -> bool:
+    return not os.path.islink(path) and os.path.isfile(path) and os.path.getsize(path) == size
 
 
 class _Interrupt:
@@ -148,8 +154,8 @@ def _run_units(units: list[Unit], pending: list[Unit], info: TokenizerInfo, conf
                on_result: Callable[[dict], None], workers: _Pool | None) -> list[dict]:
     """Tokenize the pending units; each journal entry goes to `on_result` as soon as it is in."""
     total_bytes = sum(u.est_bytes for u in units)
-    # One process: corpus order, so that every unit is assembled as soon as it is handed over
-    # (in memory: none waits for an earlier one).
+    # One process: corpus order (a bad input is found where a reader expects it, and nothing is gained
+    # by another order).
     order = schedule(pending, config.unit_bytes, config.strict or workers is None)
     units_done = len(units) - len(pending)
     t_last = 0.0
@@ -166,7 +172,7 @@ def _run_units(units: list[Unit], pending: list[Unit], info: TokenizerInfo, conf
     if workers is None:  # inline: no pool, easy to debug and profile
         counters = _LocalCounters([0, 0, 0])
         counters.hook = lambda: report(counters, units_done)  # progress within a unit, as it is read
-        _init_worker(config, state, run_id, None, counters, spool=SPOOL_BYTES)
+        _init_worker(config, state, run_id, None, counters)
         try:
             for u in order:
                 results.append(run_unit(u, info))
@@ -215,12 +221,10 @@ def _run_units(units: list[Unit], pending: list[Unit], info: TokenizerInfo, conf
 def schedule(pending: list[Unit], unit_bytes: int, in_order: bool = False) -> list[Unit]:
     """The order units go to the workers (the output's order does not depend on it).
 
-    Corpus order, so that the finished prefix, which assembly needs, grows while later units
-    tokenize: ordered by size, units finished in a scattered order and assembly waited for
-    nearly all of them (1 s of a 6 s build idle on two cores).  Units costing over twice
-    unit_bytes (a large text file or row group, a .zst range that discards what precedes it in
-    its frame) go first, costliest first, so that none of them is the last to finish.
-    in_order: corpus order only (--strict, to stop at the first bad input soon; one process).
+    Units costing over twice unit_bytes (a large text file or row group, a .zst range that
+    discards what precedes it in its frame) go first, costliest first, so that none of them is
+    the last to finish; then corpus order.  in_order: corpus order only (--strict, to stop at
+    the first bad input soon; one process).
     """
     pending = sorted(pending, key=lambda u: u.index)
     if in_order:
@@ -401,7 +405,8 @@ def _up_to_date(out: str, plan: bytes) -> UpToDate:
             change = f"its {PLAN_FILE} is unreadable"
         raise ConfigError(f"{out}: already holds a finished dataset built from other inputs or options ({change}); "
                           "pass --overwrite to replace it")
-    sizes = {e["path"]: e["bytes"] for sp in m["splits"].values() for e in sp["shards"]}  # (sidecars: no size)
+    sizes = {x["path"]: x["bytes"] for sp in m["splits"].values() for e in sp["shards"]
+             for x in (e, e.get("docs"), e.get("valid")) if x and "bytes" in x}
     for rel in manifest_files(m):
         p = os.path.join(out, rel)
         if not (os.path.isfile(p) and (rel not in sizes or os.path.getsize(p) == sizes[rel])):
@@ -431,7 +436,7 @@ def _build_to_url(inputs, url, tokenizer, config, overwrite, on_progress, task, 
 
 def _build_started(out, info, config, overwrite, on_progress, part, files, units, warnings, state, run_id,
                    workers, whole: bytes) -> dict:
-    """_build_in once it holds the lock: check the backend, resume or start, tokenize, assemble, publish."""
+    """_build_in once it holds the lock: check the backend, resume or start, tokenize, publish."""
     info, backend_check = choose_backend(info, units, config, workers)
     if workers is not None:  # the workers tokenize: the main process needs no fast tokenizer now
         forget_fast_tokenizers()
@@ -456,56 +461,32 @@ def _build_started(out, info, config, overwrite, on_progress, part, files, units
     if not resume:
         write_json_atomic(os.path.join(state, "plan.json"), plan)
 
-    asm = os.path.join(state, "assembly")
-    indices = [u.index for u in units]
-    # Tokenizing in this process (no pool) keeps its thread busy: the assembly gets a thread of its own.
-    background = workers is None
-    assembler = trusted = None
-    if resume:
-        _unpublish(out, state, asm)
-        assembler = Assembler.resumed(asm, info, config, state, indices, background=background)
-        trusted = _trusted_results(state, units, assembler.assembled_before if assembler else set())
-        if trusted is None:
-            assembler.abort()
-            assembler, trusted = None, _trusted_results(state, units, set())
-    if assembler is None:
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(os.path.join(state, CHECKPOINT))
-        shutil.rmtree(asm, ignore_errors=True)
-        os.makedirs(asm)
-        assembler = Assembler(asm, info, config, state, indices, background=background)
-    trusted = trusted or {}
+    trusted = _trusted_results(out, state, units) if resume else {}
     pending = [u for u in units if u.index not in trusted]
     done_bytes = sum(u.est_bytes for u in units if u.index in trusted)
     refs = LineRefs(units)
-
-    def took(r: dict) -> None:
-        refs.record(r["index"], r["lines"])
-        assembler.add(r)
-
+    for u in units:
+        if u.index in trusted:
+            refs.record(u.index, trusted[u.index]["lines"])
+    if (n := worker_count(config, pending, info.backend)) > (workers.n if workers else 1):
+        # Sized for a faster library than the check found exact: this one needs more processes.
+        if workers is not None:
+            workers.kill()
+        workers = _Pool(n, config, state, run_id, info.path, load_likely=False)
     try:
-        for u in units:
-            if u.index in trusted:
-                took(trusted[u.index])
-        if (n := worker_count(config, pending, info.backend)) > (workers.n if workers else 1):
-            # Sized for a faster library than the check found exact: this one needs more processes.
-            if workers is not None:
-                workers.kill()
-            workers = _Pool(n, config, state, run_id, info.path, load_likely=False)
-        try:
-            fresh = _run_units(units, pending, info, config, state, run_id, on_progress, done_bytes, took, workers)
-        except InputError as e:  # a worker names a .jsonl line by its place in the unit
-            raise InputError(refs.resolve(str(e))) from None
-        by_index = {**trusted, **{r["index"]: r for r in fresh}}
-        results = [by_index[u.index] for u in units]
-        if on_progress:
-            on_progress(Progress(sum(u.est_bytes for u in units), sum(u.est_bytes for u in units),
-                                 sum(sum(r["documents"].values()) for r in results),
-                                 sum(sum(r["tokens"].values()) for r in results), len(units), len(units), "write"))
-        splits = assembler.finish()
-    except BaseException:
-        assembler.abort()
-        raise
+        fresh = _run_units(units, pending, info, config, state, run_id, on_progress, done_bytes,
+                           lambda r: refs.record(r["index"], r["lines"]), workers)
+    except InputError as e:  # a worker names a .jsonl line by its place in the unit
+        raise InputError(refs.resolve(str(e))) from None
+    by_index = {**trusted, **{r["index"]: r for r in fresh}}
+    results = [by_index[u.index] for u in units]
+    if on_progress:
+        on_progress(Progress(sum(u.est_bytes for u in units), sum(u.est_bytes for u in units),
+                             sum(sum(r["documents"].values()) for r in results),
+                             sum(sum(r["tokens"].values()) for r in results), len(units), len(units), "write"))
+    names = ("train", "val") if config.val_fraction > 0 else ("train",)
+    splits = {s: join_split([unit_counts(r, s) for r in results], [published(e) for r in results for e in r["shards"][s]],
+                            config.seq_len, config.packing) for s in names}
 
     tally = Tally()
     for r in results:
@@ -515,8 +496,8 @@ def _build_started(out, info, config, overwrite, on_progress, part, files, units
         raise InputError(f"the corpus gave {splits['train']['tokens']} tokens, not one chunk of "
                          f"--seq-len {config.seq_len}; lower --seq-len or add text")
     _check_unchanged(files)
-    shutil.copyfile(info.path, os.path.join(asm, "tokenizer.json"))
-    with open(os.path.join(asm, PLAN_FILE), "wb") as fh:
+    shutil.copyfile(info.path, os.path.join(state, "tokenizer.json"))
+    with open(os.path.join(state, PLAN_FILE), "wb") as fh:
         fh.write(whole)
 
     totals = {k: sum(s[k] for s in splits.values())
@@ -532,7 +513,8 @@ def _build_started(out, info, config, overwrite, on_progress, part, files, units
         "dtype": "uint16" if info.dtype.itemsize == 2 else "uint32",
         "seq_len": config.seq_len,
         "packing": config.packing,
-        "min_tail_len": config.tail_len if config.packing == "document" else None,
+        "min_tail_len": config.tail_len if config.packing != "packed" else None,
+        **({"bestfit_window": BESTFIT_WINDOW} if config.packing == "bestfit" else {}),
         "tokenizer": {**info.to_json(), "file": "tokenizer.json", "backend_check": backend_check},
         "options": {"text_field": config.text_field, "val_fraction": config.val_fraction,
                     "split_seed": config.split_seed, "shard_bytes": config.shard_bytes,
@@ -549,7 +531,7 @@ def _build_started(out, info, config, overwrite, on_progress, part, files, units
         "skipped": tally.to_json(),
         "warnings": warnings.to_json(),
     }
-    _publish(out, state, asm, splits, manifest, ["tokenizer.json", PLAN_FILE])
+    _publish(out, state, results, manifest)
     built = Built(manifest)
     built.reused_units, built.units = len(trusted), len(units)
     return built
@@ -562,28 +544,18 @@ def _check_unchanged(files) -> None:
             raise InputError(f"{f.path}: changed while the build read it; rerun when the corpus is stable")
 
 
-def _unpublish(out: str, state: str, asm: str) -> None:
-    """Move back into `asm` what a build stopped while publishing had moved into OUT (publish.json
-    names them), so that its checkpointed assembly is whole again."""
-    for n in read_list(os.path.join(state, PUBLISH)):
-        if os.sep in n or n in (".", "..") or os.path.islink(os.path.join(out, n)):
-            continue  # publish.json only ever names plain files directly in OUT
-        if os.path.isfile(os.path.join(out, n)) and not os.path.exists(os.path.join(asm, n)):
-            os.replace(os.path.join(out, n), os.path.join(asm, n))
+def _publish(out: str, state: str, results: list[dict], manifest: dict) -> None:
+    """Move the units' shards (and the tokenizer and plan) from STATE into OUT, then the manifest,
+    last and atomically.
 
-
-def _publish(out: str, state: str, asm: str, splits: dict, manifest: dict, extra: list[str]) -> None:
-    """Move the finished files from STATE into OUT, then the manifest, last and atomically.
-
-    publish.json names the files first, so a kill halfway leaves them known as helixtok's
-    (a rerun resumes and publishes again; --overwrite removes them).
+    publish.json names the files first, so a kill halfway leaves them known as helixtok's (a
+    rerun finds the moved shards there and publishes again; --overwrite removes them).
     """
-    names = [e["path"] for s in splits.values() for e in s["shards"]]
-    names += [e[k]["path"] for s in splits.values() for e in s["shards"] for k in ("docs", "valid") if k in e]
-    names += extra
-    write_json_atomic(os.path.join(state, PUBLISH), {"files": names})
-    for n in names:
-        os.replace(os.path.join(asm, n), os.path.join(out, n))
+    moves = [(n, p) for r in results for n, p, _ in state_files(r)] + [("tokenizer.json",) * 2, (PLAN_FILE,) * 2]
+    write_json_atomic(os.path.join(state, PUBLISH), {"files": [p for _, p in moves]})
+    for n, p in moves:
+        if os.path.exists(os.path.join(state, n)):  # else moved by a build stopped while publishing
+            os.replace(os.path.join(state, n), os.path.join(out, p))
     fsync_dir(out)  # shard renames are durable before the manifest says they exist
     write_json_atomic(os.path.join(state, MANIFEST), manifest)
     os.replace(os.path.join(state, MANIFEST), os.path.join(out, MANIFEST))

@@ -12,7 +12,7 @@ import time
 
 import click
 
-from .config import BACKENDS, SPECIAL_POLICIES  # not numpy: `build` starts loading the tokenizer first
+from .config import BACKENDS, PACKINGS, SPECIAL_POLICIES  # not numpy: `build` starts loading the tokenizer first
 from .errors import HelixtokError, Interrupted, resource_error
 
 SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.I)
@@ -98,10 +98,12 @@ def main():
               help="tokenizer.json, a folder holding one, or a HF repo id in the local HF cache.")
 @click.option("--seq-len", "-L", type=click.IntRange(min=1), default=2048, show_default=True,
               help="Tokens per chunk.")
-@click.option("--pack", "packing", type=click.Choice(["packed", "document"]), default="packed", show_default=True,
-              help="packed: concatenate documents and cut; document: chunk each document, pad its tail.")
-@click.option("--min-tail-len", type=click.IntRange(min=1), default=None,
-              help="document packing: shortest kept document / tail chunk [default: seq-len // 4].")
+@click.option("--pack", "packing", type=click.Choice(list(PACKINGS)), default="packed", show_default=True,
+              help="packed: concatenate documents and cut; document: chunk each document, pad its tail; bestfit: "
+                   "whole documents placed into chunks by best fit, padded (docs/packing.md).")
+@click.option("--min-tail-len", type=click.IntRange(min=0), default=None,
+              help="document and bestfit packing: shortest kept document / last piece [default: document seq-len // "
+                   "4, bestfit none dropped].")
 @click.option("--text-field", default="text", show_default=True, help="JSON field or parquet column with the text.")
 @click.option("--bos/--no-bos", default=None,
               help="Prepend BOS to every document, or not [default: as the tokenizer's post-processor does for "
@@ -428,8 +430,8 @@ def _export_command(name: str, dest: str):
 def export_helixlm_cmd(out, dest, split):
     """Write OUT's split as HelixLM's pretraining store (helix.pretrain.samples.v1) in DEST.
 
-    Shards are hard-linked (copied across file systems). Build with --strip for HelixLM's exact
-    token stream.
+    The store's shards hold whole samples, written from OUT's chunks. Build with --strip for
+    HelixLM's exact token stream.
 
     \b
     Example:
@@ -443,8 +445,8 @@ def export_helixlm_cmd(out, dest, split):
         click.echo(f"warning: {out} was built without --strip; HelixLM's compiler strips each text first, so its "
                    "stream differs where a document starts or ends in whitespace (rebuild with --strip for the "
                    "identical stream)", err=True)
-    click.echo(f"{dest}: {st['sample_count']:,} samples x {st['seq_len']} in {len(st['shards'])} shards "
-               f"({st['source']['shards']}), {st['encoded_tokens']:,} tokens from {st['source_rows']:,} rows")
+    click.echo(f"{dest}: {st['sample_count']:,} samples x {st['seq_len']} in {len(st['shards'])} shards, "
+               f"{st['encoded_tokens']:,} tokens from {st['source_rows']:,} rows")
 
 
 @_export_command("megatron", "prefix")

@@ -15,7 +15,7 @@ def cache_root() -> str:
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "helixtok")
 
 
-PACKINGS = ("packed", "document")
+PACKINGS = ("packed", "document", "bestfit")
 BACKENDS = ("auto", "hf", "fastokens", "gigatoken", "tiktoken")
 SPECIAL_POLICIES = ("text", "extract")  # what special-token strings inside documents become
 # Input per worker process: about a second of tokenizing with each library (fastokens 100-300
@@ -42,7 +42,7 @@ DEFAULT_UNIT_BYTES = 4 << 20
 class BuildConfig:
     seq_len: int = 2048
     packing: str = "packed"
-    min_tail_len: int | None = None  # document packing only; default seq_len // 4
+    min_tail_len: int | None = None  # document packing: default seq_len // 4; bestfit: default 0 (drop nothing)
     text_field: str = "text"
     add_bos: bool | None = None  # None: the tokenizer's own rule (its post-processor); True/False: --bos/--no-bos
     eos_token: str | None = None
@@ -68,11 +68,11 @@ class BuildConfig:
         if self.packing not in PACKINGS:
             raise ConfigError(f"--pack must be one of {', '.join(PACKINGS)}, got {self.packing!r}")
         if self.min_tail_len is not None:
-            if self.packing != "document":
-                raise ConfigError("--min-tail-len applies only to --pack document")
-            if not 1 <= self.min_tail_len <= self.seq_len:
+            if self.packing == "packed":
+                raise ConfigError("--min-tail-len applies only to --pack document and --pack bestfit")
+            if not 0 <= self.min_tail_len <= self.seq_len:
                 raise ConfigError(
-                    f"--min-tail-len must be between 1 and --seq-len ({self.seq_len}), got {self.min_tail_len}"
+                    f"--min-tail-len must be between 0 and --seq-len ({self.seq_len}), got {self.min_tail_len}"
                 )
         if not 0.0 <= self.val_fraction < 1.0:
             raise ConfigError(f"--val-fraction must be in [0, 1), got {self.val_fraction}")
@@ -94,10 +94,11 @@ class BuildConfig:
 
     @property
     def tail_len(self) -> int:
-        """Minimum tail kept in document packing (seq_len // 4 unless given, at least 1)."""
+        """Minimum tail kept: document packing seq_len // 4 unless given (at least 1); bestfit 0
+        unless given (nothing dropped); packed has none."""
         if self.min_tail_len is not None:
             return self.min_tail_len
-        return max(1, self.seq_len // 4)
+        return max(1, self.seq_len // 4) if self.packing == "document" else 0
 
     @property
     def num_workers(self) -> int:
@@ -108,6 +109,6 @@ class BuildConfig:
         d = asdict(self)
         for k in ("workers", "strict", "batch_chars", "stall_seconds"):
             d.pop(k)
-        if self.packing == "document":
+        if self.packing != "packed":
             d["min_tail_len"] = self.tail_len
         return d

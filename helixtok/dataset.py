@@ -14,7 +14,7 @@ torch = require_torch()
 from torch.utils.data import Dataset  # noqa: E402
 
 from .errors import DatasetError
-from .manifest import DTYPES, MANIFEST, load_manifest, split_entry
+from .manifest import DTYPES, MANIFEST, SIDES, load_manifest, shard_tokens, split_entry
 from .objstore import is_url, redact
 from .shards import DOCS_DTYPE, VALID_DTYPE
 
@@ -68,10 +68,11 @@ class MemmapChunkDataset(Dataset):
     are chunk i, labels the same window moved one token on, borrowing the first token of chunk
     i+1 (labels are already shifted: do not shift again).  The last chunk's last label is -100.
 
-    position_ids=True (packed data only) adds position ids that restart at every document,
-    from the per-shard document index (never from scanning for EOS).
+    position_ids=True (packed and bestfit data) adds position ids that restart at every document,
+    from the per-shard document index (never from scanning for EOS); a bestfit chunk's padding
+    counts as one more document.
 
-    document_masking=True (packed data only) also adds `document_ids` (per token, for a
+    document_masking=True (packed and bestfit data) also adds `document_ids` (per token, for a
     FlexAttention mask_mod or helixtok.masking.block_causal_mask), and to batches made by
     `collate` (DataLoader(collate_fn=ds.collate)) `cu_seqlens`/`max_seqlen` over the flattened
     batch for flash-attention varlen; see docs/training.md.
@@ -111,11 +112,15 @@ class MemmapChunkDataset(Dataset):
         self.bos_id = m["tokenizer"].get("bos_id")  # None: the tokenizer names no BOS
         self.vocab_size = int(m["tokenizer"]["vocab_size"])  # largest id + 1: size an embedding table with it
         self.tokenizer_sha256 = m["tokenizer"]["sha256"]
-        if (shifted or position_ids or document_masking) and self.packing != "packed":
-            raise DatasetError(f"{self.path}: shifted/position_ids/document_masking need packed data; this "
-                               f"dataset is {self.packing}-packed")
-        if self.packing == "document" and self.fields == ("input_ids",):
-            raise DatasetError(f"{self.path}: document-packed chunks end in padding; keep labels or "
+        if shifted and self.packing != "packed":
+            raise DatasetError(f"{self.path}: shifted needs packed data (one stream); this dataset is "
+                               f"{self.packing}-packed")
+        if (position_ids or document_masking) and self.packing == "document":
+            raise DatasetError(f"{self.path}: position_ids/document_masking need packed or bestfit data; each "
+                               "chunk of this document-packed dataset holds one document already")
+        self._padded = "valid" in SIDES[self.packing]  # chunks end in padding: .valid says where
+        if self._padded and self.fields == ("input_ids",):
+            raise DatasetError(f"{self.path}: {self.packing}-packed chunks end in padding; keep labels or "
                                "attention_mask in fields to know where")
         if shifted and "labels" not in self.fields:
             raise DatasetError("shifted=True makes labels: keep labels in fields")
@@ -124,20 +129,21 @@ class MemmapChunkDataset(Dataset):
         self.position_ids = position_ids or document_masking
         if tokenizer is not None:
             self._check_tokenizer(tokenizer)
-        self._shards = [(os.path.join(self.path, e["path"]), int(e["num_chunks"]), e) for e in s["shards"]]
+        self._shards = [(os.path.join(self.path, e["path"]), shard_tokens(e, self.seq_len), e) for e in s["shards"]]
         self._check_files()
         # What each file is now: a process that opens them later (a DataLoader worker, a pickled
         # copy after `build --overwrite`) must read these very files or fail, never others.
         self._identity = {p: _identity(os.stat(p)) for p in self._files()}
         if self._identity[os.path.join(self.path, MANIFEST)] != before:
             raise DatasetError(f"{self.path}: the dataset changed while it was being opened; open it again")
-        counts = np.array([n for _, n, _ in self._shards], dtype=np.int64)
-        self._starts = np.concatenate(([0], np.cumsum(counts)))
+        # Where each shard's tokens begin in the split's stream: chunk i is tokens [i*L, (i+1)*L)
+        # (a packed chunk may span shards; document and bestfit shards hold whole chunks).
+        self._starts = np.concatenate(([0], np.cumsum([n for _, n, _ in self._shards]))).astype(np.int64)
         self._starts_list = self._starts.tolist()
         self._len = int(s["num_chunks"])
-        if self._starts[-1] != self._len:
-            raise DatasetError(f"{self.path}: split {split!r} lists {self._starts[-1]} chunks in its shards "
-                               f"but num_chunks is {self._len}; the manifest is corrupt, rebuild")
+        if self._starts[-1] // self.seq_len != self._len:
+            raise DatasetError(f"{self.path}: split {split!r} holds {self._starts[-1] // self.seq_len} chunks in its "
+                               f"shards but num_chunks is {self._len}; the manifest is corrupt, rebuild")
         self._maps: list | None = None
 
     # ---------------------------------------------------------------- checks
@@ -152,20 +158,24 @@ class MemmapChunkDataset(Dataset):
                                f"but {p} has sha256 {got[:12]}…; use the tokenizer the data was built with "
                                f"(a copy is in {os.path.join(self.path, 'tokenizer.json')})")
 
+    def _sides(self) -> tuple[str, ...]:
+        """The sidecars this dataset reads."""
+        return tuple(x for x in SIDES[self.packing] if x == "valid" or self.position_ids)
+
     def _check_files(self) -> None:
-        row = self.seq_len * self.dtype.itemsize
+        size_of = {"valid": lambda n, e: n // self.seq_len * VALID_DTYPE.itemsize,
+                   "docs": lambda n, e: e["docs"]["count"] * DOCS_DTYPE.itemsize}
         for p, n, e in self._shards:
             if not os.path.isfile(p):
                 raise DatasetError(f"{p}: shard missing; copy it again or rebuild")
             size = os.path.getsize(p)
-            if size != n * row:
-                raise DatasetError(f"{p}: {size} bytes, the manifest says {n} chunks x {self.seq_len} x "
-                                   f"{self.dtype.itemsize} = {n * row} bytes (truncated copy or wrong dtype?); "
+            if size != n * self.dtype.itemsize:
+                raise DatasetError(f"{p}: {size} bytes, the manifest says {n} tokens x {self.dtype.itemsize} = "
+                                   f"{n * self.dtype.itemsize} bytes (truncated copy or wrong dtype?); "
                                    "copy it again or rebuild")
-            side = "valid" if self.packing == "document" else "docs"
-            if side in e:
+            for side in SIDES[self.packing]:
                 sp = os.path.join(self.path, e[side]["path"])
-                want = n * VALID_DTYPE.itemsize if side == "valid" else e[side]["count"] * DOCS_DTYPE.itemsize
+                want = size_of[side](n, e)
                 if not os.path.isfile(sp) or os.path.getsize(sp) != want:
                     raise DatasetError(f"{sp}: missing or not {want} bytes as the manifest says; copy it again")
 
@@ -186,9 +196,8 @@ class MemmapChunkDataset(Dataset):
         return d
 
     def _files(self) -> list[str]:
-        side = "valid" if self.packing == "document" else "docs"
-        return [os.path.join(self.path, MANIFEST)] + [q for p, _, e in self._shards
-                                                      for q in (p, os.path.join(self.path, e[side]["path"]))]
+        return [os.path.join(self.path, MANIFEST)] + [q for p, _, e in self._shards for q in
+                                                      (p, *(os.path.join(self.path, e[x]["path"]) for x in SIDES[self.packing]))]
 
     def _checked(self, p: str):
         """Open p, refusing a file that is not the one this dataset was created over."""
@@ -209,14 +218,14 @@ class MemmapChunkDataset(Dataset):
         for p, n, e in self._shards:
             with self._checked(p) as fh:
                 # A plain ndarray over the map: np.memmap's Python-level __getitem__ costs ~10 us a batch.
-                mm = np.memmap(fh, dtype=self.dtype, mode="r", shape=(n, self.seq_len)).view(np.ndarray)
-            side = None
-            if self.packing == "document":
-                with self._checked(os.path.join(self.path, e["valid"]["path"])) as fh:
-                    side = np.memmap(fh, dtype=VALID_DTYPE, mode="r", shape=(n,))
-            elif self.position_ids:
-                with self._checked(os.path.join(self.path, e["docs"]["path"])) as fh:
-                    side = np.fromfile(fh, dtype=DOCS_DTYPE).astype(np.int64)
+                mm = np.memmap(fh, dtype=self.dtype, mode="r", shape=(n,)).view(np.ndarray) if n else \
+                    np.empty(0, self.dtype)
+            side = {}
+            for x in self._sides():
+                with self._checked(os.path.join(self.path, e[x]["path"])) as fh:
+                    side[x] = (np.fromfile(fh, dtype=DOCS_DTYPE).astype(np.int64) if x == "docs" else
+                               np.memmap(fh, dtype=VALID_DTYPE, mode="r", shape=(n // self.seq_len,)) if n else
+                               np.empty(0, VALID_DTYPE))
             maps.append((mm, side))
         self._maps = maps
         return maps
@@ -247,74 +256,79 @@ class MemmapChunkDataset(Dataset):
             raise IndexError(f"index {bad - self._len if bad < 0 else bad} out of range for {self._len} chunks")
         return idx, lo, hi
 
-    def _locate(self, idx, lo: int, hi: int) -> tuple[int | np.ndarray, list[int] | np.ndarray]:
-        """(shard, row in shard) of in-range indices (min lo, max hi); shard is one int when all lie
-        in one shard."""
-        first = bisect.bisect_right(self._starts_list, lo) - 1
-        if first == bisect.bisect_right(self._starts_list, hi) - 1:
-            base = self._starts_list[first]
-            if not base:
-                return first, idx
-            return first, [i - base for i in idx] if type(idx) is list else idx - base
-        idx = np.asarray(idx, dtype=np.int64)
-        shard = np.searchsorted(self._starts, idx, side="right") - 1
-        return shard, idx - self._starts[shard]
+    def _shard_of(self, g: int) -> int:
+        """The shard holding stream position g."""
+        return bisect.bisect_right(self._starts_list, g) - 1
 
-    def _gather(self, shard, local, out: np.ndarray, column: int | str | None = None) -> None:
-        """out[j] = row local[j] of shard[j]: the whole row, one column of it, or (column="side")
-        its sidecar value."""
+    def _rows(self, idx, out: np.ndarray) -> None:
+        """out[j] = chunk idx[j]: one copy when it lies in one shard (always, but for packed chunks
+        that span shards)."""
         maps = self._maps or self._open()
-        if type(local) is list:  # a DataLoader batch in one shard: one copy a row into `out`, no fancy index
-            mm, side = maps[shard]
-            src = side if column == "side" else mm if column is None else mm[:, column]
-            for j, r in enumerate(local):
-                out[j] = src[r]
-            return
-        if isinstance(shard, int):
-            parts = [(shard, slice(None), local)]
-        elif len(local) <= 64:  # a few rows: one copy each beats np.unique's and np.nonzero's fixed costs
-            parts = zip(shard.tolist(), range(len(local)), local.tolist())
-        else:
-            parts = [(int(s), sel, local[sel]) for s in np.unique(shard) for sel in [np.nonzero(shard == s)[0]]]
-        for s, sel, rows in parts:
-            mm, side = maps[s]
-            out[sel] = side[rows] if column == "side" else mm[rows] if column is None else mm[rows, column]
+        L, st = self.seq_len, self._starts_list
+        for j, i in enumerate(idx if type(idx) is list else idx.tolist()):
+            g = i * L
+            k = bisect.bisect_right(st, g) - 1
+            off = g - st[k]
+            if off + L <= st[k + 1] - st[k]:
+                out[j] = maps[k][0][off: off + L]
+                continue
+            row, at = out[j], 0
+            while at < L:  # across shards (a shard may hold fewer than L tokens)
+                take = min(L - at, st[k + 1] - g)
+                row[at: at + take] = maps[k][0][g - st[k]: g - st[k] + take]
+                at, g, k = at + take, g + take, k + 1
+
+    def _valid(self, idx) -> np.ndarray:
+        """Real tokens at the start of each chunk of idx (padded packings: the .valid sidecars)."""
+        maps = self._maps or self._open()
+        L, st = self.seq_len, self._starts_list
+        out = np.empty(len(idx), dtype=np.int64)
+        for j, i in enumerate(idx if type(idx) is list else idx.tolist()):
+            k = bisect.bisect_right(st, i * L) - 1
+            out[j] = maps[k][1]["valid"][i - st[k] // L]
+        return out
 
     def _next_tokens(self, idx) -> np.ndarray:
         """The first token of the chunk after each of idx; -100 after the last chunk."""
-        nxt = np.asarray(idx, dtype=np.int64) + 1
-        last = nxt >= self._len
-        nxt[last] = 0
+        maps = self._maps or self._open()
         out = np.empty(len(idx), dtype=np.int64)
-        if len(idx):
-            self._gather(*self._locate(nxt, int(nxt.min()), int(nxt.max())), out, column=0)
-        out[last] = IGNORE_INDEX
+        for j, i in enumerate(np.asarray(idx).tolist()):
+            if i + 1 >= self._len:
+                out[j] = IGNORE_INDEX
+                continue
+            g = (i + 1) * self.seq_len
+            k = self._shard_of(g)
+            out[j] = maps[k][0][g - self._starts_list[k]]
         return out
 
     def document_starts(self, i: int) -> np.ndarray:
-        """Offsets inside chunk i where a document begins (packed data; needs position_ids=True)."""
+        """Offsets inside chunk i where a document begins (packed and bestfit data; needs
+        position_ids=True); bestfit pieces of one long document each begin one."""
         if not self.position_ids:
             raise DatasetError("document_starts needs MemmapChunkDataset(..., position_ids=True)")
         maps = self._maps or self._open()
-        shard, local = self._locate(*self._index([i]))
-        starts = maps[int(shard)][1]
-        lo = int(local[0]) * self.seq_len
-        a, b = np.searchsorted(starts, [lo, lo + self.seq_len])
-        return starts[a:b] - lo
+        i = int(self._index([i])[0][0])
+        L, st = self.seq_len, self._starts_list
+        lo, out = i * L, []
+        k = self._shard_of(lo)
+        while k < len(st) - 1 and st[k] < lo + L:
+            offs = maps[k][1]["docs"]
+            a, b = np.searchsorted(offs, [lo - st[k], lo + L - st[k]])
+            out.append(offs[a:b] + (st[k] - lo))
+            k += 1
+        return np.concatenate(out) if len(out) != 1 else out[0]
 
     def _batch(self, idx, lo: int, hi: int) -> dict:
-        shard, local = self._locate(idx, lo, hi)
         L = self.seq_len
         # One allocation for all fields: a DataLoader worker moves each storage it returns into
         # shared memory, one segment per storage (measured: 1.7 ms a batch for three, 0.8 for one).
         buf = np.empty((len(self.fields), len(idx), L), dtype=np.int64)
         # labels are their own rows: editing them leaves input_ids alone
         ids, labels, mask = (None if k is None else buf[k] for k in self._slots)
-        self._gather(shard, local, ids)
-        pad = None
-        if self.packing == "document":
-            valid = np.empty(len(idx), dtype=np.int64)
-            self._gather(shard, local, valid, column="side")
+        self._rows(idx, ids)
+        pad = valid = None
+        if self._padded:
+            valid = self._valid(idx)
             pad = np.arange(L)[None, :] >= valid[:, None]
         if labels is not None:
             if self.shifted:
@@ -333,7 +347,10 @@ class MemmapChunkDataset(Dataset):
         if self.position_ids:
             from .masking import boundaries
 
-            bd = boundaries([self.document_starts(i) for i in np.asarray(idx).tolist()], L)
+            starts = [self.document_starts(i) for i in np.asarray(idx).tolist()]
+            if valid is not None:  # bestfit: a chunk's padding is a segment of its own
+                starts = [np.append(st, v) if v < L else st for st, v in zip(starts, valid.tolist())]
+            bd = boundaries(starts, L)
             b["position_ids"] = bd["position_ids"]
             if self.document_masking:
                 b.update(document_ids=bd["document_ids"], cu_seqlens=bd["cu_seqlens"], max_seqlen=bd["max_seqlen"])

@@ -1,13 +1,14 @@
-"""Write a packed uint16 build as HelixLM's pretraining store (helix.pretrain.samples.v1), shards linked, not copied."""
+"""Write a packed uint16 build as HelixLM's pretraining store (helix.pretrain.samples.v1): its chunks, in shards of whole samples."""
 
 from __future__ import annotations
 
 import os
-import shutil
 
 from . import __version__
 from .errors import ConfigError
 from .manifest import load_manifest, split_entry, write_json_atomic
+from .shards import HashedFile
+from .splitview import SplitView
 
 FORMAT = "helix.pretrain.samples.v1"
 MANIFEST = "manifest.json"
@@ -19,19 +20,19 @@ FIELDS = ("format_version", "token_dtype", "seq_len", "eos_token_id", "source_ro
 SHARD_FIELDS = ("file", "start_sample", "sample_count", "bytes", "sha256")
 
 
-def _place(src: str, dst: str) -> str:
-    """Hard-link src to dst (the same bytes, no copy); copy across file systems. Returns which."""
-    tmp = dst + ".tmp"
-    if os.path.lexists(tmp):
-        os.remove(tmp)
+
+
+def _write_samples(view: SplitView, a: int, b: int, path: str) -> dict:
+    """Chunks [a, b) of `view` as one store shard (temp + fsync + rename): its bytes and sha256."""
+    f = HashedFile(path)
     try:
-        os.link(src, tmp)
-        how = "linked"
-    except OSError:
-        shutil.copyfile(src, tmp)
-        how = "copied"
-    os.replace(tmp, dst)
-    return how
+        step = max(1, (1 << 22) // view.L)
+        for c in range(a, b, step):
+            f.write(view.tokens(c * view.L, min(b, c + step) * view.L))
+        return f.commit()
+    except BaseException:
+        f.abort()
+        raise
 
 
 def export_helixlm(src: str, dest: str, *, split: str = "train") -> dict:
@@ -53,14 +54,15 @@ def export_helixlm(src: str, dest: str, *, split: str = "train") -> dict:
         raise ConfigError(f"{dest}: exists and is not an empty folder; give a new path")
     os.makedirs(dest, exist_ok=True)
     L = int(m["seq_len"])
-    shards, start, placed = [], 0, set()
-    for i, e in enumerate(s["shards"]):
-        name = f"samples-{i:05d}.u16"
-        placed.add(_place(os.path.join(src, e["path"]), os.path.join(dest, name)))
-        n = int(e["num_chunks"])
-        shards.append({"file": name, "start_sample": start, "sample_count": n, "bytes": int(e["bytes"]),
+    view = SplitView(src, m, split)
+    per = max(1, int(m["options"].get("shard_bytes", 1 << 30)) // (L * 2))  # samples a store shard holds
+    shards = []
+    for k, start in enumerate(range(0, view.num_chunks, per)):
+        n = min(per, view.num_chunks - start)
+        name = f"samples-{k:05d}.u16"
+        e = _write_samples(view, start, start + n, os.path.join(dest, name))
+        shards.append({"file": name, "start_sample": start, "sample_count": n, "bytes": e["bytes"],
                        "sha256": e["sha256"]})
-        start += n
     store = {
         "format_version": FORMAT,
         "token_dtype": "<u2",
@@ -72,12 +74,11 @@ def export_helixlm(src: str, dest: str, *, split: str = "train") -> dict:
         "sample_count": int(s["num_chunks"]),
         "causal_target_count": int(s["num_chunks"]) * (L - 1),  # next-token targets inside the samples
         "dropped_tail_tokens": int(s["dropped_tokens"]),
-        "samples_per_shard": int(s["shards"][0]["num_chunks"]) if s["shards"] else 0,
+        "samples_per_shard": shards[0]["sample_count"] if shards else 0,
         # Relative to the store: no host path in a file that travels (docs/format.md).
         "source": {"tool": f"helixtok {__version__}", "dataset": os.path.relpath(os.path.abspath(src), os.path.abspath(dest)),
                    "split": split,
-                   "tokenizer_sha256": m["tokenizer"]["sha256"], "stripped": bool(m["options"].get("strip")),
-                   "shards": "+".join(sorted(placed)) or "none"},
+                   "tokenizer_sha256": m["tokenizer"]["sha256"], "stripped": bool(m["options"].get("strip"))},
         "shards": shards,
     }
     write_json_atomic(os.path.join(dest, MANIFEST), store)

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import os
-import shutil
 
 import numpy as np
 
 from .errors import ConfigError
 from .manifest import load_manifest, split_entry
+from .splitview import SplitView
 
 # llm.c dev/data/data_common.py HEADERS_INFO: (magic, version) per token width.
 HEADERS = {"uint16": (20240520, 1), "uint32": (20240801, 7)}
@@ -30,10 +30,11 @@ def export_llmc(src: str, dest: str, *, split: str = "train") -> dict:
     header = np.zeros(256, dtype="<i4")
     header[:3] = magic, version, n
     tmp = dest + ".tmp"
+    view = SplitView(src, m, split)
+    step = 1 << 24
     with open(tmp, "wb") as out:
         out.write(header.tobytes())
-        for e in s["shards"]:
-            with open(os.path.join(src, e["path"]), "rb") as fh:
-                shutil.copyfileobj(fh, out, 1 << 24)
+        for a in range(0, n, step):  # the chunks' tokens: not the stream's last partial chunk
+            out.write(view.tokens(a, min(n, a + step)).tobytes())
     os.replace(tmp, dest)
     return {"tokens": n, "dtype": m["dtype"], "magic": magic, "version": version}

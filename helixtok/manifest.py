@@ -8,7 +8,8 @@ import os
 from .errors import DatasetError
 from .objstore import filesystem, is_url, redact, reports_storage_errors
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # what build writes; 1 (whole chunks in every shard) is still read
+READABLE = (1, 2)
 MANIFEST = "manifest.json"
 DTYPES = {"uint16": "<u2", "uint32": "<u4"}
 # Reasons a document is skipped (counted in totals.skipped_documents) or repaired (still used).
@@ -60,8 +61,8 @@ def load_manifest(out_dir: str) -> dict:
     if not isinstance(m, dict):
         raise DatasetError(f"{path}: not a helixtok manifest (a JSON {type(m).__name__}); rebuild the dataset")
     v = m.get("format_version")
-    if v != FORMAT_VERSION:
-        raise DatasetError(f"{path}: format_version {v!r}, this helixtok reads version {FORMAT_VERSION}; "
+    if v not in READABLE:
+        raise DatasetError(f"{path}: format_version {v!r}, this helixtok reads versions 1 and 2; "
                            "upgrade helixtok or rebuild the dataset")
     problems = schema_problems(m)
     if problems:
@@ -96,6 +97,15 @@ def manifest_files(m: dict) -> dict[str, str]:
     return files
 
 
+# The sidecars each packing stores beside a shard (docs/format.md).
+SIDES = {"packed": ("docs",), "document": ("valid",), "bestfit": ("docs", "valid")}
+
+
+def shard_tokens(e: dict, seq_len: int) -> int:
+    """Tokens a shard holds: version 2 says so; a version 1 shard holds whole chunks."""
+    return int(e["num_tokens"]) if "num_tokens" in e else int(e["num_chunks"]) * seq_len
+
+
 def _int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
@@ -115,7 +125,7 @@ def schema_problems(m: dict) -> list[str]:
 
     need(m, "dtype", lambda v: v in DTYPES, "uint16 or uint32", "")
     need(m, "seq_len", lambda v: _int(v) and v > 0, "a positive integer", "")
-    need(m, "packing", lambda v: v in ("packed", "document"), "packed or document", "")
+    need(m, "packing", lambda v: v in SIDES, "packed, document or bestfit", "")
     if need(m, "tokenizer", lambda v: isinstance(v, dict), "an object", ""):
         t = m["tokenizer"]
         need(t, "sha256", lambda v: isinstance(v, str) and len(v) == 64, "a sha256 hex digest", "tokenizer.")
@@ -142,16 +152,16 @@ def schema_problems(m: dict) -> list[str]:
                 out.append(f"{w}shards[{i}]: not an object")
                 continue
             need(e, "path", _rel_path, "a relative path", we)
-            need(e, "num_chunks", _int, "a non-negative integer", we)
+            need(e, "num_tokens" if m.get("format_version") != 1 else "num_chunks", _int, "a non-negative integer", we)
             need(e, "bytes", _int, "a non-negative integer", we)
             need(e, "sha256", lambda v: isinstance(v, str) and len(v) == 64, "a sha256 hex digest", we)
-            side = "valid" if m.get("packing") == "document" else "docs"
-            if need(e, side, lambda v: isinstance(v, dict), "an object", we):
-                need(e[side], "path", _rel_path, "a relative path", f"{we}{side}.")
-                need(e[side], "sha256", lambda v: isinstance(v, str) and len(v) == 64, "a sha256 hex digest",
-                     f"{we}{side}.")
-                if side == "docs":
-                    need(e[side], "count", _int, "a non-negative integer", f"{we}{side}.")
+            for side in SIDES.get(m.get("packing"), ()):
+                if need(e, side, lambda v: isinstance(v, dict), "an object", we):
+                    need(e[side], "path", _rel_path, "a relative path", f"{we}{side}.")
+                    need(e[side], "sha256", lambda v: isinstance(v, str) and len(v) == 64, "a sha256 hex digest",
+                         f"{we}{side}.")
+                    if side == "docs":
+                        need(e[side], "count", _int, "a non-negative integer", f"{we}{side}.")
     return out
 
 

@@ -10,7 +10,7 @@ import numpy as np
 
 from .errors import ConfigError, InputError
 from .manifest import load_manifest, split_entry
-from .shards import DOCS_DTYPE
+from .splitview import SplitView
 
 HEADER = b"MMIDIDX\x00\x00"
 VERSION = 1
@@ -22,19 +22,6 @@ SLICE = 1 << 22  # tokens converted per step when the dtype changes
 def megatron_dtype(vocab_size: int) -> type:
     """Megatron's rule (DType.optimal_dtype): uint16 below 65,500 ids, else int32."""
     return np.uint16 if vocab_size < 65500 else np.int32
-
-
-def _document_lengths(src: str, s: dict, seq_len: int) -> np.ndarray:
-    """Lengths of the documents of a packed split's stream, from the .docs sidecars (the last
-    one ends where the stream does: the tail that did not fill a chunk was dropped)."""
-    starts, base = [], 0
-    for e in s["shards"]:
-        starts.append(np.fromfile(os.path.join(src, e["docs"]["path"]), dtype=DOCS_DTYPE).astype(np.int64) + base)
-        base += int(e["num_chunks"]) * seq_len
-    st = np.concatenate(starts) if starts else np.zeros(0, np.int64)
-    if len(st) == 0 or st[0] != 0:
-        st = np.concatenate(([0], st))
-    return np.diff(np.concatenate((st, [base])))
 
 
 def write_index(path: str, dtype: type, lengths: np.ndarray) -> None:
@@ -54,18 +41,18 @@ def write_index(path: str, dtype: type, lengths: np.ndarray) -> None:
 
 def export_megatron(src: str, prefix: str, *, split: str = "train") -> dict:
     """Write PREFIX.bin / PREFIX.idx, which megatron-core's IndexedDataset(PREFIX) reads unchanged:
-    one sequence per document (its ids and EOS, as preprocess_data.py --append-eod makes them).
-    .bin is the build's shard, hard-linked, when there is one shard of Megatron's dtype; else
-    the shards are concatenated (converted to int32 for vocabularies >= 65,500)."""
+    one sequence per document (its ids and EOS, as preprocess_data.py --append-eod makes them),
+    every document whole (the stream's last partial chunk too: it is on disk).  .bin is the
+    build's shard, hard-linked, when there is one shard of Megatron's dtype; else the shards are
+    concatenated (converted to int32 for vocabularies >= 65,500)."""
     m = load_manifest(src)
     s = split_entry(m, split, src)
     if m["packing"] != "packed":
         raise ConfigError(f"{src}: only packed builds keep whole documents in one stream; this one is "
                           f"{m['packing']}-packed")
-    L = int(m["seq_len"])
     dtype = megatron_dtype(int(m["tokenizer"]["vocab_size"]))
     ours = np.dtype("<u2" if m["dtype"] == "uint16" else "<u4")
-    lengths = _document_lengths(src, s, L)
+    lengths = SplitView(src, m, split).document_lengths()
     for p in (prefix + ".bin", prefix + ".idx"):
         if os.path.exists(p):
             raise ConfigError(f"{p}: exists; give a new prefix")
@@ -126,8 +113,8 @@ def import_megatron(prefix: str, out: str, tokenizer: str, *, seq_len: int, shar
     against the tokenizer's vocabulary; the manifest is written last."""
     from . import __version__
     from .manifest import FORMAT_VERSION, MANIFEST, write_json_atomic
-    from .pack import StreamPacker
-    from .shards import ShardWriter
+    from .catalog import join_split, published
+    from .shards import ShardFiles
     from .tokenizer import inspect_tokenizer
 
     info = inspect_tokenizer(tokenizer)
@@ -152,8 +139,8 @@ def import_megatron(prefix: str, out: str, tokenizer: str, *, seq_len: int, shar
     doc_starts = seq_starts[docs[:-1]]
     doc_starts = doc_starts[np.concatenate(([True], np.diff(doc_starts) > 0))]  # empty documents: no start
     L = seq_len
-    writer = ShardWriter(out, "train", info.dtype, L, max(1, shard_bytes // (L * info.dtype.itemsize)), "docs")
-    packer = StreamPacker(writer, L, info.dtype)
+    cap = max(1, shard_bytes // (L * info.dtype.itemsize)) * L
+    writer = ShardFiles(os.path.join(out, "train"), "train-000000", info.dtype, L, cap, ("docs",))
     try:
         ids_all = np.memmap(binp, dtype=np.dtype(mdtype).newbyteorder("<"), mode="r") if total else np.empty(0)
         for a in range(0, total, SLICE):
@@ -162,18 +149,23 @@ def import_megatron(prefix: str, out: str, tokenizer: str, *, seq_len: int, shar
                 bad = int(ids[(ids < 0) | (ids >= info.vocab_size)][0])
                 raise InputError(f"{binp}: token id {bad} is outside the vocabulary of {info.path} "
                                  f"({info.vocab_size} ids); give the tokenizer this dataset was made with")
-            packer.add(ids.astype(info.dtype), doc_starts)
+            lo, hi = np.searchsorted(doc_starts, [a, a + len(ids)])
+            writer.write(ids.astype(info.dtype), starts=doc_starts[lo:hi] - a)
         del ids_all
-        shards = writer.finish()
+        shards = writer.close()
+        for e in shards:  # written as train.NNNN.bin: named as a build names its shards
+            for x in (e, e["docs"]):
+                os.replace(os.path.join(out, x["state"]), os.path.join(out, x["path"]))
+        shards = [published(e) for e in shards]
     except BaseException:
         writer.abort()
         if created:  # it was not there (or empty) before: leave nothing behind
             shutil.rmtree(out, ignore_errors=True)
         raise
     shutil.copyfile(info.path, os.path.join(out, "tokenizer.json"))
-    n = writer.num_chunks
-    split = {"num_chunks": n, "num_tokens": n * L, "documents": len(doc_starts), "tokens": total,
-             "pad_tokens": 0, "dropped_tokens": len(packer.carry), "dropped_documents": 0, "shards": shards}
+    split = join_split([{"documents": len(doc_starts), "tokens": total, "text_bytes": 0, "pad_tokens": 0,
+                         "dropped_tokens": 0, "dropped_documents": 0}], shards, L, "packed")
+    n = split["num_chunks"]
     manifest = {
         "format_version": FORMAT_VERSION, "helixtok_version": __version__,
         "dtype": "uint16" if info.dtype.itemsize == 2 else "uint32", "seq_len": L, "packing": "packed",
@@ -187,7 +179,7 @@ def import_megatron(prefix: str, out: str, tokenizer: str, *, seq_len: int, shar
                             for ext in (".bin", ".idx")]},
         "splits": {"train": split},
         "totals": {"documents": len(doc_starts), "tokens": total, "pad_tokens": 0,
-                   "dropped_tokens": len(packer.carry), "dropped_documents": 0, "chunks": n, "stored_tokens": n * L},
+                   "dropped_tokens": split["dropped_tokens"], "dropped_documents": 0, "chunks": n, "stored_tokens": n * L},
         "skipped": {}, "warnings": {},
     }
     write_json_atomic(os.path.join(out, MANIFEST), manifest)

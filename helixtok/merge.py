@@ -8,7 +8,8 @@ import re
 import shutil
 
 from .errors import ConfigError, DatasetError
-from .manifest import MANIFEST, load_manifest, sum_sources, write_json_atomic
+from .catalog import COUNTED, join_split
+from .manifest import FORMAT_VERSION, MANIFEST, load_manifest, sum_sources, write_json_atomic
 from .outdir import OutLock, check_out_path, refuse_foreign, remove_owned
 from .planid import PLAN_FILE, describe_change
 from .sources import Tally, Unit
@@ -58,7 +59,7 @@ def partition(units: list[Unit], num_tasks: int) -> list[tuple[int, int]]:
 
 
 # Manifest keys that must agree between parts (everything that changes what a chunk means).
-_SAME = ("format_version", "dtype", "seq_len", "packing", "min_tail_len")
+_SAME = ("format_version", "dtype", "seq_len", "packing", "min_tail_len", "bestfit_window")
 # Tokenizer fields that may differ between parts: which library produced the ids (each one was
 # checked against the same reference), where the check's verdict is recorded, the file's name.
 _TOKENIZER_FREE = ("backend", "backend_version", "backend_check", "file")
@@ -125,6 +126,9 @@ def check_sibling_parts(out: str, plan: bytes) -> None:
 def _check_parts(parts: list[str], ms: list[dict]) -> None:
     first = ms[0]
     for p, m in zip(parts, ms):
+        if m["format_version"] != FORMAT_VERSION:
+            raise DatasetError(f"{p}: format_version {m['format_version']} (an older helixtok); rebuild the part "
+                               "with this one to merge it")
         for k in _SAME:
             if m.get(k) != first.get(k):
                 raise DatasetError(f"{p}: {k} is {m.get(k)!r}, {parts[0]} has {first.get(k)!r}; "
@@ -182,28 +186,32 @@ def merge(parts: list[str], out: str, *, overwrite: bool = False) -> dict:
 def _merge_locked(parts: list[str], ms: list[dict], out: str) -> dict:
     first = ms[0]
 
-    splits: dict = {}
+    pieces: dict[str, list[dict]] = {}
+    shards: dict[str, list[dict]] = {}
     for p, m in zip(parts, ms):
         rel = os.path.relpath(os.path.abspath(p), os.path.abspath(out))
         for name, s in m["splits"].items():
-            d = splits.setdefault(name, {"num_chunks": 0, "num_tokens": 0, "documents": 0, "tokens": 0, "text_bytes": 0,
-                                         "pad_tokens": 0, "dropped_tokens": 0, "dropped_documents": 0, "shards": []})
-            for k in d:
-                if k != "shards":
-                    d[k] += s[k]
+            pieces.setdefault(name, []).append(s)
             for e in s["shards"]:
                 e = {**e, "path": os.path.normpath(os.path.join(rel, e["path"]))}
                 for side in ("docs", "valid"):
                     if side in e:
                         e[side] = {**e[side], "path": os.path.normpath(os.path.join(rel, e[side]["path"]))}
-                d["shards"].append(e)
-    totals = {k: sum(m["totals"][k] for m in ms) for k in first["totals"]}
+                shards.setdefault(name, []).append(e)
+    # Packed: chunks are cut over the whole stream, so only its last partial chunk is dropped, as
+    # in a build that was never partitioned.
+    splits = {name: join_split(pieces[name], shards.get(name, []), first["seq_len"], first["packing"])
+              for name in pieces}
+    totals = {k: sum(s[k] for s in splits.values()) for k in COUNTED}
+    totals.update(chunks=sum(s["num_chunks"] for s in splits.values()),
+                  stored_tokens=sum(s["num_tokens"] for s in splits.values()),
+                  **{k: sum(m["totals"][k] for m in ms) for k in ("skipped_documents", "repaired_documents")})
     skipped, warnings = Tally(), Tally()
     for m in ms:
         skipped.merge(Tally.from_json(m["skipped"]))
         warnings.merge(Tally.from_json(m["warnings"]))
     merged = {**{k: first[k] for k in ("format_version", "helixtok_version", "dtype", "seq_len", "packing",
-                                       "min_tail_len", "tokenizer", "options")},
+                                       "min_tail_len", "bestfit_window", "tokenizer", "options") if k in first},
               "inputs": _merged_inputs(ms),
               "merged_from": [os.path.relpath(os.path.abspath(p), os.path.abspath(out)) for p in parts],
               "splits": splits, "totals": totals, "sources": sum_sources(m.get("sources") or {} for m in ms),

@@ -7,6 +7,7 @@ import os
 
 import numpy as np
 
+from .splitview import SplitView
 from .summary import lines, summarize
 
 _BAR_W, _BAR_H = 560, 160
@@ -26,26 +27,6 @@ def _bars(title: str, labels: list[str], values: list[int], unit: str) -> str:
                     f"{html.escape(lab)}</text>" for i, lab in enumerate(labels) if n <= 12 or i % (n // 12 + 1) == 0)
     return (f"<h2>{html.escape(title)}</h2><svg width='{_BAR_W}' height='{_BAR_H + 20}' role='img' "
             f"aria-label='{html.escape(title)}'>{bars}{ticks}</svg><p class='top'>tallest bar: {top:,} {unit}</p>")
-
-
-def document_lengths(out: str, m: dict, split: str = "train") -> np.ndarray:
-    """Tokens of each document of a packed split (EOS included), from the .docs sidecars; the
-    stream's tail after the last start counts up to the last stored token."""
-    s = m["splits"][split]
-    L = int(m["seq_len"])
-    starts, base = [], 0
-    for e in s["shards"]:
-        offs = np.fromfile(os.path.join(out, e["docs"]["path"]), dtype="<u8").astype(np.int64)
-        starts.append(offs + base)
-        base += int(e["num_chunks"]) * L
-    st = np.concatenate(starts) if starts else np.empty(0, np.int64)
-    return np.diff(np.append(st, base))
-
-
-def chunk_fill(out: str, m: dict, split: str = "train") -> np.ndarray:
-    """Real tokens per chunk of a document-packed split (the .valid sidecars)."""
-    return np.concatenate([np.fromfile(os.path.join(out, e["valid"]["path"]), dtype="<u4")
-                           for e in m["splits"][split]["shards"]] or [np.empty(0, np.uint32)])
 
 
 def _log2_buckets(x: np.ndarray) -> tuple[list[str], list[int]]:
@@ -75,11 +56,11 @@ def render(out: str, m: dict, *, chunks: int = 3) -> str:
     src = summ["sources"]
     parts.append(_bars("Tokens per source", list(src), [v["tokens"] for v in src.values()], "tokens"))
     if m["packing"] == "packed":
-        labels, counts = _log2_buckets(document_lengths(out, m, split))
+        labels, counts = _log2_buckets(SplitView(out, m, split).document_lengths())
         parts.append(_bars("Document lengths (tokens, powers of two)", labels, counts, "documents"))
         parts.append(_bars("Chunk fill", ["100%"], [m["splits"][split]["num_chunks"]], "chunks"))
     else:
-        fill = chunk_fill(out, m, split)
+        fill = SplitView(out, m, split).all_valid().astype(np.int64)
         L = int(m["seq_len"])
         counts = np.bincount(np.minimum(fill * 10 // L, 10), minlength=11).tolist()
         parts.append(_bars("Chunk fill (real tokens per chunk)", [f"{10 * i}%" for i in range(11)], counts, "chunks"))

@@ -8,9 +8,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .errors import ConfigError, DatasetError
-from .manifest import DTYPES, split_entry
+from .errors import ConfigError
 from .planid import PLAN_FILE
+from .splitview import SplitView
 
 
 @dataclass
@@ -23,38 +23,27 @@ class Segment:
     pad: int = 0
 
 
-def _shard_of(s: dict, index: int) -> tuple[int, int]:
-    """(shard number, row) of chunk `index` of a split."""
-    if not 0 <= index < s["num_chunks"]:
-        raise ConfigError(f"chunk {index} outside [0, {s['num_chunks']}) of this split")
-    for k, e in enumerate(s["shards"]):
-        if index < e["num_chunks"]:
-            return k, index
-        index -= e["num_chunks"]
-    raise DatasetError("the manifest's shard counts do not add up to num_chunks; rebuild the dataset")
-
-
 def chunk_segments(out: str, m: dict, split: str, index: int) -> list[Segment]:
-    """Chunk `index` of `split`, cut where documents start (packed: the .docs sidecar) or where
-    padding begins (document packing: the .valid sidecar)."""
-    s = split_entry(m, split, out)
-    L, dtype = int(m["seq_len"]), np.dtype(DTYPES[m["dtype"]])
-    k, row = _shard_of(s, index)
-    e = s["shards"][k]
-    ids = np.memmap(os.path.join(out, e["path"]), dtype=dtype, mode="r")[row * L: (row + 1) * L].tolist()
-    if m["packing"] != "packed":
-        valid = int(np.fromfile(os.path.join(out, e["valid"]["path"]), dtype="<u4", count=1, offset=4 * row)[0])
+    """Chunk `index` of `split`, cut where documents start (the .docs sidecars: packed, bestfit)
+    and where padding begins (the .valid sidecars: document, bestfit)."""
+    view = SplitView(out, m, split)
+    L = view.L
+    ids = view.chunk(index).tolist()
+    valid = view.valid(index)
+    if m["packing"] == "document":
         return [Segment(ids[:valid], None, None, pad=L - valid)]
-    before = sum(x["docs"]["count"] for x in s["shards"][:k])  # documents starting in earlier shards
-    offs = np.fromfile(os.path.join(out, e["docs"]["path"]), dtype="<u8")
-    lo, hi = np.searchsorted(offs, row * L), np.searchsorted(offs, (row + 1) * L)
-    cuts = [int(o) - row * L for o in offs[lo:hi]]
-    segs, first = [], before + lo - 1  # the document the chunk's first id belongs to
-    bounds = ([0] if not cuts or cuts[0] != 0 else []) + cuts + [L]
-    doc = first if not cuts or cuts[0] != 0 else first + 1
+    lo = index * L
+    cuts = (view.starts_in(lo, lo + L) - lo).tolist()
+    bounds = ([0] if not cuts or cuts[0] != 0 else []) + cuts + [valid]
+    # Packed: documents are numbered by their starts (the first id may continue an earlier one);
+    # a bestfit chunk's pieces are not numbered (pieces of long documents start too).
+    doc = view.starts_before(lo) - (not cuts or cuts[0] != 0)
+    segs = []
     for a, b in zip(bounds, bounds[1:]):
-        segs.append(Segment(ids[a:b], doc if doc >= 0 else None, a in cuts))
+        known = m["packing"] == "packed" and doc >= 0
+        segs.append(Segment(ids[a:b], doc if known else None, a in cuts))
         doc += 1
+    segs[-1].pad = L - valid
     return segs
 
 

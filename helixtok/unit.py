@@ -1,5 +1,5 @@
-"""One work unit in a tokenizing process: read it, tokenize it, spill its ids; what every worker (or a build
-without workers) runs, with the journal entry that makes it resumable."""
+"""One work unit in a tokenizing process: read it, tokenize it, pack it and write its final shards; what every
+worker (or a build without workers) runs, with the journal entry that makes it resumable."""
 
 from __future__ import annotations
 
@@ -8,10 +8,7 @@ import dataclasses
 import hashlib
 import os
 import threading
-import zlib
 from collections.abc import MutableMapping
-
-import numpy as np
 
 from .backends import forget_fast_tokenizers
 from .compressed import drop_index
@@ -21,6 +18,7 @@ from .errors import HelixtokError, InputError
 from .longdoc import LongText, stripped, utf8_len
 from .manifest import SOURCE_COUNTS, write_json_atomic
 from .objstore import expired
+from .pack import PACKERS
 from .sources import StaleRange, Tally, Unit, UnitReader
 from .tokenizer import TokenizerInfo
 
@@ -61,14 +59,12 @@ _W = _PerThread()
 THREAD_ENV = ("TOKENIZERS_PARALLELISM", "FASTOKENS_BPE_THREADS")
 
 
-def _init_worker(config: BuildConfig, state_dir: str, run_id: str, likely: tuple[str, str] | None, counters,
-                 spool: int = 0) -> None:
-    """Set up a tokenizing process: a worker (counters: its pool.Beat), or the build's own (spool:
-    a unit's tokens go to the assembly in memory)."""
+def _init_worker(config: BuildConfig, state_dir: str, run_id: str, likely: tuple[str, str] | None, counters) -> None:
+    """Set up a tokenizing process: a worker (counters: its pool.Beat), or the build's own."""
     # One process per core: rayon threads inside each would oversubscribe the cores
     # (and --workers 1 means one core).  In the build's own process, build() restores it.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    _W.update(config=config, state=state_dir, run=run_id, counters=counters, spool=spool)
+    _W.update(config=config, state=state_dir, run=run_id, counters=counters)
     if likely is not None:
         _warm(likely)
 
@@ -139,7 +135,7 @@ def done_path(state: str, index: int) -> str:
 
 
 def run_unit(unit: Unit, info: TokenizerInfo) -> dict:
-    """Tokenize one unit into spill files named for this run; returns (and journals) where they are.
+    """Tokenize one unit into its shards, named for this run; returns (and journals) what they hold.
 
     Every failure leaves as a HelixtokError naming the unit: a Rust panic or MemoryError could
     not even be pickled back to the parent.
@@ -177,9 +173,12 @@ def _run_unit(unit: Unit, info: TokenizerInfo) -> dict:
     cfg: BuildConfig = _W["config"]
     state, counters, run = _W["state"], _W["counters"], _W["run"]
     splits = ("train", "val") if cfg.val_fraction > 0 else ("train",)
-    # Spill files carry this run's id: an orphan of an earlier run can never write into them.
-    names = {s: (f"u{unit.index:06d}.{run}.{s}.tok", f"u{unit.index:06d}.{run}.{s}.len") for s in splits}
-    files = {s: [_Spill(os.path.join(state, n + ".part"), _W["spool"]) for n in names[s]] for s in splits}
+    L = cfg.seq_len
+    cap = max(1, cfg.shard_bytes // (L * info.dtype.itemsize)) * L
+    # The unit's shards, final once written: named for this run while in STATE (an orphan of an
+    # earlier run can never write into them), for the unit when published.
+    outs = {s: PACKERS[cfg.packing](os.path.join(state, f"u{unit.index:06d}.{run}.{s}"), f"{s}-{unit.index:06d}",
+                                    info.dtype, L, cap, cfg.tail_len, info.pad_id) for s in splits}
     docs = {s: 0 for s in splits}
     tokens = {s: 0 for s in splits}
     text_bytes = {s: 0 for s in splits}  # UTF-8 bytes of the documents as tokenized
@@ -204,8 +203,7 @@ def _run_unit(unit: Unit, info: TokenizerInfo) -> dict:
             if not batch[s]:
                 continue
             ids, lens = enc.encode(batch[s])
-            files[s][0].write(ids)
-            files[s][1].write(lens.astype("<i8"))
+            outs[s].add(ids, lens)
             # Counted once encoded: the libraries have (mostly) cached each text's UTF-8 by then.
             sizes = list(map(utf8_len, batch[s]))
             text_bytes[s] += sum(sizes)
@@ -235,8 +233,9 @@ def _run_unit(unit: Unit, info: TokenizerInfo) -> dict:
                         nbytes[0] += utf8_len(p)
                         yield p
 
-                n = enc.encode_stream(counted(pieces()), files[s][0].write)
-                files[s][1].write(np.array([n], dtype="<i8"))
+                outs[s].start_long()
+                n = enc.encode_stream(counted(pieces()), outs[s].write_long)
+                outs[s].end_long(n)
                 docs[s] += 1
                 tokens[s] += n
                 text_bytes[s] += nbytes[0]
@@ -257,97 +256,32 @@ def _run_unit(unit: Unit, info: TokenizerInfo) -> dict:
 
     try:
         read_all()
+        shards = {s: outs[s].close() for s in splits}
     except BaseException as e:
-        for fh in (fh for pair in files.values() for fh in pair):
-            fh.abandon()  # closed now: a retry of this unit writes the same paths afresh
+        for o in outs.values():
+            o.abort()  # closed now: a retry of this unit writes the same paths afresh
         if isinstance(e, StaleRange):  # read again: what this reading counted is taken back
             _bump(counters, -last_consumed, -sum(docs.values()), -sum(tokens.values()))
         raise
     _bump(counters, unit.est_bytes - last_consumed, 0, 0)  # close the gap of estimated sizes
-    spill, memory = {}, {}
-    for s in splits:
-        if all(fh.held is not None for fh in files[s]):
-            memory[s] = tuple(fh.held for fh in files[s])  # no file: the journal names none that exists
-        for fh in files[s]:
-            fh.close(keep=s in memory)
-        if s not in memory:
-            for n in names[s]:
-                os.replace(os.path.join(state, n + ".part"), os.path.join(state, n))
-        spill[s] = [[n, fh.size, fh.crc] for n, fh in zip(names[s], files[s])]
-    result = {"index": unit.index, "run": run, "spill": spill, "documents": docs, "tokens": tokens,
+    # Every shard is fsynced before this entry names it: a journal entry that survives a power
+    # loss names whole files, so a resumed build checks their sizes, never their bytes.
+    result = {"index": unit.index, "run": run, "shards": shards,
+              "counts": {s: vars(outs[s].counts) for s in splits}, "documents": docs, "tokens": tokens,
               "text_bytes": text_bytes, "lines": reader.lines, "skipped": tally.to_json(),
               "sources": {k: dict(zip(SOURCE_COUNTS, v)) for k, v in sources.items()}}
     write_json_atomic(done_path(state, unit.index), result, durable=False)
-    if memory:
-        result["memory"] = memory  # {split: (id arrays, length arrays)}, for the assembly in this process
     return result
 
 
-SPOOL_BYTES = 16 << 20  # a unit's tokens (or lengths) kept in memory by a build without workers
-
-
-class _Spill:
-    """A unit's spill file, with the CRC-32 of what was written.
-
-    Spill files are not fsynced: they live for one build, mostly in the page cache (a kill -9
-    leaves them intact).  After a power loss a journal entry may name a spill file whose data
-    never reached the disk: a resumed build checks size and CRC before it trusts a unit.
-
-    With `spool`, the arrays written are held in memory (`held`) until they exceed that many
-    bytes, and only then written to the file: a build that tokenizes in its own process hands a
-    unit's arrays to its assembly without writing and reading them back.  Such a unit is not
-    resumable until an assembly checkpoint covers it (its journal entry names no file).
-    """
-
-    def __init__(self, path: str, spool: int = 0):
-        self.path, self.spool = path, spool
-        self.fh = None
-        self.held: list[np.ndarray] | None = []
-        self.size = self.crc = 0
-        if not spool:
-            self._open()
-
-    def _open(self) -> None:
-        self.fh = open(self.path, "wb")
-        for a in self.held:
-            self._write(a)
-        self.held = None
-
-    def _write(self, arr: np.ndarray) -> None:
-        self.fh.write(arr.data)
-        self.crc = zlib.crc32(arr.data, self.crc)
-
-    def write(self, arr: np.ndarray) -> None:
-        self.size += arr.nbytes
-        if self.held is not None and self.size <= self.spool:
-            self.held.append(arr)  # each array is new: nothing writes into it later
-            return
-        if self.fh is None:
-            self._open()
-        self._write(arr)
-
-    def abandon(self) -> None:
-        """Close without finishing (the unit failed): nothing written later through this object."""
-        if self.fh is not None:
-            self.fh.close()
-        self.held = None
-
-    def close(self, keep: bool = False) -> None:
-        """keep: the arrays stay in memory (for the assembly); else all of it goes to the file."""
-        if not keep and self.fh is None:
-            self._open()
-        if self.fh is not None:
-            self.fh.close()
-
-
-def _spill_intact(path: str, size: int, crc: int) -> bool:
-    if os.path.getsize(path) != size:
-        return False
-    c = 0
-    with open(path, "rb") as fh:
-        while block := fh.read(8 << 20):
-            c = zlib.crc32(block, c)
-    return c == crc
+def state_files(result: dict):
+    """(name in STATE, name once published, bytes) of every file a unit's journal entry names."""
+    for entries in result["shards"].values():
+        for e in entries:
+            yield e["state"], e["path"], e["bytes"]
+            for side in ("docs", "valid"):
+                if side in e:
+                    yield e[side]["state"], e[side]["path"], e[side]["bytes"]
 
 
 def _where(u: Unit) -> str:

@@ -7,9 +7,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .manifest import DTYPES, load_manifest
+from .manifest import DTYPES, load_manifest, shard_tokens
 from .shards import DOCS_DTYPE, VALID_DTYPE
 from .objstore import Folder, reports_storage_errors
+from .splitview import SplitView
 from .tokenizer import sha256_stream
 
 BLOCK = 1 << 24  # elements per read: memory stays flat on large shards
@@ -71,27 +72,31 @@ def verify(out: str, *, sample: int = 0, seed: int = 0) -> VerifyReport:
         problems.append(f"{m['tokenizer']['file']}: sha256 differs from the manifest's tokenizer.sha256 "
                         "(replaced or modified)")
     for split, s in m["splits"].items():
-        if sum(e["num_chunks"] for e in s["shards"]) != s["num_chunks"]:
-            problems.append(f"{split}: shards hold {sum(e['num_chunks'] for e in s['shards'])} chunks, "
-                            f"num_chunks says {s['num_chunks']}")
+        stream = sum(shard_tokens(e, L) for e in s["shards"])
+        if stream // L != s["num_chunks"] or (m["packing"] != "packed" and stream != s["num_chunks"] * L):
+            problems.append(f"{split}: shards hold {stream} tokens, num_chunks says {s['num_chunks']} chunks of {L}")
         if s["num_tokens"] != s["num_chunks"] * L:
             problems.append(f"{split}: num_tokens {s['num_tokens']} != num_chunks x seq_len")
         if s["tokens"] + s["pad_tokens"] - s["dropped_tokens"] != s["num_tokens"]:
             problems.append(f"{split}: tokens + pad_tokens - dropped_tokens != num_tokens")
         starts = sum(e["docs"]["count"] for e in s["shards"] if "docs" in e)
-        # Packed: every document starts in a stored chunk, except those (of >= 1 token each)
-        # wholly inside the dropped remainder.
-        if m["packing"] == "packed" and not 0 <= s["documents"] - starts <= s["dropped_tokens"]:
+        # Packed: every document starts in the stream on disk (version 1 kept no partial chunk: a
+        # document, of >= 1 token, may lie wholly in the dropped remainder).  Bestfit: every kept
+        # document starts at least one piece.
+        slack = s["dropped_tokens"] if m["format_version"] == 1 else 0
+        if (m["packing"] == "packed" and not 0 <= s["documents"] - starts <= slack) or \
+                (m["packing"] == "bestfit" and starts < s["documents"] - s["dropped_documents"]):
             problems.append(f"{split}: .docs sidecars hold {starts} document starts for {s['documents']} documents "
                             f"and {s['dropped_tokens']} dropped tokens")
         for e in s["shards"]:
             r = ShardReport(split, e["path"], True)
             reports.append(r)
             size = d.size(e["path"])
+            n = shard_tokens(e, L)
             if size is None:
                 r.problems.append("missing")
             else:
-                want = e["num_chunks"] * L * dtype.itemsize
+                want = n * dtype.itemsize
                 if size != want:
                     r.problems.append(f"size {size} bytes, expected {want}")
                 else:
@@ -114,16 +119,16 @@ def verify(out: str, *, sample: int = 0, seed: int = 0) -> VerifyReport:
                     continue
                 if side == "valid":
                     v = np.frombuffer(raw, dtype=VALID_DTYPE)
-                    if len(v) != e["num_chunks"] or (len(v) and (v.min() < 1 or v.max() > L)):
+                    if len(v) != n // L or (len(v) and (v.min() < 1 or v.max() > L)):
                         r.problems.append(f"{e[side]['path']}: valid lengths out of range")
                     pad_seen += int((L - v.astype(np.int64)).sum())
                 else:
                     ds = np.frombuffer(raw, dtype=DOCS_DTYPE)
                     if len(ds) != e[side]["count"] or (len(ds) and (np.any(np.diff(ds.astype(np.int64)) <= 0)
-                                                                     or ds.max() >= e["num_chunks"] * L)):
+                                                                     or ds.max() >= n)):
                         r.problems.append(f"{e[side]['path']}: document offsets not sorted or out of range")
             r.ok = not r.problems
-    if m["packing"] == "document" and all(x.ok for x in reports):
+    if m["packing"] != "packed" and all(x.ok for x in reports):
         if pad_seen != m["totals"]["pad_tokens"]:
             problems.append(f"padding in .valid files sums to {pad_seen}, totals.pad_tokens is "
                             f"{m['totals']['pad_tokens']}")
@@ -137,14 +142,9 @@ def _samples(d: Folder, m: dict, dtype: np.dtype, n: int, seed: int) -> list[dic
     with d.open(m["tokenizer"]["file"]) as fh:
         tok = Tokenizer.from_str(fh.read().decode())
     rng = np.random.default_rng(seed)
-    s = m["splits"]["train"]
-    L = m["seq_len"]
-    starts = np.cumsum([0] + [e["num_chunks"] for e in s["shards"]])
+    view = SplitView(d, m, "train")
     picked = []
-    for i in sorted(rng.choice(s["num_chunks"], size=min(n, s["num_chunks"]), replace=False).tolist()):
-        k = int(np.searchsorted(starts, i, side="right") - 1)
-        with d.open(s["shards"][k]["path"]) as fh:
-            fh.seek(int(i - starts[k]) * L * dtype.itemsize)
-            ids = np.frombuffer(fh.read(L * dtype.itemsize), dtype=dtype).tolist()
+    for i in sorted(rng.choice(view.num_chunks, size=min(n, view.num_chunks), replace=False).tolist()):
+        ids = view.chunk(i).tolist()
         picked.append({"chunk": i, "text": tok.decode(ids, skip_special_tokens=False)[:200]})
     return picked

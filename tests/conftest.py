@@ -192,6 +192,12 @@ def dev_document(tmp_path_factory, dev_corpus, tokenizer_path) -> str:
                   packing="document", shard_bytes=1 << 20)
 
 
+@pytest.fixture(scope="session")
+def dev_bestfit(tmp_path_factory, dev_corpus, tokenizer_path) -> str:
+    return _build(tmp_path_factory, dev_corpus, tokenizer_path, "bestfit", seq_len=512, workers=2,
+                  packing="bestfit", shard_bytes=1 << 20)
+
+
 @pytest.fixture
 def small_tok(tmp_path) -> str:
     texts = ["the quick brown fox jumps over the lazy dog", "hello world", "pack me into chunks please"] * 20

@@ -17,7 +17,8 @@ def read_split(out, split="train"):
     m = json.load(open(os.path.join(out, "manifest.json")))
     dt = {"uint16": "<u2", "uint32": "<u4"}[m["dtype"]]
     arrs = [np.fromfile(os.path.join(out, s["path"]), dtype=dt) for s in m["splits"][split]["shards"]]
-    return m, np.concatenate(arrs).reshape(-1, m["seq_len"])
+    n = m["splits"][split]["num_tokens"]  # format 2: a packed stream's last partial chunk is on disk too
+    return m, np.concatenate(arrs)[:n].reshape(-1, m["seq_len"])
 
 
 def test_packed_counts_equal_independent_recount(dev_packed, dev_ids, dev_docs):
@@ -271,7 +272,7 @@ def test_bos_and_document_padding_with_pad_equal_eos(tmp_path, small_tok):
               BuildConfig(seq_len=8, workers=1, packing="document", min_tail_len=1, add_bos=True,
                           bos_token="<pad>", pad_token="<|endoftext|>"))
     assert m["tokenizer"]["pad_id"] == m["tokenizer"]["eos_id"]
-    valid = np.fromfile(os.path.join(out, "train-00000.valid"), dtype="<u4")
+    valid = np.fromfile(os.path.join(out, "train-000000-0000.valid"), dtype="<u4")
     _, chunks = read_split(out)
     assert len(valid) == len(chunks)
     bos = m["tokenizer"]["bos_id"]
@@ -348,29 +349,6 @@ def test_long_document_split_encoding_is_exact(tmp_path, tokenizer_path, dev_doc
     want = tok.encode(big, add_special_tokens=False).ids + [m["tokenizer"]["eos_id"]]
     _, chunks = read_split(out)
     assert chunks.reshape(-1).tolist() == want
-
-
-def test_units_go_in_corpus_order_so_assembly_keeps_up(tmp_path, small_tok, monkeypatch):
-    """Assembly needs the finished prefix: ordered by size, units of slightly different sizes
-    finished scattered and nothing was assembled until nearly the end."""
-    from helixtok import assemble
-
-    words = ["hello world", "the lazy dog", "pack me into chunks please", "fox"]
-    for f in range(3):  # documents of varied length: every unit has its own size
-        write(tmp_path / "c" / f"{f}.jsonl", "".join(json.dumps({"text": " ".join(words[: 1 + (i * 7 + f) % 4] * (1 + i % 9))})
-                                                  + "\n" for i in range(400)))
-    assembled = []
-    real_add = assemble.Assembler._take
-
-    def add(self, result):
-        real_add(self, result)
-        assembled.append(self.done)
-
-    monkeypatch.setattr(assemble.Assembler, "_take", add)
-    m = build([str(tmp_path / "c")], str(tmp_path / "out"), small_tok, BuildConfig(seq_len=16, workers=1, unit_bytes=4096))
-    n = m["inputs"]["units"]
-    assert n > 10
-    assert assembled == list(range(1, n + 1))  # each unit is assembled as soon as it is tokenized
 
 
 def test_schedule_puts_costly_units_first_then_corpus_order():
@@ -456,8 +434,8 @@ def test_bos_follows_the_tokenizers_own_rule_unless_told(tmp_path, small_tok):
         kw = {} if add_bos is None else {"add_bos": add_bos}
         cfg = BuildConfig(seq_len=4, workers=1, bos_token="<pad>" if name == "gpt2-bos" else None, **kw)
         m = build([str(tmp_path / "c")], str(tmp_path / name), tok, cfg)
-        stream = np.fromfile(tmp_path / name / "train-00000.bin", dtype="<u2")
-        starts = np.fromfile(tmp_path / name / "train-00000.docs", dtype="<u8")
+        stream = np.fromfile(tmp_path / name / "train-000000-0000.bin", dtype="<u2")
+        starts = np.fromfile(tmp_path / name / "train-000000-0000.docs", dtype="<u8")
         got[name] = (m["tokenizer"]["add_bos"], m["tokenizer"]["bos_rule"], stream[starts[starts < len(stream)]])
     assert got["llama"][:2] == (True, "tokenizer") and (got["llama"][2] == bos).all()
     assert got["llama-no"][:2] == (False, "--no-bos") and not (got["llama-no"][2] == bos).any()

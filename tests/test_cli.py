@@ -53,13 +53,13 @@ def test_build_stats_verify_end_to_end(tmp_path, corpus, small_tok):
 def test_verify_detects_corruption(tmp_path, corpus, small_tok):
     out = tmp_path / "out"
     assert run("build", corpus, out, "-t", small_tok, "-L", "16", "-q").exit_code == 0
-    p = out / "train-00000.bin"
+    p = out / "train-000000-0000.bin"
     data = bytearray(p.read_bytes())
     data[10] ^= 0xFF
     p.write_bytes(bytes(data))
     r = run("verify", out)
     assert r.exit_code == 1
-    assert "FAIL train train-00000.bin  sha256 mismatch" in r.stdout
+    assert "FAIL train train-000000-0000.bin  sha256 mismatch" in r.stdout
     assert "verification FAILED" in r.stdout
 
 

@@ -1,9 +1,11 @@
 """MemmapChunkDataset: values equal the shard bytes, masks, DataLoader workers, pickling, refusals."""
 
 import functools
+import hashlib
 import json
 import os
 import pickle
+import shutil
 
 import numpy as np
 import pytest
@@ -12,14 +14,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DataLoader
 
+from click.testing import CliRunner
+
 from helixtok import MemmapChunkDataset
+from helixtok.cli import main
 from helixtok.errors import DatasetError
 
 
 def all_chunks(out, split="train"):
     m = json.load(open(os.path.join(out, "manifest.json")))
     arrs = [np.fromfile(os.path.join(out, s["path"]), dtype="<u2") for s in m["splits"][split]["shards"]]
-    return np.concatenate(arrs).reshape(-1, m["seq_len"])
+    n = m["splits"][split]["num_tokens"]  # format 2: a packed stream's last partial chunk is on disk too
+    return np.concatenate(arrs)[:n].reshape(-1, m["seq_len"])
 
 
 def test_items_equal_shard_bytes(dev_packed):
@@ -73,9 +79,12 @@ def test_every_batch_equals_the_rows_on_disk(dev_packed, dev_document, data):
     raw, valid = _on_disk(out)
     n = len(raw)
     near = data.draw(st.integers(0, n - 1))  # indices around one point mostly land in one shard
-    k = data.draw(st.integers(0, len(ds._starts_list) - 2))  # ... and these all do
+    k = data.draw(st.integers(0, len(ds._starts_list) - 2))  # ... and these (shard k's chunks; tokens from) do
+    L = raw.shape[1]
     index = data.draw(st.sampled_from([st.integers(-n, n - 1), st.integers(max(-n, near - 40), min(n - 1, near + 40)),
-                                       st.integers(ds._starts_list[k], ds._starts_list[k + 1] - 1)]))
+                                       st.integers(min(n - 1, ds._starts_list[k] // L),
+                                                   min(n - 1, max(ds._starts_list[k] // L,
+                                                                  ds._starts_list[k + 1] // L - 1)))]))
     idx = data.draw(st.lists(index, min_size=1, max_size=data.draw(st.sampled_from([8, 100]))))
     # A DataLoader's list of ints takes a path of its own; arrays and numpy ints the general one.
     form = data.draw(st.sampled_from([list, np.array, lambda x: [np.int64(i) for i in x]]))
@@ -206,10 +215,10 @@ def copy_dataset(src, dst):
 
 def test_refuses_truncated_shard(dev_packed, tmp_path):
     out = copy_dataset(dev_packed, tmp_path / "d")
-    p = os.path.join(out, "train-00001.bin")
+    p = os.path.join(out, "train-000001-0000.bin")
     with open(p, "r+b") as fh:
         fh.truncate(os.path.getsize(p) - 2)
-    with pytest.raises(DatasetError, match=r"train-00001.bin: \d+ bytes, the manifest says"):
+    with pytest.raises(DatasetError, match=r"train-000001-0000.bin: \d+ bytes, the manifest says"):
         MemmapChunkDataset(out)
 
 
@@ -247,3 +256,50 @@ def test_the_dataset_says_its_vocabulary_special_ids_and_manifest(dev_packed):
     assert ds.manifest == m and max(int(ds[i]["input_ids"].max()) for i in range(len(ds))) < ds.vocab_size
     blob = pickle.dumps(ds)  # read once asked for, never sent to DataLoader workers
     assert len(blob) < 20_000 and pickle.loads(blob).manifest == m
+
+
+def _as_version_1(src: str, dst) -> str:
+    """A copy of a packed format 2 dataset as helixtok 0.1 wrote it: one shard of whole chunks
+    (the stream's last partial chunk not stored), .docs offsets inside it, num_chunks per shard."""
+    from helixtok.splitview import SplitView
+
+    m = json.load(open(os.path.join(src, "manifest.json")))
+    v = SplitView(src, m)
+    n = m["splits"]["train"]["num_tokens"]
+    os.makedirs(dst)
+    ids = v.tokens(0, n)
+    starts = v.starts_in(0, n).astype("<u8")
+    ids.tofile(os.path.join(dst, "train-00000.bin"))
+    starts.tofile(os.path.join(dst, "train-00000.docs"))
+    for f in ("tokenizer.json", "build-plan.json"):
+        shutil.copyfile(os.path.join(src, f), os.path.join(dst, f))
+    sha = {f: hashlib.sha256(open(os.path.join(dst, f), "rb").read()).hexdigest()
+           for f in ("train-00000.bin", "train-00000.docs")}
+    m["format_version"] = 1
+    m["splits"]["train"]["shards"] = [{"path": "train-00000.bin", "bytes": ids.nbytes, "sha256": sha["train-00000.bin"],
+                                      "num_chunks": n // m["seq_len"],
+                                      "docs": {"path": "train-00000.docs", "sha256": sha["train-00000.docs"],
+                                               "count": len(starts)}}]
+    json.dump(m, open(os.path.join(dst, "manifest.json"), "w"))
+    return str(dst)
+
+
+def test_a_format_1_dataset_still_reads_alike(dev_packed, tmp_path):
+    """A dataset helixtok 0.1 wrote (format 1: shards of whole chunks) reads as the format 2 one
+    it was made from: every batch, document masks, stats, verify, show; merge refuses it."""
+    from helixtok.merge import merge
+
+    old = _as_version_1(dev_packed, tmp_path / "v1")
+    a, b = MemmapChunkDataset(dev_packed, document_masking=True), MemmapChunkDataset(old, document_masking=True)
+    assert len(a) == len(b)
+    idx = [0, 1, len(a) // 2, len(a) - 1]
+    ba, bb = a.collate(a.__getitems__(idx)), b.collate(b.__getitems__(idx))
+    assert all(torch.equal(torch.as_tensor(ba[k]), torch.as_tensor(bb[k])) for k in ba)
+    r = CliRunner().invoke(main, ["verify", old])
+    assert r.exit_code == 0, r.output
+    stats = [json.loads(CliRunner().invoke(main, ["stats", d, "-b", "8", "--json"]).output) for d in (old, dev_packed)]
+    assert stats[0] == stats[1]
+    assert CliRunner().invoke(main, ["show", old, "5", "--raw"]).output == \
+        CliRunner().invoke(main, ["show", dev_packed, "5", "--raw"]).output
+    with pytest.raises(DatasetError, match="format_version 1 .*rebuild the part"):
+        merge([old], str(tmp_path / "m"))

@@ -60,9 +60,8 @@ def test_helixlm_store_has_the_published_fields_layout_and_the_compilers_stream(
         start += e["sample_count"]
     assert len(st["shards"]) > 1 and st["samples_per_shard"] == st["shards"][0]["sample_count"]
     assert got == stream[: n * L]
-    # No token bytes copied: the store's shards are the build's files.
-    assert os.stat(tmp_path / "store" / "samples-00000.u16").st_ino == os.stat(helix_build / "train-00000.bin").st_ino
-    assert st["source"]["shards"] == "linked" and st["source"]["stripped"] is True
+    # (Format 2's shards are per-unit streams, not whole samples: the store is written, not linked.)
+    assert st["source"]["stripped"] is True
     # No host path in the store (it held the dataset's absolute path); no warning for a --strip build.
     assert str(tmp_path) not in json.dumps(st) and st["source"]["dataset"] == os.path.relpath(helix_build,
                                                                                               tmp_path / "store")
@@ -159,7 +158,7 @@ def test_megatron_export_reads_back_with_megatron_core(tmp_path, dev_corpus, tok
     src = dev_packed
     if shards == "one":
         src = str(tmp_path / "one")
-        build([str(dev_corpus / "txt")], src, tokenizer_path, BuildConfig(seq_len=512, workers=2))
+        build([str(dev_corpus / "txt")], src, tokenizer_path, BuildConfig(seq_len=512, workers=2, unit_bytes=1 << 30))
         docs = [d for d in _read_txt_ids(dev_corpus, tokenizer_path)]
     else:
         docs = dev_ids
@@ -167,20 +166,15 @@ def test_megatron_export_reads_back_with_megatron_core(tmp_path, dev_corpus, tok
     assert r.exit_code == 0, r.output
     m = json.load(open(os.path.join(src, "manifest.json")))
     eos = m["tokenizer"]["eos_id"]
-    # Independent recount: each document's ids + EOS, the stream cut where the last full chunk ends.
-    want, left = [], m["splits"]["train"]["num_tokens"]
-    for ids in docs:
-        seq = (list(ids) + [eos])[:left]
-        want.append(seq)
-        left -= len(seq)
-        if not left:
-            break
+    # Independent recount: each document's ids + EOS, every one whole (format 2 stores the
+    # stream's last partial chunk too; format 1 ended the export where the last chunk did).
+    want = [list(ids) + [eos] for ids in docs]
     [got] = megatron_core("read", (tmp_path / "mg" / "corpus_text_document", [0, 1, len(want) // 2, -1]))
     assert got["len"] == len(want) and got["document_indices"] == list(range(len(want) + 1))
     assert all(got["docs"][str(i % len(want))] == want[i] for i in (0, 1, len(want) // 2, -1))
-    assert got["dtype"] == "uint16" and got["tokens"] == m["splits"]["train"]["num_tokens"]
+    assert got["dtype"] == "uint16" and got["tokens"] == m["splits"]["train"]["tokens"]
     linked = os.stat(tmp_path / "mg" / "corpus_text_document.bin").st_ino == os.stat(
-        os.path.join(src, "train-00000.bin")).st_ino
+        os.path.join(src, "train-000000-0000.bin")).st_ino
     assert linked == (shards == "one") and ("(.bin linked)" in r.output) == linked
 
 
@@ -201,10 +195,14 @@ def test_megatron_import_round_trips_and_reads_megatron_cores_own_files(tmp_path
     r = CliRunner().invoke(main, ["import", "megatron", prefix, str(tmp_path / "back"), "-t", tokenizer_path,
                                   "-L", "512", "--shard-size", "1MiB"])
     assert r.exit_code == 0, r.output
-    # Export then import gives back the very shards and document sidecars.
-    for f in sorted(os.listdir(dev_packed)):
-        if f.endswith((".bin", ".docs")):
-            assert (tmp_path / "back" / f).read_bytes() == open(os.path.join(dev_packed, f), "rb").read(), f
+    # Export then import gives back the very stream and document starts (format 2: in shards of
+    # --shard-size, where the build wrote one stream per work unit).
+    from helixtok.splitview import SplitView
+
+    views = [SplitView(p, json.load(open(os.path.join(p, "manifest.json")))) for p in (dev_packed, tmp_path / "back")]
+    (a, b) = [np.concatenate(list(v.iter_stream())) for v in views]
+    assert np.array_equal(a, b) and all(v.starts[-1] == len(a) for v in views)
+    assert np.array_equal(views[0].starts_in(0, len(a)), views[1].starts_in(0, len(a)))
     assert CliRunner().invoke(main, ["verify", str(tmp_path / "back")]).exit_code == 0
     raw = (tmp_path / "back" / "manifest.json").read_text()  # no host path in it (it had the absolute prefix)
     assert str(tmp_path) not in raw and json.loads(raw)["inputs"]["megatron_prefix"] == "c"
@@ -217,9 +215,9 @@ def test_megatron_import_round_trips_and_reads_megatron_cores_own_files(tmp_path
     assert CliRunner().invoke(main, ["import", "megatron", str(tmp_path / "own"), str(tmp_path / "o2"), "-t",
                                      small_tok, "-L", "4"]).exit_code == 0
     m = json.load(open(tmp_path / "o2" / "manifest.json"))
-    stream = np.fromfile(tmp_path / "o2" / "train-00000.bin", dtype="<u2").tolist()
+    stream = np.fromfile(tmp_path / "o2" / "train-000000-0000.bin", dtype="<u2").tolist()
     assert stream == [i for sq in seqs for i in sq][:12] and m["totals"]["documents"] == 3
-    assert np.fromfile(tmp_path / "o2" / "train-00000.docs", dtype="<u8").tolist() == [0, 5, 10]
+    assert np.fromfile(tmp_path / "o2" / "train-000000-0000.docs", dtype="<u8").tolist() == [0, 5, 10]
     # Ids outside the tokenizer's vocabulary: one line, nothing written.
     r = CliRunner().invoke(main, ["import", "megatron", str(tmp_path / "bad"), str(tmp_path / "o3"), "-t",
                                   small_tok, "-L", "2"])
@@ -239,6 +237,6 @@ def test_llmc_file_is_what_llm_c_and_nanogpt_read(tmp_path, dev_packed):
     # The stream is the shards in order: what nanoGPT's np.memmap(train.bin, uint16) reads from the shards themselves.
     shards = np.concatenate([np.memmap(os.path.join(dev_packed, e["path"]), dtype="<u2", mode="r")
                              for e in m["splits"]["train"]["shards"]])
-    assert header[2] == m["splits"]["train"]["num_tokens"] and np.array_equal(ids, shards)
+    assert header[2] == m["splits"]["train"]["num_tokens"] and np.array_equal(ids, shards[: header[2]])
     r = CliRunner().invoke(main, ["export", "llmc", dev_packed, str(tmp_path / "train.bin")])
     assert r.exit_code == 1 and "exists; give a new file name" in r.output

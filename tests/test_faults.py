@@ -17,7 +17,6 @@ import pytest
 from click.testing import CliRunner
 
 import helixtok.builder as hb
-import helixtok.unit
 from conftest import UNIT
 from helixtok.builder import STATE, build
 from helixtok.cli import main
@@ -71,52 +70,35 @@ def test_kill_9_then_resume_is_byte_identical(tmp_path, dev_corpus, tokenizer_pa
     same_folder(out, dev_packed)
 
 
-def test_interrupted_assembly_resumes_identically(tmp_path, dev_corpus, tokenizer_path, dev_packed, monkeypatch):
-    from helixtok import shards
-
-    # Interrupted as the last shard closes: assembly overlaps tokenizing (units go in corpus
-    # order), so an earlier point would leave units unjournaled and make the check below racy.
-    real = shards.ShardWriter.finish
-
-    def dying_finish(self):
+def test_a_build_stopped_before_publishing_resumes_identically(tmp_path, dev_corpus, tokenizer_path, dev_packed,
+                                                                monkeypatch):
+    """Every unit's shards are final where its worker wrote them (in STATE until published): a
+    build stopped before publishing shows nothing in OUT, and the rerun tokenizes nothing."""
+    def stop(*a):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(shards.ShardWriter, "finish", dying_finish)
+    monkeypatch.setattr(hb, "_publish", stop)
     out = str(tmp_path / "out")
     cfg = BuildConfig(seq_len=512, workers=2, shard_bytes=1 << 20, unit_bytes=UNIT)
     with pytest.raises(KeyboardInterrupt):
         build([str(dev_corpus)], out, tokenizer_path, cfg)
-    # Shards are assembled inside the state folder; OUT shows nothing until the publish step.
-    assert os.path.exists(os.path.join(out, STATE, "assembly", "train-00000.bin"))
+    assert glob.glob(os.path.join(out, STATE, "u000000.*.train.0000.bin"))
     assert os.listdir(out) == [STATE]
-    monkeypatch.setattr(shards.ShardWriter, "finish", real)
+    monkeypatch.undo()
     seen = []
     build([str(dev_corpus)], out, tokenizer_path, cfg, on_progress=lambda p: seen.append(p.units_done))
     assert min(seen) == max(seen)  # every unit was already journaled: none re-tokenized
     same_folder(out, dev_packed)
 
 
-def _stopped_after(n_units: int, monkeypatch, out: str | None = None):
-    """Make an inline build stop (Ctrl-C) when it starts its n-th unit, its assembly checkpointed
-    after every unit (in `out`: once the checkpoint covers those n); returns the list of the
+def _stopped_after(n_units: int, monkeypatch):
+    """Make an inline build stop (Ctrl-C) when it starts its n-th unit; returns the list of the
     units the build tokenizes (all of its runs)."""
-    from helixtok import assemble
-
-    monkeypatch.setattr(assemble, "CHECKPOINT_TOKENS", 1)
     ran, real = [], hb.run_unit
     stop = [True]
 
-    def covered() -> int:
-        with contextlib.suppress(OSError, ValueError):
-            with open(os.path.join(out, STATE, "assembly.json")) as fh:
-                return json.load(fh)["done"]
-        return 0
-
     def counted(unit, info):
         if len(ran) == n_units and stop and stop.pop():  # once
-            t = time.time()
-            while out is not None and covered() < n_units and time.time() - t < 10:
-                time.sleep(0.01)  # the assembly thread catches up with what is tokenized
             raise KeyboardInterrupt
         ran.append(unit.index)
         return real(unit, info)
@@ -127,102 +109,56 @@ def _stopped_after(n_units: int, monkeypatch, out: str | None = None):
 SMALL_SHARDS = dict(seq_len=512, workers=1, shard_bytes=1 << 18, unit_bytes=UNIT)
 
 
-@pytest.fixture(scope="module")
-def small_shards(tmp_path_factory, dev_corpus, tokenizer_path) -> str:
-    out = str(tmp_path_factory.mktemp("small-shards") / "out")
-    build([str(dev_corpus)], out, tokenizer_path, BuildConfig(**SMALL_SHARDS))
-    return out
-
-
-@pytest.mark.parametrize("options", [dict(val_fraction=0.2), dict(packing="document", val_fraction=0.2)],
-                         ids=["packed+val", "document+val"])
-def test_a_checkpointed_assembly_resumes_where_it_stopped(tmp_path, dev_corpus, tokenizer_path, options,
-                                                          monkeypatch):
-    """The assembly records where it stands (assembly.json) and deletes the spill files of the
-    units it covers; a resumed build reopens the shard being written, cut back to the record, and
-    tokenizes only the units after it: the dataset of an undisturbed build, byte for byte."""
+@pytest.mark.parametrize("options", [dict(val_fraction=0.2), dict(packing="document", val_fraction=0.2),
+                                     dict(packing="bestfit", val_fraction=0.2)],
+                         ids=["packed+val", "document+val", "bestfit+val"])
+def test_a_stopped_build_resumes_from_its_finished_units(tmp_path, dev_corpus, tokenizer_path, options, monkeypatch):
+    """A resumed build takes the units journaled before the stop as they are (their shards) and
+    tokenizes only the others: the dataset of an undisturbed build, byte for byte.  (Form changed
+    with format 2: this resumed an assembly from its checkpoint.)"""
     cfg = BuildConfig(**SMALL_SHARDS, **options)
     ref = str(tmp_path / "ref")
     build([str(dev_corpus)], ref, tokenizer_path, cfg)
     out = str(tmp_path / "out")
-    ran = _stopped_after(5, monkeypatch, out)
-    monkeypatch.setattr(hb, "SPOOL_BYTES", 0)  # every unit through spill files, as in a pool build
+    ran = _stopped_after(5, monkeypatch)
     with pytest.raises(KeyboardInterrupt):
         build([str(dev_corpus)], out, tokenizer_path, cfg)
-    with open(os.path.join(out, STATE, "assembly.json")) as fh:
-        mark = json.load(fh)
     covered = list(range(5))  # in corpus order, without workers
-    assert mark["done"] == 5 and ran == covered
-    assert glob.glob(os.path.join(out, STATE, "assembly", ".*.bin.tmp"))  # a shard was being written
-    assert not glob.glob(os.path.join(out, STATE, "u*.tok"))  # every assembled unit's spill files are gone
+    assert ran == covered and len(glob.glob(os.path.join(out, STATE, "u*.done.json"))) == 5
     ran.clear()
-    build([str(dev_corpus)], out, tokenizer_path, cfg)
-    assert ran and not set(ran) & set(covered) and len(ran) == mark["units"] - 5
+    m = build([str(dev_corpus)], out, tokenizer_path, cfg)
+    assert ran and not set(ran) & set(covered) and len(ran) == m["inputs"]["units"] - 5
     same_folder(out, ref)
 
 
-@pytest.mark.parametrize("damage", ["byte", "closed shard gone"])
-def test_a_checkpoint_its_files_do_not_match_is_dropped_and_its_units_tokenized_again(
-        tmp_path, dev_corpus, tokenizer_path, small_shards, damage, monkeypatch):
-    """As after a power loss (neither the checkpoint nor the shard being written is fsynced): the
-    shard being written holds other bytes than recorded, or a committed shard is gone.  The resume
-    drops the checkpoint and tokenizes the units it covered again; the dataset is still exact."""
+@pytest.mark.parametrize("damage", ["cut short", "gone", "sidecar gone"])
+def test_a_unit_whose_shards_do_not_match_its_entry_is_tokenized_again(tmp_path, dev_corpus, tokenizer_path, damage,
+                                                                       monkeypatch):
+    """A finished unit's shard (or sidecar) is shorter than its journal entry says, or gone: the
+    resume tokenizes that unit again, takes the others as they are; the dataset is still exact."""
     cfg = BuildConfig(**SMALL_SHARDS)
-    out = str(tmp_path / "out")
-    ran = _stopped_after(5, monkeypatch, out)
-    with pytest.raises(KeyboardInterrupt):
-        build([str(dev_corpus)], out, tokenizer_path, cfg)
-    asm = os.path.join(out, STATE, "assembly")
-    (tmp,) = glob.glob(os.path.join(asm, ".*.bin.tmp"))
-    if damage == "byte":
-        with open(tmp, "r+b") as fh:
-            b = fh.read(1)
-            fh.seek(0)
-            fh.write(bytes([b[0] ^ 1]))
-    else:
-        os.remove(os.path.join(asm, "train-00000.bin"))
-    ran.clear()
-    m = build([str(dev_corpus)], out, tokenizer_path, cfg)
-    assert len(ran) == m["inputs"]["units"]
-    same_folder(out, small_shards)
-
-
-@pytest.mark.parametrize("spool", [None, 4096], ids=["in memory", "spilled past 4 KiB"])
-def test_a_build_without_workers_hands_its_tokens_to_the_assembly_in_memory(tmp_path, dev_corpus, tokenizer_path,
-                                                                              dev_packed, spool, monkeypatch):
-    """-j 1: a unit's token arrays go to the assembly thread without a spill file; a unit whose
-    tokens pass SPOOL_BYTES goes through one.  The dataset is a pool build's either way.  A unit
-    handed over in memory is resumable only once a checkpoint covers it: its journal entry names
-    no file, so a build stopped before one tokenizes it again."""
-    from helixtok import assemble
-
-    opened, real = [], helixtok.unit._Spill._open
-
-    def spy(self):
-        opened.append(self.path)
-        real(self)
-    monkeypatch.setattr(helixtok.unit._Spill, "_open", spy)
-    if spool:
-        monkeypatch.setattr(hb, "SPOOL_BYTES", spool)
-    cfg = BuildConfig(seq_len=512, workers=1, shard_bytes=1 << 20, unit_bytes=UNIT)
+    ref = str(tmp_path / "ref")
+    build([str(dev_corpus)], ref, tokenizer_path, cfg)
     out = str(tmp_path / "out")
     ran = _stopped_after(5, monkeypatch)
-    monkeypatch.setattr(assemble, "CHECKPOINT_TOKENS", 1 << 60)  # no checkpoint before the stop
     with pytest.raises(KeyboardInterrupt):
         build([str(dev_corpus)], out, tokenizer_path, cfg)
-    assert len(glob.glob(os.path.join(out, STATE, "u*.done.json"))) == 5
-    assert len(glob.glob(os.path.join(out, STATE, "u*.tok"))) == (5 if spool else 0)
+    (shard,) = glob.glob(os.path.join(out, STATE, f"u000002.*.train.0000.{'docs' if 'sidecar' in damage else 'bin'}"))
+    if damage == "cut short":
+        with open(shard, "r+b") as fh:
+            fh.truncate(os.path.getsize(shard) - 2)
+    else:
+        os.remove(shard)
     ran.clear()
-    m = build([str(dev_corpus)], out, tokenizer_path, cfg)
-    assert len(ran) == m["inputs"]["units"] - (5 if spool else 0)
-    assert bool(opened) == bool(spool) and len(opened) % 2 == 0
-    same_folder(out, dev_packed)
+    build([str(dev_corpus)], out, tokenizer_path, cfg)
+    assert ran[0] == 2 and not set(ran) & {0, 1, 3, 4}
+    same_folder(out, ref)
 
 
 def test_a_build_stopped_while_publishing_publishes_without_tokenizing_again(tmp_path, dev_corpus, tokenizer_path,
                                                                               dev_packed, monkeypatch):
-    """The assembly's last checkpoint covers every unit (their spill files are gone): a build
-    stopped after some shards moved into OUT moves them back and publishes, tokenizing nothing."""
+    """A build stopped after some shards moved into OUT (publish.json names them) finds them there
+    and publishes, tokenizing nothing."""
     cfg = BuildConfig(seq_len=512, workers=1, shard_bytes=1 << 20, unit_bytes=UNIT)
     out = str(tmp_path / "out")
     real, moved = os.replace, []
@@ -282,7 +218,7 @@ def test_changed_option_or_input_refuses_resume(tmp_path, small_tok, monkeypatch
 def test_ctrl_c_exits_130_and_resumes(tmp_path, dev_corpus, tokenizer_path, dev_packed):
     out = tmp_path / "out"
     p = start_cli(dev_corpus, out, tokenizer_path)
-    wait_for(str(out / STATE / "u*.train.tok.part"), p)
+    wait_for(str(out / STATE / "plan.json"), p)  # units are being tokenized
     p.send_signal(signal.SIGINT)
     _, err = p.communicate(timeout=60)
     assert p.returncode == 130, err
@@ -317,7 +253,7 @@ def _descendants(pid) -> list[int]:
 def test_dead_worker_fails_promptly_with_location(tmp_path, dev_corpus, tokenizer_path):
     out = tmp_path / "out"
     p = start_cli(dev_corpus, out, tokenizer_path, "--backend", "hf")  # slow enough to be caught mid-build
-    wait_for(str(out / STATE / "u*.part"), p)
+    wait_for(str(out / STATE / "plan.json"), p)  # units are being tokenized
     victim = None
     while victim is None and p.poll() is None:  # one at work (the other may still be starting)
         victim = next((k for k in _workers_of(p.pid) if _open_input(k, dev_corpus)), None)
@@ -349,7 +285,7 @@ def test_dead_worker_message_names_the_file_that_worker_was_reading(tmp_path, de
         (corpus / f"{name}.jsonl").write_bytes(plain * 10)
     # Units of several encode batches: a worker holds its file open while it tokenizes most of one.
     p = start_cli(corpus, out, tokenizer_path, "--unit-size", "8MiB", "--backend", "hf")
-    wait_for(str(out / STATE / "u*.part"), p)
+    wait_for(str(out / STATE / "plan.json"), p)  # units are being tokenized
     victim = reading = None
     while victim is None and p.poll() is None:
         for k in _children(p.pid):
@@ -372,7 +308,7 @@ def test_dead_worker_message_names_the_file_that_worker_was_reading(tmp_path, de
 def test_hung_worker_fails_promptly_with_location(tmp_path, dev_corpus, tokenizer_path):
     out = tmp_path / "out"
     p = start_cli(dev_corpus, out, tokenizer_path, "--stall-timeout", "3")
-    wait_for(str(out / STATE / "u*.part"), p)
+    wait_for(str(out / STATE / "plan.json"), p)  # units are being tokenized
     workers = [k for k in _children(p.pid) if "helixtok-worker" in open(f"/proc/{k}/cmdline").read()]
     for w in workers:
         os.kill(w, signal.SIGSTOP)  # a worker that neither works nor dies
@@ -389,7 +325,7 @@ def test_disk_full_is_a_clear_error_and_publishes_nothing(tmp_path, small_tok, m
     def full(self, arr):
         raise OSError(errno.ENOSPC, "No space left on device", self.tmp)
 
-    monkeypatch.setattr(shards._HashedFile, "write", full)
+    monkeypatch.setattr(shards.HashedFile, "write", full)
     c = tmp_path / "c"
     c.mkdir()
     (c / "a.txt").write_text("hello world " * 100)
@@ -401,93 +337,37 @@ def test_disk_full_is_a_clear_error_and_publishes_nothing(tmp_path, small_tok, m
     assert not glob.glob(str(tmp_path / "out" / "*.bin"))
 
 
-@pytest.mark.parametrize("fails", ["assembly", "tokenizing"])
-def test_a_one_process_build_stops_its_assembly_thread_on_either_sides_error(tmp_path, small_tok, monkeypatch, fails):
-    """-j 1 assembles in a thread behind the tokenizing: a write error there stops the build at
-    the next unit (not after the whole corpus), a bad unit stops the assembly, and either way the
-    thread is joined before the build cleans up: nothing is left writing or half-written."""
-    import threading
-
-    from helixtok import assemble
+def test_a_one_process_build_stops_at_a_failed_write_and_leaves_nothing_half_written(tmp_path, small_tok,
+                                                                                   monkeypatch):
+    """-j 1: a write error in the third unit stops the build there (no later unit is tokenized),
+    with the disk-full line; nothing is published and no temp file is left open or behind.
+    (Form changed with format 2: this was about the assembly thread behind the tokenizing.)"""
+    from helixtok import shards
 
     c = tmp_path / "c"
     c.mkdir()
     for f in range(4):
         (c / f"{f}.jsonl").write_text("".join(json.dumps({"text": f"hello world {i} " * 20}) + "\n" for i in range(300)))
-    if fails == "tokenizing":
-        with open(c / "2.jsonl", "a") as fh:
-            fh.write("{not json\n")
-    failed = threading.Event()
-    real_add, real_run = assemble.Assembler._take, hb.run_unit
-    ran, after, threads = [], [], set()
+    ran, real_write = [], shards.HashedFile.write
 
-    def add(self, result):
-        threads.add(threading.current_thread().name)
-        if fails == "assembly" and self.done == 2:
-            failed.set()
-            raise OSError(errno.ENOSPC, "No space left on device", "x")
-        if fails == "tokenizing":
-            time.sleep(0.02)  # the assembly lags: it is busy when the tokenizing fails
-        real_add(self, result)
+    def write(self, arr):
+        if "u000002." in self.tmp:
+            raise OSError(errno.ENOSPC, "No space left on device", self.tmp)
+        real_write(self, arr)
 
     def run_unit(unit, info):
-        if failed.is_set():
-            time.sleep(0.2)  # the thread has failed: give it time to hand its error over
-            after.append(unit.index)
         ran.append(unit.index)
         return real_run(unit, info)
 
-    monkeypatch.setattr(assemble.Assembler, "_take", add)
+    real_run = hb.run_unit
+    monkeypatch.setattr(shards.HashedFile, "write", write)
     monkeypatch.setattr(hb, "run_unit", run_unit)
     out = tmp_path / "out"
-    cfg = BuildConfig(seq_len=16, workers=1, unit_bytes=4096, strict=fails == "tokenizing")
-    with pytest.raises(HelixtokError) as e:
-        build([str(c)], str(out), small_tok, cfg)
-    n = len(hb.plan_units(hb.discover([str(c)])[0], unit_bytes=4096, text_field="text")[0])
-    assert n > 20
-    if fails == "assembly":
-        assert "disk full while building" in str(e.value)
-        # the third unit's assembly failed: the units tokenized ahead of it are not bounded (the
-        # queue is not), but once it has failed at most one more unit is tokenized
-        assert len(after) <= 1 and len(ran) < n
-    else:
-        assert "2.jsonl:301" in str(e.value) and "malformed json" in str(e.value)
-    assert threads == {"helixtok-assembly"}
-    assert not [t for t in threading.enumerate() if t.name == "helixtok-assembly"]
-    assert not (out / "manifest.json").exists()
-    assert not glob.glob(str(out / STATE / "assembly" / "*")) and not glob.glob(str(out / "*.bin"))
-
-
-def test_a_spill_file_damaged_after_its_journal_entry_is_tokenized_again(tmp_path, dev_corpus, tokenizer_path,
-                                                                         dev_packed, monkeypatch):
-    """As after a power loss (spill files are not fsynced): a journal entry names a spill file
-    whose bytes did not all reach the disk.  The resume checks size and CRC, redoes that unit
-    only, and publishes the dataset of an undisturbed build."""
-    def stop(*a, **kw):
-        raise KeyboardInterrupt
-
-    from helixtok import assemble
-
-    out = str(tmp_path / "out")
-    cfg = BuildConfig(seq_len=512, workers=2, shard_bytes=1 << 20, unit_bytes=UNIT)
-    monkeypatch.setattr(assemble, "CHECKPOINT_TOKENS", 1 << 60)  # no checkpoint: every spill file is kept
-    monkeypatch.setattr(assemble.Assembler, "finish", stop)
-    with pytest.raises(KeyboardInterrupt):
-        build([str(dev_corpus)], out, tokenizer_path, cfg)
-    monkeypatch.undo()
-    spill = sorted(glob.glob(os.path.join(out, STATE, "u*.train.tok")))
-    units = len(spill)
-    with open(spill[1], "r+b") as fh:  # same size, one byte different
-        fh.seek(5)
-        b = fh.read(1)
-        fh.seek(5)
-        fh.write(bytes([b[0] ^ 1]))
-    seen = []
-    m = build([str(dev_corpus)], out, tokenizer_path, cfg, on_progress=seen.append)
-    tokenized = [p for p in seen if p.phase == "tokenize"]
-    # That unit alone was tokenized again: one unit's documents, counted by this run's workers.
-    assert {p.units_done for p in tokenized} == {units} and 0 < tokenized[-1].documents < m["totals"]["documents"]
-    same_folder(out, dev_packed)
+    with pytest.raises(HelixtokError, match="disk full while building"):
+        build([str(c)], str(out), small_tok, BuildConfig(seq_len=16, workers=1, unit_bytes=4096))
+    assert ran == [0, 1, 2]
+    assert not (out / "manifest.json").exists() and not glob.glob(str(out / "*.bin"))
+    assert not glob.glob(str(out / STATE / ".*.tmp"))
 
 
 def test_too_many_open_files_is_one_line_with_the_fix(tmp_path, small_corpus, small_tok, monkeypatch):
@@ -549,31 +429,28 @@ def _journaled_since(out, start: float) -> int:
 
 def test_stress_random_kills_and_concurrent_builds(tmp_path, dev_corpus, tokenizer_path):
     """8 kill -9 at random moments, each followed by a rerun; then 8 builds at once into one OUT.
-    Every other killed build checkpoints its assembly after every unit and is killed from its
-    first journal entry on, where the assembly runs (shard closes, checkpoint writes, spill
-    deletions, publishing).  Every published dataset equals an uninterrupted build; reruns went
-    on from checkpoints; no process outlives its build by 2 s."""
+    Every other killed build is killed from its first journal entries on (unit shards being
+    committed, journal writes, publishing).  Every published dataset equals an uninterrupted
+    build; reruns went on from journaled units; no process outlives its build by 2 s."""
     import random
 
     corpus = dev_corpus / "txt"
     args = ["-L", "128", "-q", "--shard-size", "64KiB", "--unit-size", "64KiB", "--val-fraction", "0.1"]
-    code = "import helixtok.assemble as a; a.CHECKPOINT_TOKENS = 1; from helixtok.cli import main; main()"
-
-    def cli(out, *extra, checkpoints=False):
-        pre = ["-c", code] if checkpoints else ["-m", "helixtok.cli"]
-        return subprocess.Popen([sys.executable, *pre, "build", str(corpus), str(out), "-t", tokenizer_path, *args,
-                                 *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    def cli(out, *extra):
+        return subprocess.Popen([sys.executable, "-m", "helixtok.cli", "build", str(corpus), str(out), "-t",
+                                 tokenizer_path, *args, *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True)
 
     ref = tmp_path / "ref"
     assert cli(ref, "-j", "2").wait() == 0
     rng = random.Random(9)
     out = tmp_path / "out"
-    published = leftovers = checkpointed = 0
+    published = leftovers = journaled = 0
     for cycle in range(8):
-        checkpoints = cycle % 2 == 1
+        late = cycle % 2 == 1
         start = time.time()
-        p = cli(out, "-j", "21"[cycle // 2 % 2], checkpoints=checkpoints)
-        deadline = None if checkpoints else start + rng.uniform(0.3, 1.2)
+        p = cli(out, "-j", "21"[cycle // 2 % 2])
+        deadline = None if late else start + rng.uniform(0.3, 1.2)
         entries = rng.randint(1, 4)  # killed once this run has journaled that many units
         kids = []
         while (deadline is None or time.time() < deadline) and p.poll() is None:
@@ -585,12 +462,12 @@ def test_stress_random_kills_and_concurrent_builds(tmp_path, dev_corpus, tokeniz
         _, err = p.communicate(timeout=30)
         leftovers += not _gone_within(kids, 2)
         assert p.returncode in (0, -9), err
-        checkpointed += (out / STATE / "assembly.json").exists()
+        journaled += bool(glob.glob(str(out / STATE / "u*.done.json")))
         if (out / "manifest.json").exists():  # published (the kill came after the manifest, or none came)
             same_folder(out, ref, ignore=(STATE, ".helixtok-lock"))
             published += 1
             shutil.rmtree(out)
-    assert leftovers == 0 and checkpointed >= 2
+    assert leftovers == 0 and journaled >= 2
     last = cli(out, "-j", "2")
     assert last.wait() == 0, last.communicate()
     same_folder(out, ref)
@@ -607,7 +484,7 @@ def test_stress_random_kills_and_concurrent_builds(tmp_path, dev_corpus, tokeniz
         if c == 1:
             assert ("another helixtok process (pid" in e or "already holds a finished dataset" in e), e
     same_folder(out2, ref)
-    print(f"stress: 8 kill cycles ({published} finished before the kill, {checkpointed} left a checkpoint), "
+    print(f"stress: 8 kill cycles ({published} finished before the kill, {journaled} left journaled units), "
           f"leftover processes {leftovers}; concurrent: {codes.count(0)} of 8 published, {codes.count(1)} refused")
 
 
@@ -767,7 +644,7 @@ def test_no_resource_tracker_so_killing_processes_prints_nothing(tmp_path, dev_c
     of "the python processes" prints no KeyError tracebacks and no "leaked semaphore" warning."""
     out = tmp_path / "out"
     p = start_cli(dev_corpus, out, tokenizer_path, "--backend", "hf")
-    wait_for(str(out / STATE / "u*.part"), p)
+    wait_for(str(out / STATE / "plan.json"), p)  # units are being tokenized
     kids = _descendants(p.pid)
     cmdlines = []
     for k in kids:
@@ -789,7 +666,7 @@ def test_sigterm_and_sighup_stop_like_ctrl_c_and_the_rerun_resumes(tmp_path, dev
     p = subprocess.Popen([sys.executable, "-m", "helixtok.cli", "build", str(dev_corpus), str(out), "-t",
                           tokenizer_path, "-L", "512", "-j", "2", "-q", "--shard-size", "1MiB", "--unit-size", "512KiB"],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    wait_for(str(out / STATE / "u*.train.tok.part"), p)
+    wait_for(str(out / STATE / "plan.json"), p)  # units are being tokenized
     os.killpg(p.pid, sig) if group else p.send_signal(sig)
     _, err = p.communicate(timeout=60)
     assert p.returncode == 128 + sig, err

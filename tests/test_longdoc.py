@@ -103,13 +103,11 @@ def test_build_is_byte_identical_whether_documents_are_read_whole_or_in_pieces(t
 
 PEAK = """
 import sys
-import helixtok.assemble, helixtok.builder, helixtok.shards
+import helixtok.shards
 from helixtok.builder import build
 from helixtok.config import BuildConfig
-# The bounded buffers a large input fills and a small one does not (the in-memory hand-over, the
-# assembly's slice, the hash thread's queue: 64 MiB in all), made small: what is left to grow
-# with the input is what this test is about.
-helixtok.builder.SPOOL_BYTES, helixtok.assemble.ASSEMBLY_TOKENS = 1 << 20, 1 << 18
+# The bounded buffer a large input fills and a small one does not (the hash thread's queue:
+# 32 MiB), made small: what is left to grow with the input is what this test is about.
 helixtok.shards._Sha256Behind.QUEUED_BYTES = 2 << 20
 build([sys.argv[1]], sys.argv[2], sys.argv[3], BuildConfig(seq_len=1024, workers=1))
 # VmHWM, not ru_maxrss: Linux carries ru_maxrss over from the forking parent (pytest) across exec.

@@ -51,7 +51,7 @@ def test_dataset_boundaries_come_from_the_docs_sidecar(dev_packed, dev_ids):
     assert cu[:-1] == sorted(want) and cu[-1] == len(idx) * L
     assert batch["max_seqlen"] == max(np.diff(cu))
     # Every cut inside a row follows an EOS: a document ends exactly there.
-    eos = int(np.fromfile(f"{dev_packed}/train-00000.bin", dtype="<u2")[doc_starts[1] - 1])
+    eos = int(np.fromfile(f"{dev_packed}/train-000000-0000.bin", dtype="<u2")[doc_starts[1] - 1])
     assert all(int(flat[c - 1]) == eos for c in cu[1:-1] if c % L)
     # Per-sample items carry the per-token fields only; a DataLoader batch equals __getitems__.
     assert set(ds[3]) == {"input_ids", "labels", "attention_mask", "position_ids", "document_ids"}
@@ -94,8 +94,11 @@ def _flex_logits(vocab, ids, pos, doc):
 
 
 @torch.no_grad()  # FlexAttention has no backward on CPU; forward equality is the claim
-def test_packed_logits_equal_each_document_alone(dev_packed):
-    ds = MemmapChunkDataset(dev_packed, document_masking=True)
+@pytest.mark.parametrize("packing", ["packed", "bestfit"])
+def test_packed_logits_equal_each_document_alone(request, packing):
+    """Each segment of a row (a document, or its piece; a bestfit row's padding is one more)
+    gets the logits it would get alone: SDPA with the block mask, and FlexAttention."""
+    ds = MemmapChunkDataset(request.getfixturevalue(f"dev_{packing}"), document_masking=True)
     idx = [i for i in range(len(ds)) if len(ds.document_starts(i)) >= 2][:3]  # rows holding several documents
     batch = ds.collate(ds.__getitems__(idx))
     assert len(idx) == 3 and len(batch["cu_seqlens"]) > len(idx) + 3
@@ -123,7 +126,7 @@ def test_packed_logits_equal_each_document_alone(dev_packed):
 def test_document_masking_needs_packed_data(dev_document):
     from helixtok.errors import DatasetError
 
-    with pytest.raises(DatasetError, match="need packed data"):
+    with pytest.raises(DatasetError, match="need packed or bestfit data"):
         MemmapChunkDataset(dev_document, document_masking=True)
 
 
@@ -148,7 +151,8 @@ torch.save(out, sys.argv[2])
 """
 
 
-def test_hf_transformers_packed_path_keeps_documents_apart(dev_packed, tmp_path):
+@pytest.mark.parametrize("packing", ["packed", "bestfit"])
+def test_hf_transformers_packed_path_keeps_documents_apart(request, tmp_path, packing):
     """The HF way: the batch flattened to (1, B x L) with position_ids and no attention_mask; a
     tiny Llama (transformers, CPU, sdpa and eager) then gives each document its logits alone.
     Runs in a child process: importing transformers would cost pytest ~150 MB it keeps."""
@@ -158,7 +162,7 @@ def test_hf_transformers_packed_path_keeps_documents_apart(dev_packed, tmp_path)
 
     if importlib.util.find_spec("transformers") is None:
         pytest.skip("transformers is not installed (it is in the [test] extra)")
-    ds = MemmapChunkDataset(dev_packed, document_masking=True)
+    ds = MemmapChunkDataset(request.getfixturevalue(f"dev_{packing}"), document_masking=True)
     idx = [i for i in range(len(ds)) if len(ds.document_starts(i)) >= 2][:2]
     batch = ds.collate(ds.__getitems__(idx))
     cu = batch["cu_seqlens"].tolist()

@@ -1,5 +1,6 @@
-"""Partitioned builds and merge: exact counts, the packed difference is exactly the per-task remainders."""
+"""Partitioned builds and merge: any partitioning gives the single build's bytes and counts; merge reads manifests only."""
 
+import dataclasses
 import json
 import os
 import shutil
@@ -14,13 +15,18 @@ from helixtok.cli import main
 from helixtok.config import BuildConfig
 from helixtok.errors import ConfigError, DatasetError
 from helixtok.merge import merge, task_from_env
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from conftest import on_a_pool
 from helixtok.verify import verify
 
 
 def rows(out, split="train"):
     m = json.load(open(os.path.join(out, "manifest.json")))
+    n = m["splits"][split]["num_tokens"]  # format 2: a packed stream's last partial chunk is on disk too
     return m, np.concatenate([np.fromfile(os.path.join(out, s["path"]), dtype="<u2")
-                              for s in m["splits"][split]["shards"]]).reshape(-1, m["seq_len"])
+                              for s in m["splits"][split]["shards"]])[:n].reshape(-1, m["seq_len"])
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +34,7 @@ def txt_corpus(dev_corpus):
     return str(dev_corpus / "txt")
 
 
-@pytest.mark.parametrize("packing", ["packed", "document"])
+@pytest.mark.parametrize("packing", ["packed", "document", "bestfit"])
 def test_three_tasks_merged_equal_a_single_build(tmp_path, txt_corpus, tokenizer_path, packing):
     cfg = BuildConfig(seq_len=256, workers=1, packing=packing, unit_bytes=256 << 10, shard_bytes=1 << 20)
     single = str(tmp_path / "single")
@@ -57,24 +63,17 @@ def test_three_tasks_merged_equal_a_single_build(tmp_path, txt_corpus, tokenizer
     t1, t2 = ms["totals"], mm["totals"]
     assert t1["documents"] == t2["documents"] and t1["tokens"] == t2["tokens"]
     assert mm["inputs"]["files"] == ms["inputs"]["files"]
-    if packing == "document":
-        # Documents are chunked on their own: the merged dataset is the single one, row for row.
-        assert np.array_equal(single_rows, merged_rows)
-        assert t1 == t2
-    else:
-        # Each task cuts its own contiguous slice of the stream and drops its own remainder.
-        L = 256
-        stream = single_rows.reshape(-1)
-        off = 0
-        for p in parts:
-            pm, pr = rows(p)
-            n = pm["splits"]["train"]["num_chunks"] * L
-            assert np.array_equal(pr.reshape(-1), stream[off: off + n]) or off + n > len(stream)
-            off += pm["totals"]["tokens"]
-        remainders = [json.load(open(os.path.join(p, "manifest.json")))["totals"]["dropped_tokens"] for p in parts]
-        assert t2["dropped_tokens"] == sum(remainders)
-        assert t2["chunks"] * L + t2["dropped_tokens"] == t2["tokens"]
-        assert t1["chunks"] - t2["chunks"] == (sum(remainders) - t1["dropped_tokens"]) // L
+    # Every unit's output is final where it was written, and packed chunks are cut over the
+    # merged stream: the merged dataset is the single one, row for row, in every packing (before
+    # format 2 each packed task dropped its own remainder).
+    assert np.array_equal(single_rows, merged_rows)
+    assert t1 == t2 and ms["splits"] == {k: {**v, "shards": [{**e, "path": e["path"].split("/")[-1],
+                                                              **{x: {**e[x], "path": e[x]["path"].split("/")[-1]}
+                                                                 for x in ("docs", "valid") if x in e}}
+                                                             for e in v["shards"]]}
+                                         for k, v in mm["splits"].items()}
+    if packing == "packed":
+        assert mm["splits"]["train"]["dropped_tokens"] < 256
 
 
 def test_merge_refuses_mismatched_or_missing_parts(tmp_path, txt_corpus, tokenizer_path, small_tok):
@@ -200,3 +199,62 @@ def test_merge_refuses_a_part_without_a_plan(tmp_path, small_corpus, small_tok):
     (out / "part-00001" / "build-plan.json").unlink()  # as an older helixtok left it
     r = cli("merge", out / "part-00000", out / "part-00001", out)
     assert r.exit_code == 1 and "records no plan" in r.output, r.output
+
+
+def _relative(m: dict) -> dict:
+    """A manifest's splits with every shard named as in its own folder (a merge names part-NNNNN/…)."""
+    def base(e):
+        return {**e, "path": os.path.basename(e["path"]),
+                **{x: {**e[x], "path": os.path.basename(e[x]["path"])} for x in ("docs", "valid") if x in e}}
+    return {k: {**v, "shards": [base(e) for e in v["shards"]]} for k, v in m["splits"].items()}
+
+
+_singles: dict = {}
+
+
+@pytest.fixture(scope="module")
+def mixed_small(tmp_path_factory, dev_corpus):
+    """~100 KB of the test corpus in 13 files of three formats: a dozen work units at 8 KiB."""
+    c = tmp_path_factory.mktemp("mixed")
+    for i, src in enumerate(sorted((dev_corpus / "txt").glob("*.txt"))[:12]):
+        (c / f"{i:02d}.txt").write_text(src.read_text()[:8000])
+    with open(c / "rows.jsonl", "w") as fh:
+        for i in range(200):
+            fh.write(json.dumps({"text": f"row {i} " + "some words " * (i % 37)}) + "\n")
+    return str(c)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(n=st.integers(1, 4), workers=st.sampled_from([1, 2]), packing=st.sampled_from(["packed", "document", "bestfit"]),
+       val=st.sampled_from([0.0, 0.3]), shard=st.sampled_from([1 << 10, 1 << 20]))
+def test_any_partitioning_merged_is_the_single_build(tmp_path_factory, mixed_small, tokenizer_path, n, workers, packing,
+                                                     val, shard):
+    """N tasks (each on -j 1 or a pool of 2) merged: every split's stream, chunks, sidecars and
+    counts, the totals, the sources and the documents per unit are the single build's; every
+    shard file is byte for byte the single build's file of that name; the datasets read alike."""
+    corpus = mixed_small
+    cfg = BuildConfig(seq_len=64, workers=workers, packing=packing, val_fraction=val, unit_bytes=8 << 10,
+                      shard_bytes=shard)
+    key = (packing, val, shard)
+    if key not in _singles:
+        out = str(tmp_path_factory.mktemp("single") / "out")
+        _singles[key] = (out, build([corpus], out, tokenizer_path, dataclasses.replace(cfg, workers=1)))
+    single, ms = _singles[key]
+    root = tmp_path_factory.mktemp("parts")
+    parts = [str(root / f"part-{k:05d}") for k in range(n)]
+    with on_a_pool():
+        for k, p in enumerate(parts):
+            build([corpus], p, tokenizer_path, cfg, task=(k, n))
+    mm = merge(parts, str(root))
+    assert _relative(mm) == _relative(ms)
+    for k in ("totals", "sources", "unit_documents", "skipped"):
+        assert mm[k] == ms[k], k
+    for sp in ms["splits"].values():
+        for e in sp["shards"]:
+            for x in (e, *(e[s] for s in ("docs", "valid") if s in e)):
+                owner = next(p for p in parts if os.path.exists(os.path.join(p, x["path"])))
+                assert open(os.path.join(owner, x["path"]), "rb").read() == open(os.path.join(single, x["path"]),
+                                                                                 "rb").read()
+    a, b = MemmapChunkDataset(single), MemmapChunkDataset(str(root))
+    idx = sorted({0, len(a) // 3, len(a) // 2, len(a) - 1})
+    assert len(a) == len(b) and all(np.array_equal(a[i]["input_ids"], b[i]["input_ids"]) for i in idx)

@@ -75,7 +75,7 @@ def test_lock_is_released_by_kill_9(tmp_path, small_corpus, small_tok):
     assert r.exit_code == 0, r.output
 
 
-def test_stale_spill_files_and_journal_entries_are_never_trusted(tmp_path, small_corpus, small_tok, monkeypatch):
+def test_stale_unit_shards_and_journal_entries_are_never_trusted(tmp_path, small_corpus, small_tok, monkeypatch):
     out = str(tmp_path / "out")
     cfg = BuildConfig(seq_len=16, workers=1, unit_bytes=1)  # one unit per file
     ref = build([str(small_corpus)], str(tmp_path / "ref"), small_tok, cfg)
@@ -89,7 +89,6 @@ def test_stale_spill_files_and_journal_entries_are_never_trusted(tmp_path, small
         raise KeyboardInterrupt
 
     monkeypatch.setattr(hb, "_run_units", half)
-    monkeypatch.setattr(hb, "SPOOL_BYTES", 0)  # every unit through spill files, as in a pool build
     with pytest.raises(KeyboardInterrupt):
         build([str(small_corpus)], out, small_tok, cfg)
     monkeypatch.undo()
@@ -99,10 +98,11 @@ def test_stale_spill_files_and_journal_entries_are_never_trusted(tmp_path, small
     # What an orphan of the killed run could leave: one finished unit's token file cut short
     # (as a rerun's truncation would), and a late journal entry naming files that do not exist.
     victim = done[0]
-    tok_file = os.path.join(state, victim["spill"]["train"][0][0])
+    tok_file = os.path.join(state, victim["shards"]["train"][0]["state"])
     with open(tok_file, "r+b") as fh:
         fh.truncate(os.path.getsize(tok_file) // 2)
-    ghost = dict(done[1], spill={"train": [["u999999.rX.train.tok", 10], ["u999999.rX.train.len", 8]]})
+    ghost_shard = {**done[1]["shards"]["train"][0], "state": "u999999.rX.train.0000.bin"}
+    ghost = dict(done[1], shards={"train": [ghost_shard]})
     with open(hb.done_path(state, done[1]["index"]), "w") as fh:
         json.dump(ghost, fh)
     m = build([str(small_corpus)], out, small_tok, cfg)
@@ -168,7 +168,7 @@ def test_overwrite_never_deletes_what_helixtok_did_not_write(tmp_path, small_cor
     assert (out / "tokenizer.json").exists() and (out / "manifest.json").exists()
     m = build([str(small_corpus)], str(out), small_tok, BuildConfig(seq_len=8, workers=1), overwrite=True)
     assert m["seq_len"] == 8 and sorted(os.listdir(out)) == ["build-plan.json", "manifest.json", "tokenizer.json",
-                                                             "train-00000.bin", "train-00000.docs"]
+                                                             "train-000000-0000.bin", "train-000000-0000.docs"]
 
 
 def test_kill_during_overwrite_leaves_the_rest_known_as_helixtoks(tmp_path, small_corpus, small_tok, monkeypatch):

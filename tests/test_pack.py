@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from helixtok import shards
-from helixtok.pack import StreamPacker, document_chunks
+from helixtok.pack import PACKERS, best_fit, document_chunks
 
 
 def reference_document(docs, L, min_tail, pad):
@@ -53,40 +53,6 @@ def test_document_chunks_match_reference(docs, L, tail_frac):
     assert len(ids) + c.pad_tokens - c.dropped_tokens == c.chunks * L
 
 
-class _Recorder:
-    """The ShardWriter interface StreamPacker uses: keeps chunks and absolute document starts."""
-
-    def __init__(self, L):
-        self.L, self.num_chunks, self.rows, self.starts = L, 0, [], []
-
-    def write(self, chunks, doc_starts):
-        assert chunks.ndim == 2 and chunks.shape[1] == self.L
-        assert all(0 <= s < len(chunks) * self.L for s in doc_starts.tolist())
-        self.starts += [self.num_chunks * self.L + s for s in doc_starts.tolist()]
-        self.rows += chunks.tolist()
-        self.num_chunks += len(chunks)
-
-
-@settings(max_examples=300, deadline=None)
-@given(docs=st.lists(st.lists(st.integers(0, 65535), min_size=1, max_size=50), max_size=20),
-       L=st.integers(1, 33), slices=st.lists(st.integers(0, 70), max_size=40))
-def test_stream_packer_cuts_the_stream_and_keeps_document_starts(docs, L, slices):
-    """Fed in any slicing, the chunks are the stream cut every L tokens, the carry is the rest,
-    and the document starts written are exactly those inside full chunks."""
-    stream = [t for d in docs for t in d]
-    starts = np.cumsum([0] + [len(d) for d in docs[:-1]]).astype(np.int64) if docs else np.empty(0, np.int64)
-    rec = _Recorder(L)
-    packer = StreamPacker(rec, L, np.uint16)
-    arr, i = np.array(stream, dtype=np.uint16), 0
-    for n in slices + [len(stream)]:
-        packer.add(arr[i: i + n], starts)
-        i = min(len(stream), i + n)
-    k = len(stream) // L
-    assert rec.rows == [stream[j * L:(j + 1) * L] for j in range(k)]
-    assert packer.carry.tolist() == stream[k * L:]
-    assert rec.starts == [s for s in starts.tolist() if s < k * L]
-
-
 def test_document_chunks_hand_made():
     # doc A: 5 ids + EOS = 6 -> one full chunk of 4, tail 2 >= 1 -> padded; doc B: 1 id < 2 -> dropped
     ids = np.array([1, 2, 3, 4, 5, 0, 9, 0], dtype=np.uint16)
@@ -97,18 +63,17 @@ def test_document_chunks_hand_made():
 
 
 @settings(max_examples=60, deadline=None)
-@given(sizes=st.lists(st.integers(0, 5000), max_size=25), marks=st.sets(st.integers(0, 25)),
-       queued=st.integers(1, 9000))
-def test_shard_hash_behind_the_writes_is_the_files_sha256(tmp_path_factory, sizes, marks, queued):
-    """The shard's sha256 is hashed in a thread beside the writes, holding at most `queued`
-    bytes not yet hashed: every mark and the commit give exactly hashlib's digest of the bytes
-    so far, in order, and the file holds them; a writer reopened at a mark goes on to the same."""
+@given(sizes=st.lists(st.integers(0, 50000), max_size=25), queued=st.integers(1, 90000))
+def test_shard_hash_behind_the_writes_is_the_files_sha256(tmp_path_factory, sizes, queued):
+    """A shard's sha256 is hashed in a thread beside the writes (small buffers inline), holding
+    at most `queued` bytes not yet hashed: the commit gives exactly hashlib's digest of the bytes
+    in order, and the file holds them under its final name."""
     d = tmp_path_factory.mktemp("sha")
     rng = np.random.default_rng(len(sizes))
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(shards._Sha256Behind, "QUEUED_BYTES", queued)
-        f = shards._HashedFile(str(d / "s.bin"))
-        want, seen, at_mark = hashlib.sha256(), b"", None
+        f = shards.HashedFile(str(d / "s.bin"))
+        want, seen = hashlib.sha256(), b""
         for i, n in enumerate(sizes):
             arr = rng.integers(0, 2**32, size=n, dtype=np.uint32)
             if i % 3 == 0:
@@ -116,18 +81,160 @@ def test_shard_hash_behind_the_writes_is_the_files_sha256(tmp_path_factory, size
             f.write(arr)
             want.update(arr.tobytes())
             seen += arr.tobytes()
-            if i in marks:
-                at_mark = (f.mark(), seen)
-                assert at_mark[0] == [len(seen), want.hexdigest()]
-        if at_mark is not None:  # stopped there, then reopened at the mark: same bytes, same hash
-            f.close()
-            f = shards._HashedFile.reopen(str(d / "s.bin"), at_mark[0])
-            want, seen = hashlib.sha256(at_mark[1]), at_mark[1]
-            tail = rng.integers(0, 2**32, size=777, dtype=np.uint32)
-            f.write(tail)
-            want.update(tail.tobytes())
-            seen += tail.tobytes()
         entry = f.commit()
-    assert entry == {"path": "s.bin", "bytes": len(seen), "sha256": want.hexdigest()}
+    assert entry == {"bytes": len(seen), "sha256": want.hexdigest()}
     assert (d / "s.bin").read_bytes() == seen
     assert not os.path.exists(shards._tmp_of(str(d / "s.bin")))
+
+
+def test_best_fit_hand_made():
+    assert best_fit([3, 2, 2, 1], 4) == [[0, 3], [1, 2]]
+    assert best_fit([4, 4, 1], 4) == [[0], [1], [2]]
+    assert best_fit([], 8) == []
+    # 5 goes with the 3 that leaves 0 room, not the first bin with room (first fit would pick the 4)
+    assert best_fit([6, 5, 3, 2], 8) == [[0, 3], [1, 2]]
+
+
+def reference_best_fit(sizes, cap):
+    """Best-fit decreasing the plain way: scan every bin for the tightest fit (ties: the lower bin)."""
+    bins, room = [], []
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        fits = [(room[b] - sizes[i], b) for b in range(len(bins)) if room[b] >= sizes[i]]
+        if fits:
+            _, b = min(fits)
+            bins[b].append(i)
+            room[b] -= sizes[i]
+        else:
+            bins.append([i])
+            room.append(cap - sizes[i])
+    return bins
+
+
+@settings(max_examples=300, deadline=None)
+@given(sizes=st.lists(st.integers(1, 40), max_size=60), cap=st.integers(40, 64))
+def test_best_fit_matches_the_plain_scan(sizes, cap):
+    got = best_fit(sizes, cap)
+    assert got == reference_best_fit(sizes, cap)
+    assert sorted(i for b in got for i in b) == list(range(len(sizes)))
+    assert all(sum(sizes[i] for i in b) <= cap for b in got)
+
+
+def _pack_unit(tmp, packing, docs, L, cap, min_tail, feed, window=None):
+    """Feed `docs` (each with its EOS) to a packer: batches of `feed` documents, those marked
+    long through the piece-by-piece path; returns (the files' bytes by kind, counts)."""
+    kw = {"window": window} if packing == "bestfit" else {}
+    out = PACKERS[packing](str(tmp / "u"), "train-000000", np.dtype("<u2"), L, cap, min_tail, 7, **kw)
+    i = 0
+    for n, long in feed:
+        batch = docs[i: i + n]
+        i += len(batch)
+        if long and len(batch) == 1:
+            out.start_long()
+            d = np.array(batch[0], np.uint16)
+            for a in range(0, len(d), 3):  # any grouping of the ids
+                out.write_long(d[a: a + 3])
+            out.end_long(len(d))
+        elif batch:
+            out.add(np.array([t for d in batch for t in d], np.uint16), np.array([len(d) for d in batch], np.int64))
+    if i < len(docs):
+        rest = docs[i:]
+        out.add(np.array([t for d in rest for t in d], np.uint16), np.array([len(d) for d in rest], np.int64))
+    entries = out.close()
+    got = {"bin": [], "docs": [], "valid": []}
+    base = 0
+    for e in entries:
+        assert e["num_tokens"] % (1 if packing == "packed" else L) == 0 and e["num_tokens"] <= cap
+        got["bin"] += np.fromfile(tmp / e["state"], dtype="<u2").tolist()
+        if "docs" in e:
+            got["docs"] += (np.fromfile(tmp / e["docs"]["state"], dtype="<u8").astype(int) + base).tolist()
+            assert e["docs"]["count"] * 8 == e["docs"]["bytes"]
+        if "valid" in e:
+            got["valid"] += np.fromfile(tmp / e["valid"]["state"], dtype="<u4").tolist()
+        assert hashlib.sha256((tmp / e["state"]).read_bytes()).hexdigest() == e["sha256"]
+        base += e["num_tokens"]
+    for f in tmp.iterdir():
+        f.unlink()
+    return got, out.counts
+
+
+unit_docs = st.lists(st.lists(st.integers(1, 60000), min_size=0, max_size=45).map(lambda d: d + [0]), max_size=25)
+feeds = st.lists(st.tuples(st.integers(0, 4), st.booleans()), max_size=12)
+
+
+@settings(max_examples=200, deadline=None)
+@given(docs=unit_docs, L=st.integers(1, 17), shard_chunks=st.integers(1, 5), feed=feeds, tail_frac=st.floats(0, 1))
+def test_packed_and_document_units_store_the_rule_in_any_feed(tmp_path_factory, docs, L, shard_chunks, feed,
+                                                              tail_frac):
+    """packed: a unit's shards are its stream, with every document start; document: the chunks
+    of docs/format.md's rule.  The same bytes however the documents arrive (batches, or a long
+    document's ids in pieces) and whatever the shard size."""
+    tmp = tmp_path_factory.mktemp("u")
+    stream = [t for d in docs for t in d]
+    got, _ = _pack_unit(tmp, "packed", docs, L, shard_chunks * L, 0, feed)
+    assert got["bin"] == stream
+    assert got["docs"] == np.cumsum([0] + [len(d) for d in docs[:-1]]).tolist()[:len(docs)]
+    min_tail = max(1, min(L, int(tail_frac * L)))
+    got, c = _pack_unit(tmp, "document", docs, L, shard_chunks * L, min_tail, feed)
+    rows, valid, pad, dropped, dropped_docs = reference_document(docs, L, min_tail, 7)
+    assert got["bin"] == [t for r in rows for t in r] and got["valid"] == valid
+    assert (c.chunks, c.pad_tokens, c.dropped_tokens, c.dropped_documents) == (len(rows), pad, dropped, dropped_docs)
+
+
+@settings(max_examples=300, deadline=None)
+@given(docs=unit_docs, L=st.integers(2, 17), shard_chunks=st.integers(1, 5), feed=feeds,
+       window=st.sampled_from([1, 16, 64, 1 << 20]), min_tail=st.sampled_from([0, 0, 1, 3]))
+def test_bestfit_keeps_every_document_whole_or_in_ordered_pieces(tmp_path_factory, docs, L, shard_chunks, feed,
+                                                                 window, min_tail):
+    """bestfit: every token of every kept document appears once, in order, within its pieces; a
+    document of at most L tokens lies whole in one chunk; the pieces of a longer one are its
+    L-token cuts, in order; chunks hold items back to back (.docs at each item's start, .valid
+    their total) then padding; produced + pad - dropped = stored; and the bytes do not depend
+    on how the documents are batched."""
+    min_tail = min(min_tail, L)
+    tmp = tmp_path_factory.mktemp("u")
+    got, c = _pack_unit(tmp, "bestfit", docs, L, shard_chunks * L, min_tail, feed, window)
+    # A document read in pieces closes the window before it (which documents are is a function
+    # of the input: their size): the same long ones, the others one by one, give the same bytes.
+    singly, i = [], 0
+    for n, long in feed:
+        n = min(n, len(docs) - i)
+        singly += [(1, long)] if long and n == 1 else [(1, False)] * n
+        i += n
+    again, _ = _pack_unit(tmp, "bestfit", docs, L, shard_chunks * L, min_tail, singly, window)
+    assert got == again
+    ids, valid, starts = got["bin"], got["valid"], got["docs"]
+    assert len(ids) == len(valid) * L == c.chunks * L
+    assert sum(len(d) for d in docs) + c.pad_tokens - c.dropped_tokens == len(ids)
+    # Cut the chunks into items at .docs, up to .valid; the rest of each chunk is padding.
+    items = []
+    for r, v in enumerate(valid):
+        assert 1 <= v <= L and all(t == 7 for t in ids[r * L + v: (r + 1) * L])
+        cuts = [s - r * L for s in starts if r * L <= s < r * L + v]
+        assert cuts and cuts[0] == 0
+        items += [tuple(ids[r * L + a: r * L + b]) for a, b in zip(cuts, cuts[1:] + [v])]
+    assert all(r * L <= s < r * L + valid[r] for s in starts for r in [s // L])
+    # Each kept document's pieces, found in order of the chunks.
+    pos = 0
+    dropped = dropped_docs = 0
+    for d in docs:
+        m = len(d)
+        if m - 1 < min_tail:
+            dropped, dropped_docs = dropped + m, dropped_docs + 1
+            continue
+        pieces = [tuple(d[a: a + L]) for a in range(0, m, L)]
+        if m % L and m % L < min_tail:
+            dropped += m % L
+            pieces = pieces[:-1]
+        for p in pieces:
+            k = items.index(p, pos) if p in items[pos:] else items.index(p)
+            items[k] = None  # each item is used once
+        pos = 0
+    assert all(x is None for x in items)
+    assert (c.dropped_tokens, c.dropped_documents) == (dropped, dropped_docs)
+    if min_tail == 0:
+        assert c.dropped_tokens == 0
+    # Pieces of one document: in order (by where they lie), each one whole in a chunk.
+    for d in docs:
+        if len(d) > L:
+            found = [i for i in range(0, len(ids) - L + 1, L) if tuple(ids[i: i + L]) == tuple(d[:L])]
+            assert found

@@ -64,7 +64,8 @@ def recount(out: str, shared_dev_corpus: str, tokenizer_path: str) -> None:
     eos = m["tokenizer"]["eos_id"]
     table = byte_level_table(tok)
     shards = [np.memmap(os.path.join(out, e["path"]), dtype="<u2", mode="r") for e in m["splits"]["train"]["shards"]]
-    stored = np.concatenate(shards) if len(shards) > 1 else shards[0]
+    # The chunks' tokens (format 2: the stream's last partial chunk is on disk too, in no chunk).
+    stored = (np.concatenate(shards) if len(shards) > 1 else shards[0])[: m["splits"]["train"]["num_tokens"]]
     ends = np.flatnonzero(stored == eos)  # special tokens in text are text: eos only ends a document
     pos = ndocs = 0
     docs = iter_dev_docs(shared_dev_corpus)  # 61 MB of text: never all of it alive at once

@@ -1,0 +1,114 @@
+"""A split's shards read as one token stream cut into chunks: what show, verify, info and the exports index."""
+
+from __future__ import annotations
+
+import bisect
+import os
+
+import numpy as np
+
+from .errors import ConfigError
+from .manifest import DTYPES, shard_tokens, split_entry
+from .shards import DOCS_DTYPE, VALID_DTYPE
+
+
+class SplitView:
+    """Chunk i of a split is tokens [i*L, (i+1)*L) of its shards concatenated (packed: a chunk may
+    span shards, and the stream's last partial chunk belongs to none; document and bestfit shards
+    hold whole chunks).  Local files are mapped when first read; `root` may also be an
+    objstore.Folder (a URL: tokens are read with seeks)."""
+
+    def __init__(self, root, m: dict, split: str = "train"):
+        self.folder = root if not isinstance(root, (str, os.PathLike)) else None
+        self.root, self.m = (root.root if self.folder else os.fspath(root)), m
+        self.s = split_entry(m, split, root)
+        self.L = int(m["seq_len"])
+        self.dtype = np.dtype(DTYPES[m["dtype"]])
+        self.shards = self.s["shards"]
+        self.starts = np.concatenate(([0], np.cumsum([shard_tokens(e, self.L) for e in self.shards]))).astype(np.int64)
+        self._starts = self.starts.tolist()
+        self.num_chunks = int(self.s["num_chunks"])
+        self._maps: dict[tuple[int, str], np.ndarray] = {}
+
+    def _map(self, k: int, side: str = "bin") -> np.ndarray:
+        if (k, side) not in self._maps:
+            e = self.shards[k]
+            path = os.path.join(self.root, e["path"] if side == "bin" else e[side]["path"])
+            dtype = {"bin": self.dtype, "docs": DOCS_DTYPE, "valid": VALID_DTYPE}[side]
+            self._maps[(k, side)] = (np.memmap(path, dtype=dtype, mode="r") if os.path.getsize(path)
+                                     else np.empty(0, dtype))
+        return self._maps[(k, side)]
+
+    def _slice(self, k: int, a: int, b: int) -> np.ndarray:
+        if self.folder is not None and self.folder.fs is not None:
+            with self.folder.open(self.shards[k]["path"]) as fh:
+                fh.seek(a * self.dtype.itemsize)
+                return np.frombuffer(fh.read((b - a) * self.dtype.itemsize), dtype=self.dtype)
+        return np.asarray(self._map(k)[a:b])
+
+    def _check(self, i: int) -> None:
+        if not 0 <= i < self.num_chunks:
+            raise ConfigError(f"chunk {i} outside [0, {self.num_chunks}) of this split")
+
+    def tokens(self, a: int, b: int) -> np.ndarray:
+        """Tokens [a, b) of the stream."""
+        parts = []
+        k = bisect.bisect_right(self._starts, a) - 1
+        while a < b:
+            s0, s1 = self._starts[k], self._starts[k + 1]
+            take = min(b, s1) - a
+            if take > 0:
+                parts.append(self._slice(k, a - s0, a - s0 + take))
+                a += take
+            k += 1
+        return np.concatenate(parts) if len(parts) != 1 else parts[0]
+
+    def chunk(self, i: int) -> np.ndarray:
+        self._check(i)
+        return self.tokens(i * self.L, (i + 1) * self.L)
+
+    def starts_in(self, a: int, b: int) -> np.ndarray:
+        """Stream positions in [a, b) where a document (bestfit: a piece) starts (the .docs sidecars)."""
+        out = []
+        k = bisect.bisect_right(self._starts, a) - 1
+        while k < len(self.shards) and self._starts[k] < b:
+            base = self._starts[k]
+            offs = self._map(k, "docs").astype(np.int64) + base
+            lo, hi = np.searchsorted(offs, [a, b])
+            out.append(offs[lo:hi])
+            k += 1
+        return np.concatenate(out) if out else np.empty(0, np.int64)
+
+    def starts_before(self, pos: int) -> int:
+        """How many document starts lie before stream position `pos`."""
+        k = bisect.bisect_right(self._starts, pos) - 1
+        before = sum(int(e["docs"]["count"]) for e in self.shards[:k])
+        return before + (int(np.searchsorted(self._map(k, "docs"), pos - self._starts[k])) if k < len(self.shards) else 0)
+
+    def valid(self, i: int) -> int:
+        """Real tokens at the start of chunk i (the rest is padding); seq_len for packed data."""
+        self._check(i)
+        if self.m["packing"] == "packed":
+            return self.L
+        k = bisect.bisect_right(self._starts, i * self.L) - 1
+        return int(self._map(k, "valid")[i - self._starts[k] // self.L])
+
+    def all_valid(self) -> np.ndarray:
+        return np.concatenate([np.asarray(self._map(k, "valid")) for k in range(len(self.shards))]
+                              or [np.empty(0, VALID_DTYPE)])
+
+    def document_lengths(self) -> np.ndarray:
+        """Tokens of each document of a packed split (EOS included); the last one ends where the
+        stream does (the tokens on disk: a version 1 build kept no partial chunk)."""
+        end = self._starts[-1]
+        st = self.starts_in(0, end)
+        if len(st) == 0 or st[0] != 0:
+            st = np.concatenate(([0], st))
+        return np.diff(np.append(st, end))
+
+    def iter_stream(self, step: int = 1 << 22):
+        """The whole stream on disk, in slices of at most `step` tokens."""
+        for k in range(len(self.shards)):
+            mm = self._map(k)
+            for a in range(0, len(mm), step):
+                yield np.asarray(mm[a: a + step])
