@@ -291,7 +291,8 @@ def build(corpus, out: str, tokenizer: str, config: BuildConfig | None = None, *
     # A finished dataset in OUT (no --overwrite) is either this very build (up to date) or refused:
     # either way nothing is tokenized, so no worker starts.
     finished = not overwrite and os.path.isfile(os.path.join(out, MANIFEST))
-    n_workers = 1 if finished else worker_count(config, mine, likely)
+    # On Ray the cluster's workers tokenize; nothing starts here before the backend check.
+    n_workers = 1 if finished or config.ray_address is not None else worker_count(config, mine, likely)
     workers = None
     env = {k: os.environ.get(k) for k in THREAD_ENV}
     try:
@@ -300,7 +301,7 @@ def build(corpus, out: str, tokenizer: str, config: BuildConfig | None = None, *
         # the likeliest library's tokenizer, or that library's load here (~1.2 s for 100k).
         if n_workers > 1:
             workers = _Pool(n_workers, config, os.path.join(out, STATE), run_id, path)
-        elif config.backend in ("auto", "fastokens") and not finished:
+        elif config.backend in ("auto", "fastokens") and not finished and config.ray_address is None:
             preload.start(path)  # unless the command line started it
         info = inspect_tokenizer(path, eos_token=config.eos_token, bos_token=config.bos_token,
                                  pad_token=config.pad_token, add_bos=config.add_bos,
@@ -468,7 +469,11 @@ def _build_started(out, info, config, overwrite, on_progress, part, files, units
     for u in units:
         if u.index in trusted:
             refs.record(u.index, trusted[u.index]["lines"])
-    if (n := worker_count(config, pending, info.backend)) > (workers.n if workers else 1):
+    if config.ray_address is not None and pending:
+        from .rayexec import RayExecutor
+
+        workers = RayExecutor(config.ray_address, config, state, run_id)
+    elif (n := worker_count(config, pending, info.backend)) > (workers.n if workers else 1):
         # Sized for a faster library than the check found exact: this one needs more processes.
         if workers is not None:
             workers.kill()

@@ -139,6 +139,9 @@ def main():
 @click.option("--staging", type=click.Path(file_okay=False), default=None,
               help="With a URL as OUT: build here, then upload [default: a folder in $HELIXTOK_STAGING or the "
                    "temp dir, removed after the upload].")
+@click.option("--executor", default="local", show_default=True, metavar="local|ray[:ADDRESS]",
+              help="Where work units are tokenized: this machine's processes, or Ray tasks on the cluster at "
+                   "ADDRESS ($RAY_ADDRESS, or a local one, without it); OUT must be a folder every node sees.")
 @click.option("--num-tasks", type=click.IntRange(min=1), default=None,
               help="Build one of N partitions into OUT/part-KKKKK (then `helixtok merge`).")
 @click.option("--task-index", type=click.IntRange(min=0), default=None,
@@ -146,7 +149,7 @@ def main():
 @handle_errors
 def build(corpus, out, tokenizer, seq_len, packing, min_tail_len, text_field, bos, eos_token, bos_token,
           pad_token, val_fraction, split_seed, shard_size, unit_size, workers, overwrite, strict, quiet, as_json,
-          stall_timeout, special_tokens, strip, backend, staging, num_tasks, task_index, log_interval):
+          stall_timeout, special_tokens, strip, backend, staging, executor, num_tasks, task_index, log_interval):
     """Tokenize CORPUS (files, folders, globs) into fixed-length token shards in OUT.
 
     \b
@@ -168,8 +171,9 @@ def build(corpus, out, tokenizer, seq_len, packing, min_tail_len, text_field, bo
                       add_bos=bos, eos_token=eos_token, bos_token=bos_token, pad_token=pad_token,
                       val_fraction=val_fraction, split_seed=split_seed, shard_bytes=shard_size,
                       unit_bytes=unit_size, workers=workers, strict=strict, backend=backend,
-                      stall_seconds=stall_timeout, special_tokens=special_tokens, strip=strip)
-    speculate(list(corpus), tokenizer, cfg.num_workers, backend)  # before the imports below
+                      stall_seconds=stall_timeout, special_tokens=special_tokens, strip=strip, executor=executor)
+    if cfg.ray_address is None:
+        speculate(list(corpus), tokenizer, cfg.num_workers, backend)  # before the imports below
     from .builder import build as run_build
     from .merge import task_from_env
 

@@ -58,6 +58,7 @@ class BuildConfig:
     max_piece_chars: int = 200_000  # longer documents are encoded in pieces
     long_doc_bytes: int = LONG_DOC_BYTES  # larger documents are also read in pieces (memory stays flat)
     stall_seconds: float = 600.0  # no progress from any worker for this long: the build fails
+    executor: str = "local"  # where units are tokenized: "local" (this machine's processes), "ray[:ADDRESS]"
     strip: bool = False  # str.strip() every document first (HelixLM's compiler does)
     special_tokens: str = "text"  # special-token strings in documents: "text" (as characters) or "extract"
     backend: str = "auto"  # auto: tiktoken when it reproduces HF's ids on a corpus sample, else hf
@@ -89,6 +90,8 @@ class BuildConfig:
             raise ConfigError(f"--unit-size must be positive, got {self.unit_bytes}")
         if self.stall_seconds <= 0:
             raise ConfigError(f"--stall-timeout must be positive, got {self.stall_seconds}")
+        if self.executor != "local" and self.executor.split(":", 1)[0] != "ray":
+            raise ConfigError(f"--executor must be local or ray[:ADDRESS], got {self.executor!r}")
         if not self.text_field:
             raise ConfigError("--text-field must not be empty")
 
@@ -101,13 +104,19 @@ class BuildConfig:
         return max(1, self.seq_len // 4) if self.packing == "document" else 0
 
     @property
+    def ray_address(self) -> str | None:
+        """None: not on Ray; "": Ray ($RAY_ADDRESS, or a local cluster); else the cluster's address."""
+        kind, _, address = self.executor.partition(":")
+        return address if kind == "ray" else None
+
+    @property
     def num_workers(self) -> int:
         return self.workers or len(os.sched_getaffinity(0))
 
     def identity(self) -> dict:
         """The options that change the output bytes (workers and batch sizes do not)."""
         d = asdict(self)
-        for k in ("workers", "strict", "batch_chars", "stall_seconds"):
+        for k in ("workers", "strict", "batch_chars", "stall_seconds", "executor"):
             d.pop(k)
         if self.packing != "packed":
             d["min_tail_len"] = self.tail_len

@@ -35,9 +35,12 @@ def corpus_copies(corpus: str, n: int, tmp: str) -> str:
     if n == 1:
         return corpus
     root = os.path.join(tmp, f"x{n}")
-    for k in range(n):
-        os.makedirs(root, exist_ok=True)
-        os.symlink(os.path.abspath(corpus), os.path.join(root, f"copy{k:02d}"))
+    for k in range(n):  # copies: links to one file are one input (duplicate_file)
+        for d, _, names in os.walk(corpus):
+            rel = os.path.relpath(d, corpus)
+            os.makedirs(os.path.join(root, f"copy{k:02d}", rel), exist_ok=True)
+            for f in names:
+                shutil.copyfile(os.path.join(d, f), os.path.join(root, f"copy{k:02d}", rel, f))
     return root
 
 

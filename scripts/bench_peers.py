@@ -5,14 +5,16 @@ Usage: python scripts/bench_peers.py --tokenizer tok.json [--corpus ../shared/co
            [--megatron-python VENV/bin/python] [--skip-hf] [--repeat 2]
 
 Rows: the limit (one process doing only what cannot be avoided: read, decompress and parse the
-inputs, encode with the backend `--backend auto` picks); the same work split over N processes
+inputs, encode with the backend `--backend auto` picks, write the ids once to a file beside the
+outputs); the same work split over N processes
 started together (what N cores of this machine give); helixtok at N workers (auto and hf);
 HF datatrove's DocumentTokenizer (run with the python of a venv where datatrove is installed:
 it is not a helixtok dependency); Megatron-LM's tools/preprocess_data.py (HF tokenizers) and
 preprocess_data_fast.py (GigaToken) from a checkout passed with --megatron (fetched at bench
 time, never vendored).  Every row reports MB/s of text, M tokens/s, peak RSS of all its
 processes, its ratio to N x the limit, and its token count next to helixtok's manifest (ids +
-one EOS per document in all of them).  Inputs: the corpus's documents as 16 .jsonl files (so
+one EOS per document in all of them).  helixtok rows also report the CPU seconds of the build's
+own process (the coordinator: plan, journal, manifest) beside those of the whole build.  Inputs: the corpus's documents as 16 .jsonl files (so
 file-parallel peers get N-way parallelism), repeated --scale times for the scaled rows.
 """
 
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import resource
 import json
 import os
 import shutil
@@ -34,6 +37,18 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 from bench_build import load_docs, run_measured  # noqa: E402  (sibling script)
 
 FILES = 16
+
+# helixtok's command line, writing the CPU seconds of its own process (not its workers) at exit.
+COORDINATOR_CPU = r'''
+import atexit, resource, sys
+path = sys.argv.pop(1)
+def spent():
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    open(path, "w").write(str(r.ru_utime + r.ru_stime))
+atexit.register(spent)
+from helixtok.cli import main
+main(prog_name="helixtok")
+'''
 
 DATATROVE = r'''
 import sys
@@ -52,7 +67,8 @@ if __name__ == "__main__":  # its workers are new processes that import this fil
 
 def limit_seconds(corpus: str, tok: str, part: tuple[int, int] = (0, 1), barrier=None) -> tuple[float, int, str]:
     """One process: read + decompress + parse every unit (units[k::n] for part=(k, n)), encode
-    with the backend auto picks.  With a barrier, timing starts when all parts are ready."""
+    with the backend auto picks, write the ids once (to a file in the inputs' folder, the
+    outputs' file system).  With a barrier, timing starts when all parts are ready."""
     from helixtok.backends import flat_encoder, hf_tokenizer
     from helixtok.backend_check import choose_backend
     from helixtok.config import BuildConfig
@@ -69,17 +85,25 @@ def limit_seconds(corpus: str, tok: str, part: tuple[int, int] = (0, 1), barrier
         barrier.wait()
     t0 = time.perf_counter()
     n = 0
-    for u in units[part[0]::part[1]]:
-        batch, size = [], 0
-        for text in UnitReader(u, "text", Tally()):
-            batch.append(text)
-            size += len(text)
-            if size >= 1 << 20:
-                n += len(encode(batch)[0]) + len(batch)
-                batch, size = [], 0
-        if batch:
-            n += len(encode(batch)[0]) + len(batch)
-    return time.perf_counter() - t0, n, info.backend
+    ids_path = os.path.join(os.path.dirname(os.path.abspath(corpus)), f"limit-{part[0]}.ids")
+    with open(ids_path, "wb") as out:
+        for u in units[part[0]::part[1]]:
+            batch, size = [], 0
+            for text in UnitReader(u, "text", Tally()):
+                batch.append(text)
+                size += len(text)
+                if size >= 1 << 20:
+                    ids = encode(batch)[0]
+                    out.write(ids.astype(info.dtype, copy=False).data)
+                    n += len(ids) + len(batch)
+                    batch, size = [], 0
+            if batch:
+                ids = encode(batch)[0]
+                out.write(ids.astype(info.dtype, copy=False).data)
+                n += len(ids) + len(batch)
+    dt = time.perf_counter() - t0
+    os.remove(ids_path)
+    return dt, n, info.backend
 
 
 def _limit_part(corpus, tok, k, n, barrier, results) -> None:
@@ -158,9 +182,9 @@ def main() -> None:
         for w in args.workers:
             for backend in ("auto",) + (() if args.skip_hf else ("hf",)):
                 jobs.append((f"helixtok build -j {w} --backend {backend}", "helixtok", w,
-                             lambda out, w=w, b=backend: [sys.executable, "-m", "helixtok.cli", "build", src, out,
-                                                          "-t", args.tokenizer, "-L", "2048", "-j", str(w), "-q",
-                                                          "--backend", b]))
+                             lambda out, w=w, b=backend: [sys.executable, "-c", COORDINATOR_CPU, os.path.join(
+                                 out + ".cpu"), "build", src, out, "-t", args.tokenizer, "-L", "2048", "-j", str(w),
+                                 "-q", "--backend", b]))
             if args.datatrove_python and not args.skip_hf:
                 jobs.append((f"datatrove DocumentTokenizer, {w} tasks", "datatrove", w,
                              lambda out, w=w: [args.datatrove_python, dt_script, src, args.tokenizer, out, str(w), eos]))
@@ -178,6 +202,7 @@ def main() -> None:
                                      "--output-prefix", os.path.join(out, "m"), "--tokenizer-type",
                                      "HuggingFaceTokenizer", "--tokenizer-model", tokdir, "--append-eod", *e]))
         best: dict[str, tuple] = {}
+        cpus: dict[str, list[tuple[float, float]]] = {}  # helixtok rows: (coordinator, whole build) CPU s
         lim = None
         par: dict[int, tuple[float, int]] = {}
         for _ in range(args.repeat):
@@ -192,14 +217,20 @@ def main() -> None:
                 if kind != "helixtok":  # helixtok makes OUT itself
                     os.makedirs(out)
                 os.sync()  # no row pays for writing back the inputs or an earlier row's output
+                before = resource.getrusage(resource.RUSAGE_CHILDREN)
                 try:
                     dt, rss, _ = run_measured(cmd(out))
                 except SystemExit as e:
                     best.setdefault(name, (None, None, None, str(e).strip().splitlines()[-1][:70]))
                     shutil.rmtree(out, ignore_errors=True)
                     continue
+                after = resource.getrusage(resource.RUSAGE_CHILDREN)
+                cpu = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)  # the whole tree
                 if kind == "helixtok":
                     n = json.load(open(os.path.join(out, "manifest.json")))["totals"]["tokens"]
+                    coord = float(open(out + ".cpu").read())
+                    os.remove(out + ".cpu")
+                    cpus.setdefault(name, []).append((coord, cpu))
                 elif kind == "datatrove":
                     n = sum(os.path.getsize(p) for p in glob.glob(f"{out}/tok/**/*.ds", recursive=True)) // isz
                 else:
@@ -226,6 +257,9 @@ def main() -> None:
             mark = "" if n == ref else " (differs)"
             print(f"{name:48} {dt:7.2f} {nbytes / dt / 1e6:7.1f} {n / dt / 1e6:7.2f} {rss / 2**20:6.0f} MiB "
                   f"{nbytes / dt / (w * nbytes / t_lim):6.2f} {n:12,}{mark}")
+        for name, runs in cpus.items():
+            coord, cpu = min(runs, key=lambda r: r[1])
+            print(f"{name:48} CPU: coordinator {coord:.2f} s of {cpu:.2f} s for the whole build ({100 * coord / cpu:.1f}%)")
         print("ratio: MB/s / (N x the limit row); tokens: ids + one EOS per document (helixtok: totals.tokens); "
               "'limit split over N processes': what N of this machine's cores give for the limit's work")
     finally:

@@ -1,0 +1,129 @@
+"""--executor ray against a real local Ray cluster: a head and a second node on 127.0.0.1, one CPU each."""
+
+import filecmp
+import glob
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from helixtok.builder import STATE, build
+from helixtok.config import BuildConfig
+
+ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'helixtok[ray]'; it is in [test])")
+RAY = os.path.join(os.path.dirname(sys.executable), "ray")
+ARGS = ["-L", "128", "-q", "--unit-size", "64KiB", "--val-fraction", "0.1", "--backend", "hf"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """`ray start --head` and `ray start --address` as a user runs them: two nodes, one CPU each."""
+    port = _free_port()
+    tmp = str(tmp_path_factory.mktemp("ray"))
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+    common = ["--num-cpus", "1", "--disable-usage-stats"]
+    try:
+        subprocess.run([RAY, "start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(port),
+                        "--include-dashboard", "false", "--temp-dir", tmp, *common],
+                       check=True, capture_output=True, env=env, timeout=120)
+        subprocess.run([RAY, "start", "--address", f"127.0.0.1:{port}", "--node-ip-address", "127.0.0.1", *common],
+                       check=True, capture_output=True, env=env, timeout=120)
+        yield f"127.0.0.1:{port}"
+    finally:
+        subprocess.run([RAY, "stop", "--force"], capture_output=True, env=env, timeout=120)
+
+
+def same_folder(a, b):
+    names = sorted(os.listdir(a))
+    assert names == sorted(os.listdir(b))
+    for n in names:
+        assert filecmp.cmp(os.path.join(a, n), os.path.join(b, n), shallow=False), n
+
+
+@pytest.fixture(scope="module")
+def local(tmp_path_factory, dev_corpus, tokenizer_path):
+    out = str(tmp_path_factory.mktemp("local") / "out")
+    r = subprocess.run([sys.executable, "-m", "helixtok.cli", "build", str(dev_corpus / "txt"), out, "-t",
+                        tokenizer_path, "-j", "2", *ARGS], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    return out
+
+
+def _cli(corpus, out, tok, address):
+    return subprocess.Popen([sys.executable, "-m", "helixtok.cli", "build", str(corpus), str(out), "-t", tok,
+                             "--executor", f"ray:{address}", *ARGS], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+
+
+def _ray_tasks() -> list[int]:
+    """Ray worker processes running a unit now (Ray titles them ray::<function>)."""
+    pids = []
+    for d in glob.glob("/proc/[0-9]*/cmdline"):
+        try:
+            cmd = open(d, "rb").read().decode(errors="replace")
+        except OSError:
+            continue
+        if cmd.startswith("ray::_task"):
+            pids.append(int(d.split("/")[2]))
+    return pids
+
+
+def test_ray_build_equals_the_local_build_and_survives_a_killed_worker_and_driver(tmp_path, dev_corpus,
+                                                                                  tokenizer_path, cluster, local):
+    """On the two-node cluster: the bytes of a local build; kill -9 of a Ray worker in the middle
+    of a unit (Ray retries the task) changes nothing; kill -9 of the driver, then the same
+    command, resumes from the units journaled and gives the same bytes again."""
+    corpus = dev_corpus / "txt"
+    # 1. A worker killed mid-unit: retried by Ray.
+    out = tmp_path / "a"
+    p = _cli(corpus, out, tokenizer_path, cluster)
+    killed, t = [], time.time()
+    while not killed and p.poll() is None and time.time() - t < 120:
+        for pid in _ray_tasks():
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+            break
+        time.sleep(0.02)
+    _, err = p.communicate(timeout=300)
+    assert killed and p.returncode == 0, err
+    same_folder(out, local)
+    print(f"ray: kill -9 of worker {killed[0]} mid-unit; the build exited 0 with the local build's bytes")
+    # 2. The driver killed once units are journaled: the same command resumes.
+    out = tmp_path / "b"
+    p = _cli(corpus, out, tokenizer_path, cluster)
+    t = time.time()
+    while len(glob.glob(str(out / STATE / "u*.done.json"))) < 2 and p.poll() is None and time.time() - t < 120:
+        time.sleep(0.02)
+    p.kill()
+    p.communicate(timeout=60)
+    journaled = len(glob.glob(str(out / STATE / "u*.done.json")))
+    assert journaled >= 2 and not (out / "manifest.json").exists()
+    p = _cli(corpus, out, tokenizer_path, cluster)
+    _, err = p.communicate(timeout=300)
+    assert p.returncode == 0, err
+    same_folder(out, local)
+    print(f"ray: kill -9 of the driver with {journaled} units journaled; the same command resumed, exit 0, same bytes")
+
+
+def test_ray_from_python_on_the_cluster_and_a_clear_error_without_one(tmp_path, dev_corpus, tokenizer_path, cluster,
+                                                                      local):
+    cfg = BuildConfig(seq_len=128, unit_bytes=64 << 10, val_fraction=0.1, backend="hf", executor=f"ray:{cluster}")
+    m = build([str(dev_corpus / "txt")], str(tmp_path / "py"), tokenizer_path, cfg)
+    assert m.units == m["inputs"]["units"] > 10
+    same_folder(str(tmp_path / "py"), local)
+    shutil.rmtree(tmp_path / "py")
+    r = subprocess.run([sys.executable, "-m", "helixtok.cli", "build", str(dev_corpus / "txt"), str(tmp_path / "x"),
+                        "-t", tokenizer_path, "--executor", f"ray:127.0.0.1:{_free_port()}", *ARGS],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1 and "cannot reach the Ray cluster" in r.stderr and "Traceback" not in r.stderr, r.stderr
