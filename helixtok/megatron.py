@@ -41,45 +41,58 @@ def write_index(path: str, dtype: type, lengths: np.ndarray) -> None:
 
 def export_megatron(src: str, prefix: str, *, split: str = "train") -> dict:
     """Write PREFIX.bin / PREFIX.idx, which megatron-core's IndexedDataset(PREFIX) reads unchanged:
-    one sequence per document (its ids and EOS, as preprocess_data.py --append-eod makes them),
-    every document whole (the stream's last partial chunk too: it is on disk).  .bin is the
-    build's shard, hard-linked, when there is one shard of Megatron's dtype; else the shards are
-    concatenated (converted to int32 for vocabularies >= 65,500)."""
+    one sequence per document (its ids and EOS, as preprocess_data.py --append-eod makes them).
+
+    packed: every document of the stream on disk, whole (the stream's last partial chunk too).
+    .bin is the build's shard, hard-linked, when there is one shard of Megatron's dtype; else the
+    shards are concatenated (converted to int32 for vocabularies >= 65,500).
+    bestfit: one sequence per item of the chunks, padding left out: a document of at most seq_len
+    tokens whole, a longer one as its seq_len pieces (bestfit stores them apart)."""
     m = load_manifest(src)
     s = split_entry(m, split, src)
-    if m["packing"] != "packed":
-        raise ConfigError(f"{src}: only packed builds keep whole documents in one stream; this one is "
-                          f"{m['packing']}-packed")
+    if m["packing"] == "document":
+        raise ConfigError(f"{src}: a document-packed build holds chunks, not documents (their short ones and tails "
+                          "were dropped); export a packed or bestfit build")
     dtype = megatron_dtype(int(m["tokenizer"]["vocab_size"]))
     ours = np.dtype("<u2" if m["dtype"] == "uint16" else "<u4")
-    lengths = SplitView(src, m, split).document_lengths()
+    view = SplitView(src, m, split)
     for p in (prefix + ".bin", prefix + ".idx"):
         if os.path.exists(p):
             raise ConfigError(f"{p}: exists; give a new prefix")
     os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
-    shards = [os.path.join(src, e["path"]) for e in s["shards"]]
     tmp = prefix + ".bin.tmp"
     how = "copied"
-    if len(shards) == 1 and np.dtype(dtype) == ours:
-        try:
-            os.link(shards[0], tmp)
-            how = "linked"
-        except OSError:
-            shutil.copyfile(shards[0], tmp)
+    if m["packing"] == "bestfit":
+        lengths = _write_items(view, tmp, dtype)
     else:
-        with open(tmp, "wb") as out:
-            for p in shards:
-                if np.dtype(dtype) == ours:
-                    with open(p, "rb") as fh:
-                        shutil.copyfileobj(fh, out, 1 << 24)
-                    continue
-                ids = np.memmap(p, dtype=ours, mode="r")
-                for a in range(0, len(ids), SLICE):
-                    out.write(np.asarray(ids[a: a + SLICE]).astype(dtype).tobytes())
-                del ids
+        lengths = view.document_lengths()
+        shards = [os.path.join(src, e["path"]) for e in s["shards"]]
+        if len(shards) == 1 and np.dtype(dtype) == ours:
+            try:
+                os.link(shards[0], tmp)
+                how = "linked"
+            except OSError:
+                shutil.copyfile(shards[0], tmp)
+        else:
+            with open(tmp, "wb") as out:
+                for ids in view.iter_stream(SLICE):
+                    out.write(ids.astype(dtype, copy=False).tobytes())
     os.replace(tmp, prefix + ".bin")
     write_index(prefix + ".idx", dtype, lengths)  # last: a prefix with an .idx is complete
     return {"documents": len(lengths), "tokens": int(lengths.sum()), "dtype": np.dtype(dtype).name, "bin": how}
+
+
+def _write_items(view: SplitView, path: str, dtype) -> np.ndarray:
+    """A bestfit split's items (the ids between one .docs start and the next, or the padding),
+    written back to back; returns their lengths."""
+    L, lengths = view.L, []
+    with open(path, "wb") as out:
+        for i in range(view.num_chunks):
+            v = view.valid(i)
+            starts = (view.starts_in(i * L, i * L + v) - i * L).tolist()
+            lengths += [b - a for a, b in zip(starts, starts[1:] + [v])]
+            out.write(view.chunk(i)[:v].astype(dtype).tobytes())
+    return np.array(lengths, dtype=np.int64)
 
 
 def read_index(prefix: str) -> tuple[type, np.ndarray, np.ndarray, np.ndarray]:

@@ -30,18 +30,19 @@ def alerts(m: dict) -> list[str]:
     t, out = m["totals"], []
     docs, toks = _share(t["dropped_documents"], t["documents"]), _share(t["dropped_tokens"], t["tokens"])
     if docs > DROP_WARN or toks > DROP_WARN:
-        if m["packing"] == "document":
+        if m["packing"] != "packed":
             out.append(f"{docs:.1%} of documents ({t['dropped_documents']:,}) and {toks:.1%} of tokens were dropped: "
-                       f"document packing drops documents and tails shorter than --min-tail-len "
-                       f"({m['min_tail_len']}); --min-tail-len 1 keeps them, --pack packed drops only the last "
-                       "partial chunk")
+                       f"{m['packing']} packing drops documents and tails shorter than --min-tail-len "
+                       f"({m['min_tail_len']}); --min-tail-len {int(m['packing'] == 'document')} keeps them"
+                       + (", --pack bestfit keeps every document whole and drops nothing" if m["packing"] == "document"
+                          else "") + ", --pack packed drops only the last partial chunk")
         else:
             out.append(f"{toks:.1%} of tokens were dropped (the last partial chunk of --seq-len {m['seq_len']}): "
                        "lower --seq-len or add text")
     pad = _share(t["pad_tokens"], t["chunks"] * m["seq_len"])
     if pad > PAD_WARN:
-        out.append(f"{pad:.1%} of the stored tokens are padding ({m['packing']} packing pads each document's last "
-                   "chunk): --pack packed stores none")
+        out.append(f"{pad:.1%} of the stored tokens are padding ({m['packing']} packing pads chunks): --pack bestfit "
+                   "fills chunks with whole documents (about 2% padding), --pack packed stores none")
     return out
 
 

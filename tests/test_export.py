@@ -240,3 +240,30 @@ def test_llmc_file_is_what_llm_c_and_nanogpt_read(tmp_path, dev_packed):
     assert header[2] == m["splits"]["train"]["num_tokens"] and np.array_equal(ids, shards[: header[2]])
     r = CliRunner().invoke(main, ["export", "llmc", dev_packed, str(tmp_path / "train.bin")])
     assert r.exit_code == 1 and "exists; give a new file name" in r.output
+
+
+def test_megatron_export_of_bestfit_is_one_sequence_per_item(tmp_path, dev_bestfit, dev_ids, megatron_core):
+    """bestfit: one sequence per item, padding left out: every document of at most seq_len
+    tokens whole, a longer one as its seq_len pieces; megatron-core reads them unchanged.  A
+    document-packed build is refused with one line; HelixLM's store refuses bestfit too."""
+    from helixtok.helixlm import export_helixlm
+    from helixtok.splitview import SplitView
+
+    r = CliRunner().invoke(main, ["export", "megatron", dev_bestfit, str(tmp_path / "mg" / "bf")])
+    assert r.exit_code == 0, r.output
+    m = json.load(open(os.path.join(dev_bestfit, "manifest.json")))
+    L, eos = m["seq_len"], m["tokenizer"]["eos_id"]
+    pieces = sorted(tuple((ids + [eos])[a: a + L]) for ids in dev_ids for a in range(0, len(ids) + 1, L))
+    view = SplitView(dev_bestfit, m)
+    stored = []
+    for i in range(view.num_chunks):
+        v, row = view.valid(i), view.chunk(i).tolist()
+        cuts = (view.starts_in(i * L, i * L + v) - i * L).tolist()
+        stored += [tuple(row[a:b]) for a, b in zip(cuts, cuts[1:] + [v])]
+    assert sorted(stored) == pieces  # every piece of every document, once
+    picks = [0, 1, len(stored) // 2, len(stored) - 1]
+    [got] = megatron_core("read", (tmp_path / "mg" / "bf", picks))
+    assert got["len"] == len(stored) and got["tokens"] == m["totals"]["tokens"]
+    assert all(tuple(got["docs"][str(i % len(stored))]) == stored[i] for i in picks)
+    with pytest.raises(ConfigError, match="HelixLM's store is a packed stream; this build is bestfit-packed"):
+        export_helixlm(dev_bestfit, str(tmp_path / "store"))
