@@ -42,8 +42,7 @@ class _Sha256Behind:
         self._closing = False  # drop what is still queued
 
     def update(self, buf: memoryview) -> None:
-        if buf.nbytes < (1 << 16):  # a thread's hand-over costs more than hashing a small buffer
-            self._wait(0)
+        if self._thread is None and buf.nbytes < (1 << 16):  # a hand-over costs more than hashing a small one
             self.sha.update(buf)
             return
         if self._thread is None:
