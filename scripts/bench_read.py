@@ -34,18 +34,22 @@ DEV = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "corpus", "d
 
 
 def raw_batches(ds: MemmapChunkDataset, B: int):
-    """The raw limit: numpy fancy-indexing of shuffled rows from the memmaps into an int64 tensor."""
-    mms = [np.memmap(p, dtype=ds.dtype, mode="r").reshape(-1, ds.seq_len) for p, _, _ in ds._shards]
-    starts = ds._starts
+    """The raw limit: numpy fancy-indexing of shuffled rows into an int64 tensor, from one memmap
+    holding the split's chunks back to back (written once to a temp file: the layout a reader
+    would want, whatever the build's shards are)."""
+    import tempfile
+
+    from helixtok.splitview import SplitView
+
+    view = SplitView(ds.path, ds.manifest, ds.split)
+    path = os.path.join(tempfile.mkdtemp(prefix="bench-read-"), "chunks.bin")
+    view.tokens(0, len(ds) * ds.seq_len).tofile(path)
+    mm = np.memmap(path, dtype=ds.dtype, mode="r").reshape(-1, ds.seq_len)
+    os.remove(path)  # the map keeps it
     rng = np.random.default_rng(0)
     while True:
         for idx in np.array_split(rng.permutation(len(ds)), max(1, len(ds) // B)):
-            sh = np.searchsorted(starts, idx, side="right") - 1
-            out = np.empty((len(idx), ds.seq_len), dtype=np.int64)
-            for s in np.unique(sh):
-                sel = sh == s
-                out[sel] = mms[s][idx[sel] - starts[s]]
-            yield torch.from_numpy(out)
+            yield torch.from_numpy(mm[idx].astype(np.int64))
 
 
 def loader_batches(ds, B: int, workers: int, collate_fn=None):
