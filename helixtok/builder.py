@@ -34,8 +34,9 @@ from .merge import check_sibling_parts, partition
 from .objstore import current, is_url
 from .outdir import PUBLISH, STATE, OutLock, check_out_path, read_list, refuse_foreign, remove_owned
 from .pack import BESTFIT_WINDOW
-from .planid import PLAN_FILE, describe_change, encode_plan, whole_plan
+from .planid import PLAN_FILE, describe_change, encode_plan, plan_folder, whole_plan
 from .pool import WorkerPool
+from .publish import remote_sizes
 from .shards import fsync_dir
 from .sources import LineRefs, Tally, Unit, discover, plan_units
 from .tokenizer import TokenizerInfo, forget_handed, inspect_tokenizer, resolve_tokenizer_path
@@ -83,10 +84,12 @@ def _prepare_out(out: str, plan: dict, overwrite: bool, protect: list[str]) -> b
     return False
 
 
-def _trusted_results(out: str, state: str, units: list[Unit]) -> dict[int, dict]:
+def _trusted_results(out: str, state: str, units: list[Unit], uploaded: dict[str, int] | None = None
+                     ) -> dict[int, dict]:
     """Journal entries of finished units whose shards are all there with the sizes recorded: in
     STATE, or already moved into OUT by a build stopped while publishing (publish.json names
-    those).  Shards are fsynced before their entry is written, so a size that matches is the data.
+    those), or (uploaded: object name -> size) in object storage.  Shards are fsynced before
+    their entry is written (uploaded: their upload checked), so a size that matches is the data.
 
     Read once, at start: the lock guarantees no other build writes here, and an orphan that
     journals late only ever names its own run's files, which this run then does not use.
@@ -98,6 +101,7 @@ def _trusted_results(out: str, state: str, units: list[Unit]) -> dict[int, dict]
             with open(done_path(state, u.index)) as fh:
                 r = json.load(fh)
             ok = r["index"] == u.index and "lines" in r and "sources" in r and "counts" in r and all(
+                uploaded.get(p) == size if uploaded is not None else
                 _has(os.path.join(state, n), size) or (p in moved and _has(os.path.join(out, p), size))
                 for n, p, size in state_files(r))
         except (OSError, ValueError, KeyError, TypeError):
@@ -249,7 +253,7 @@ def _result(f, u: Unit) -> dict:
 
 def build(corpus, out: str, tokenizer: str, config: BuildConfig | None = None, *, overwrite: bool = False,
           on_progress: Callable[[Progress], None] | None = None, task: tuple[int, int] | None = None,
-          staging: str | None = None, **options) -> "Built":
+          staging: str | None = None, remote: str | None = None, **options) -> "Built":
     """Build a dataset in `out`; returns its manifest (also written to out/manifest.json) as a
     Built, which also says how the run went (reused_units; UpToDate when OUT already held it).
 
@@ -306,7 +310,8 @@ def build(corpus, out: str, tokenizer: str, config: BuildConfig | None = None, *
         info = inspect_tokenizer(path, eos_token=config.eos_token, bos_token=config.bos_token,
                                  pad_token=config.pad_token, add_bos=config.add_bos,
                                  special_tokens=config.special_tokens)
-        return _build_in(out, info, config, overwrite, on_progress, part, files, units, warnings, run_id, workers)
+        return _build_in(out, info, config, overwrite, on_progress, part, files, units, warnings, run_id, workers,
+                         remote)
     except BaseException:
         if workers is not None:
             workers.kill()
@@ -346,7 +351,8 @@ def worker_count(config: BuildConfig, units: list[Unit], backend: str) -> int:
     return max(1, min(config.num_workers, len(units), -(-sum(u.est_bytes for u in units) // per)))
 
 
-def _build_in(out, info, config, overwrite, on_progress, part, files, units, warnings, run_id, workers) -> dict:
+def _build_in(out, info, config, overwrite, on_progress, part, files, units, warnings, run_id, workers,
+              remote: str | None = None) -> dict:
     """build() from the moment its work is planned: holds the lock on `out` throughout."""
     created = not os.path.exists(out)
     os.makedirs(out, exist_ok=True)
@@ -360,7 +366,7 @@ def _build_in(out, info, config, overwrite, on_progress, part, files, units, war
         if not overwrite and os.path.isfile(os.path.join(out, MANIFEST)):
             return _up_to_date(out, plan)
         return _build_started(out, info, config, overwrite, on_progress, part, files, units, warnings, state,
-                              run_id, workers, plan)
+                              run_id, workers, plan, remote and (remote, plan_folder(plan)))
     except InputError:
         # Bad input: the corrected command has other inputs or options, so nothing here can be
         # resumed; leave OUT as it was before (or absent) so that command just works.
@@ -418,7 +424,7 @@ def _up_to_date(out: str, plan: bytes) -> UpToDate:
 
 
 def _build_to_url(inputs, url, tokenizer, config, overwrite, on_progress, task, staging) -> dict:
-    from .publish import check_target, staging_dir, upload
+    from .publish import check_target, publish_uploaded, staging_dir, upload
 
     if task is not None:
         raise ConfigError(f"{url}: partitioned builds write local parts; merge them, then `helixtok push` the result")
@@ -427,16 +433,18 @@ def _build_to_url(inputs, url, tokenizer, config, overwrite, on_progress, task, 
     # Our own staging folder may hold a finished build whose upload failed: build again (resume
     # only covers unfinished builds); a --staging folder the user named is only replaced with --overwrite.
     finished = os.path.isfile(os.path.join(stage, MANIFEST))
+    on_ray = config.ray_address is not None  # each task uploads its unit's shards; no shared folder needed
     build(inputs, stage, tokenizer, config, overwrite=overwrite or (finished and staging is None),
-          on_progress=on_progress)
-    remote = upload(stage, url, overwrite=overwrite, stall=config.stall_seconds)
+          on_progress=on_progress, remote=url if on_ray else None)
+    publish = publish_uploaded if on_ray else upload
+    remote = publish(stage, url, overwrite=overwrite, stall=config.stall_seconds)
     if staging is None:
         shutil.rmtree(stage, ignore_errors=True)
     return remote
 
 
 def _build_started(out, info, config, overwrite, on_progress, part, files, units, warnings, state, run_id,
-                   workers, whole: bytes) -> dict:
+                   workers, whole: bytes, remote: tuple[str, str] | None = None) -> dict:
     """_build_in once it holds the lock: check the backend, resume or start, tokenize, publish."""
     info, backend_check = choose_backend(info, units, config, workers)
     if workers is not None:  # the workers tokenize: the main process needs no fast tokenizer now
@@ -462,7 +470,8 @@ def _build_started(out, info, config, overwrite, on_progress, part, files, units
     if not resume:
         write_json_atomic(os.path.join(state, "plan.json"), plan)
 
-    trusted = _trusted_results(out, state, units) if resume else {}
+    trusted = _trusted_results(out, state, units, remote and remote_sizes(*remote, config.stall_seconds)) \
+        if resume else {}
     pending = [u for u in units if u.index not in trusted]
     done_bytes = sum(u.est_bytes for u in units if u.index in trusted)
     refs = LineRefs(units)
@@ -472,7 +481,7 @@ def _build_started(out, info, config, overwrite, on_progress, part, files, units
     if config.ray_address is not None and pending:
         from .rayexec import RayExecutor
 
-        workers = RayExecutor(config.ray_address, config, state, run_id)
+        workers = RayExecutor(config.ray_address, config, state, run_id, remote)
     elif (n := worker_count(config, pending, info.backend)) > (workers.n if workers else 1):
         # Sized for a faster library than the check found exact: this one needs more processes.
         if workers is not None:
@@ -536,7 +545,7 @@ def _build_started(out, info, config, overwrite, on_progress, part, files, units
         "skipped": tally.to_json(),
         "warnings": warnings.to_json(),
     }
-    _publish(out, state, results, manifest)
+    _publish(out, state, results, manifest, uploaded=remote is not None)
     built = Built(manifest)
     built.reused_units, built.units = len(trusted), len(units)
     return built
@@ -549,14 +558,15 @@ def _check_unchanged(files) -> None:
             raise InputError(f"{f.path}: changed while the build read it; rerun when the corpus is stable")
 
 
-def _publish(out: str, state: str, results: list[dict], manifest: dict) -> None:
+def _publish(out: str, state: str, results: list[dict], manifest: dict, uploaded: bool = False) -> None:
     """Move the units' shards (and the tokenizer and plan) from STATE into OUT, then the manifest,
-    last and atomically.
+    last and atomically.  (uploaded: the shards are in object storage already.)
 
     publish.json names the files first, so a kill halfway leaves them known as helixtok's (a
     rerun finds the moved shards there and publishes again; --overwrite removes them).
     """
-    moves = [(n, p) for r in results for n, p, _ in state_files(r)] + [("tokenizer.json",) * 2, (PLAN_FILE,) * 2]
+    moves = [] if uploaded else [(n, p) for r in results for n, p, _ in state_files(r)]
+    moves += [("tokenizer.json",) * 2, (PLAN_FILE,) * 2]
     write_json_atomic(os.path.join(state, PUBLISH), {"files": [p for _, p in moves]})
     for n, p in moves:
         if os.path.exists(os.path.join(state, n)):  # else moved by a build stopped while publishing

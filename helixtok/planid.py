@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 
 PLAN_FILE = "build-plan.json"  # beside the manifest: the whole plan (every task of a partitioned build derives it)
@@ -44,3 +45,9 @@ def encode_plan(plan: dict) -> bytes:
     return json.dumps(plan, sort_keys=True, separators=(",", ":")).encode()
 
 
+
+
+def plan_folder(plan: bytes) -> str:
+    """Where a Ray build's tasks upload their shards in object storage: named for the whole plan,
+    so the same inputs and options give the same keys (and a resumed build finds them)."""
+    return "data-" + hashlib.sha256(plan).hexdigest()[:16]

@@ -22,6 +22,7 @@ from .errors import ConfigError, DatasetError, HelixtokError
 from .manifest import MANIFEST, load_manifest, manifest_files, write_json_atomic
 from .objstore import filesystem, redact, reports_storage_errors
 from .outdir import OutLock
+from .planid import PLAN_FILE, plan_folder
 from .shards import fsync_dir
 from .tokenizer import sha256_file
 
@@ -148,6 +149,57 @@ def upload(local: str, url: str, *, overwrite: bool, stall: float = 600.0) -> di
 
     with ThreadPoolExecutor(UPLOAD_THREADS) as pool:
         list(pool.map(put, sorted(paths, key=lambda p: -os.path.getsize(os.path.join(local, p)))))
+    remote = _prefixed(m, folder)
+    fs.pipe_file(posixpath.join(root, MANIFEST), (json.dumps(remote, indent=2) + "\n").encode())
+    if old is not None:
+        _remove_replaced(fs, root, url, old)
+    return remote
+
+
+def remote_sizes(url: str, folder: str, stall: float = 600.0) -> dict[str, int]:
+    """Object name -> size of what is under URL/folder (one listing): a resumed Ray build's check."""
+    fs, root = _filesystem(url, stall)
+    base = posixpath.join(root, folder)
+    try:
+        found = fs.find(base, detail=True)
+    except FileNotFoundError:
+        return {}
+    return {posixpath.relpath(k, base): int(v["size"]) for k, v in found.items()}
+
+
+def upload_unit(state: str, files, url: str, folder: str, stall: float) -> None:
+    """On a Ray task's node: its unit's shards (state name, final name, bytes) from its own staging
+    folder into URL/folder, each checked for its size."""
+    fs, root = _filesystem(url, stall)
+    for n, p, size in files:
+        dst = posixpath.join(root, folder, p)
+        fs.put_file(os.path.join(state, n), dst)
+        fs.invalidate_cache(dst)
+        if fs.info(dst)["size"] != size:
+            raise DatasetError(f"{redact(url)}: {p} has {fs.info(dst)['size']} bytes after upload, {size} were "
+                               "sent; rerun the same command")
+
+
+@reports_storage_errors
+def publish_uploaded(local: str, url: str, *, overwrite: bool, stall: float = 600.0) -> dict:
+    """Publish a Ray build whose tasks uploaded their shards (to URL/data-<plan digest>/): check that
+    every one is there with its size, upload the tokenizer beside them, then the manifest, last."""
+    m = load_manifest(local)
+    with open(os.path.join(local, PLAN_FILE), "rb") as fh:
+        folder = plan_folder(fh.read())
+    fs, root = _filesystem(url, stall)
+    old = _remote_manifest(fs, root, url)
+    if old is not None and not overwrite:
+        raise ConfigError(f"{redact(url)}: already holds a finished dataset; pass --overwrite to replace it")
+    there = remote_sizes(url, folder, stall)
+    for s in m["splits"].values():
+        for e in s["shards"]:
+            for x in (e, e.get("docs"), e.get("valid")):
+                if x and there.get(x["path"]) != x["bytes"]:
+                    raise DatasetError(f"{redact(url)}: {folder}/{x['path']} is missing or has another size than its "
+                                       "task uploaded; rerun the same command")
+    tok = m["tokenizer"]["file"]
+    fs.put_file(os.path.join(local, tok), posixpath.join(root, folder, tok))
     remote = _prefixed(m, folder)
     fs.pipe_file(posixpath.join(root, MANIFEST), (json.dumps(remote, indent=2) + "\n").encode())
     if old is not None:

@@ -1,8 +1,9 @@
 """Work units as Ray tasks (`--executor ray[:ADDRESS]`): the pool's interface over a Ray cluster.
 
 Each task reads its unit's inputs itself (no text passes through the object store), writes the
-unit's shards into the build's state folder (a folder every node sees at the same path), journals
-it, and returns the journal entry; the driver (this process) publishes and writes the manifest.
+unit's shards into the build's state folder (a folder every node sees at the same path) or, for
+an object-storage OUT, into a staging folder of its node's own and uploads them; it returns the
+journal entry, which the driver (this process) journals, and the driver publishes the manifest.
 A task whose worker dies is retried by Ray (max_retries); a unit's files are named for the run,
 so a retry writes them afresh, and the bytes are those of a local build.
 """
@@ -19,19 +20,33 @@ from .errors import ConfigError, HelixtokError
 RETRIES = 3  # a task is retried this many times when its worker process or node dies
 
 
-def _task(cwd: str, config, state: str, run_id: str, unit, info):
-    """On a Ray worker: tokenize one unit as a pool worker would.  Errors come back as values
+def _task(cwd: str, config, state: str, run_id: str, remote, unit, info):
+    """On a Ray worker: tokenize one unit as a pool worker would; with `remote` (URL, folder), in a
+    staging folder of this node's own, then upload its shards there.  Errors come back as values
     (class name, message): the driver raises them as the one-line errors they are."""
-    from .unit import _init_worker, run_unit
+    import shutil
+    import tempfile
+
+    from .unit import _init_worker, run_unit, state_files
 
     os.chdir(cwd)  # relative input paths, as the driver's command line gave them
+    if remote is not None:
+        state = tempfile.mkdtemp(prefix="helixtok-unit-")
     try:
         _init_worker(config, state, run_id, None, None)
-        return "ok", run_unit(unit, info)
+        r = run_unit(unit, info)
+        if remote is not None:
+            from .publish import upload_unit
+
+            upload_unit(state, list(state_files(r)), *remote, config.stall_seconds)
+        return "ok", r
     except HelixtokError as e:
         return "error", type(e).__name__, str(e)
     except OSError as e:
         return "oserror", e.errno, e.strerror, e.filename
+    finally:
+        if remote is not None:
+            shutil.rmtree(state, ignore_errors=True)
 
 
 def _reachable(address: str, timeout: float = 5.0) -> None:
@@ -53,7 +68,7 @@ class RayExecutor:
     """submit(fn=run_unit, unit, info) -> Future of the journal entry, on a Ray cluster: the one at
     ADDRESS, the one $RAY_ADDRESS names, or a local one started for this build."""
 
-    def __init__(self, address: str | None, config, state: str, run_id: str):
+    def __init__(self, address: str | None, config, state: str, run_id: str, remote: tuple[str, str] | None = None):
         try:
             import ray
         except ImportError:
@@ -71,11 +86,19 @@ class RayExecutor:
                                   ) from None
         self.n = max(1, int(ray.cluster_resources().get("CPU", 1)))
         self.counters = [0, 0, 0]  # bytes, documents, tokens of the units finished
-        self._args = (os.getcwd(), config, os.path.abspath(state), run_id)
-        self._remote = ray.remote(num_cpus=1, max_retries=RETRIES, retry_exceptions=False)(_task)
+        self._args = (os.getcwd(), config, os.path.abspath(state), run_id, remote)
+        # The driver's object-storage settings (endpoint, credentials) travel with its tasks.
+        env = {k: v for k, v in os.environ.items() if k.startswith(("AWS_", "HELIXTOK_"))}
+        self._remote = ray.remote(num_cpus=1, max_retries=RETRIES, retry_exceptions=False)(_task).options(
+            runtime_env={"env_vars": env} if env else None)
         self._refs: list = []
+        self._remote_dest = remote
 
     def submit(self, fn, unit, info, *, what: str, beats: bool = False) -> Future:
+        from .manifest import write_json_atomic
+        from .unit import done_path
+
+        remote = self._remote_dest
         ref = self._remote.remote(*self._args, unit, info)
         self._refs.append(ref)
         out: Future = Future()
@@ -89,6 +112,8 @@ class RayExecutor:
                 return
             if kind == "ok":
                 r = rest[0]
+                if remote is not None:  # the task journaled on its node: journal here, for a resume
+                    write_json_atomic(done_path(self._args[2], r["index"]), r, durable=False)
                 self.counters[0] += unit.est_bytes
                 self.counters[1] += sum(r["documents"].values())
                 self.counters[2] += sum(r["tokens"].values())

@@ -127,3 +127,43 @@ def test_ray_from_python_on_the_cluster_and_a_clear_error_without_one(tmp_path, 
                         "-t", tokenizer_path, "--executor", f"ray:127.0.0.1:{_free_port()}", *ARGS],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 1 and "cannot reach the Ray cluster" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_ray_build_to_object_storage_without_a_shared_folder(tmp_path, dev_corpus, tokenizer_path, cluster, local):
+    """OUT an s3:// URL (moto's S3 server on loopback): every task stages its unit in a temp folder
+    of its node's own and uploads the shards itself; the driver's staging folder never holds a
+    shard; the manifest goes last; pulled back, the dataset is the local build's, byte for byte."""
+    s3fs = pytest.importorskip("s3fs")
+    pytest.importorskip("moto")
+    from test_objstore import KEY_ID, SECRET, start_moto
+
+    log = open(tmp_path / "moto.log", "w")
+    proc, endpoint = start_moto(log)
+    try:
+        env = {**os.environ, "AWS_ACCESS_KEY_ID": KEY_ID, "AWS_SECRET_ACCESS_KEY": SECRET,
+               "AWS_ENDPOINT_URL": endpoint, "AWS_DEFAULT_REGION": "us-east-1"}
+        s3fs.S3FileSystem(key=KEY_ID, secret=SECRET, client_kwargs={"endpoint_url": endpoint}).mkdir("raybucket")
+        stage = tmp_path / "stage"
+        r = subprocess.run([sys.executable, "-m", "helixtok.cli", "build", str(dev_corpus / "txt"), "s3://raybucket/ds",
+                            "-t", tokenizer_path, "--executor", f"ray:{cluster}", "--staging", str(stage), *ARGS],
+                           capture_output=True, text=True, env=env, timeout=300)
+        assert r.returncode == 0, r.stderr
+        assert not glob.glob(str(stage / "*.bin")) and not glob.glob(str(stage / "**" / "*.bin"), recursive=True)
+        r = subprocess.run([sys.executable, "-m", "helixtok.cli", "pull", "s3://raybucket/ds", str(tmp_path / "back")],
+                           capture_output=True, text=True, env=env, timeout=300)
+        assert r.returncode == 0, r.stderr
+    finally:
+        proc.terminate()
+        proc.wait()
+        log.close()
+    import json
+
+    m = json.load(open(tmp_path / "back" / "manifest.json"))
+    (folder,) = {e["path"].split("/")[0] for s in m["splits"].values() for e in s["shards"]}
+    for n in os.listdir(local):
+        if n.endswith((".bin", ".docs", ".valid", "tokenizer.json")):
+            assert filecmp.cmp(os.path.join(local, n), tmp_path / "back" / folder / n, shallow=False), n
+    ml = json.load(open(os.path.join(local, "manifest.json")))
+    assert m["totals"] == ml["totals"] and len(os.listdir(tmp_path / "back" / folder)) == \
+        len([n for n in os.listdir(local) if n.endswith((".bin", ".docs", ".valid", "tokenizer.json"))])
+    print(f"ray: built into s3:// by the tasks themselves ({folder}); pulled back, the local build's bytes")
