@@ -74,7 +74,7 @@ def test_a_build_stopped_before_publishing_resumes_identically(tmp_path, dev_cor
                                                                 monkeypatch):
     """Every unit's shards are final where its worker wrote them (in STATE until published): a
     build stopped before publishing shows nothing in OUT, and the rerun tokenizes nothing."""
-    def stop(*a):
+    def stop(*a, **kw):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(hb, "_publish", stop)
