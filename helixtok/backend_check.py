@@ -7,7 +7,9 @@ import dataclasses
 from .config import BuildConfig
 from .errors import InputError, TokenizerError
 from .longdoc import LongText
-from .sources import StaleRange, Tally, Unit, UnitReader
+from .sources import StaleRange, UnitReader
+from .tally import Tally
+from .units import Unit
 from .tokenizer import TokenizerInfo
 
 SAMPLE_UNITS, SAMPLE_CHARS = 8, 1 << 20

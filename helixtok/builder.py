@@ -1,8 +1,9 @@
 """Orchestrate a build: plan work units, have them tokenized, packed and written, publish, manifest last.
 
-Data flow: files -> units (sources.py) -> worker: read + tokenize + pack + write the unit's final
-shards, and its journal entry (unit.py, pack.py, in pool.py's processes or this one) -> publish:
-rename the shards into OUT, manifest.json from the journal entries (catalog.py; atomic, last).
+Data flow: files (discover.py) -> units (units.py) -> worker: read (sources.py) + tokenize +
+pack + write the unit's final shards, and its journal entry (unit.py, pack.py; in pool.py's
+processes, on Ray (rayexec.py) or in this one) -> publish: rename the shards into OUT,
+manifest.json from the journal entries (catalog.py; atomic, last).
 No step here touches a token.  The journal makes an interrupted build resumable: finished units
 are never redone.
 """
@@ -38,7 +39,10 @@ from .planid import PLAN_FILE, describe_change, encode_plan, plan_folder, whole_
 from .pool import WorkerPool
 from .publish import remote_sizes
 from .shards import fsync_dir
-from .sources import LineRefs, Tally, Unit, discover, plan_units
+from .discover import discover
+from .sources import LineRefs
+from .tally import Tally
+from .units import Unit, plan_units
 from .tokenizer import TokenizerInfo, forget_handed, inspect_tokenizer, resolve_tokenizer_path
 from .unit import THREAD_ENV, _init_worker, _LocalCounters, _W, _where, done_path, run_unit, state_files
 

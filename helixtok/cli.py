@@ -651,7 +651,10 @@ def train_tokenizer(corpus, out_json, vocab_size, text_field, overwrite):
     import os
 
     from .errors import ConfigError
-    from .sources import Tally, UnitReader, discover, plan_units
+    from .discover import discover
+    from .sources import UnitReader
+    from .tally import Tally
+    from .units import plan_units
     from .tokenizer import train_tokenizer as train
 
     if os.path.exists(out_json) and not overwrite:

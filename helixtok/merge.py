@@ -12,7 +12,8 @@ from .catalog import COUNTED, join_split
 from .manifest import FORMAT_VERSION, MANIFEST, load_manifest, sum_sources, write_json_atomic
 from .outdir import OutLock, check_out_path, refuse_foreign, remove_owned
 from .planid import PLAN_FILE, describe_change
-from .sources import Tally, Unit
+from .tally import Tally
+from .units import Unit
 
 PART_NAME = re.compile(r"part-\d{5}")  # a task's folder in OUT (the command line's layout)
 

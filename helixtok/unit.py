@@ -19,7 +19,9 @@ from .longdoc import LongText, stripped, utf8_len
 from .manifest import SOURCE_COUNTS, write_json_atomic
 from .objstore import expired
 from .pack import PACKERS
-from .sources import StaleRange, Tally, Unit, UnitReader
+from .sources import StaleRange, UnitReader
+from .tally import Tally
+from .units import Unit
 from .tokenizer import TokenizerInfo
 
 

@@ -61,7 +61,10 @@ def run_measured(cmd: list[str]) -> tuple[float, int, str]:
 
 
 def load_docs(corpus: str) -> list[str]:
-    from helixtok.sources import Tally, UnitReader, discover, plan_units
+    from helixtok.discover import discover
+    from helixtok.sources import UnitReader
+    from helixtok.tally import Tally
+    from helixtok.units import plan_units
 
     files, _ = discover([corpus])
     units, _ = plan_units(files, unit_bytes=4 << 20, text_field="text")

@@ -72,7 +72,10 @@ def limit_seconds(corpus: str, tok: str, part: tuple[int, int] = (0, 1), barrier
     from helixtok.backends import flat_encoder, hf_tokenizer
     from helixtok.backend_check import choose_backend
     from helixtok.config import BuildConfig
-    from helixtok.sources import Tally, UnitReader, discover, plan_units
+    from helixtok.discover import discover
+    from helixtok.sources import UnitReader
+    from helixtok.tally import Tally
+    from helixtok.units import plan_units
     from helixtok.tokenizer import inspect_tokenizer
 
     cfg = BuildConfig()

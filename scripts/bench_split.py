@@ -18,6 +18,8 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import helixtok.sources as hs  # noqa: E402
+import helixtok.discover as hd
+import helixtok.units as hu
 from helixtok.backends import flat_encoder  # noqa: E402
 from helixtok.backend_check import choose_backend  # noqa: E402
 from helixtok.builder import schedule  # noqa: E402
@@ -25,7 +27,7 @@ from helixtok.config import BuildConfig  # noqa: E402
 from helixtok.tokenizer import inspect_tokenizer  # noqa: E402
 
 
-def unit_seconds(unit: hs.Unit, encode, batch_chars: int) -> float:
+def unit_seconds(unit: hu.Unit, encode, batch_chars: int) -> float:
     t0 = time.perf_counter()
     batch, chars = [], 0
     for text in hs.UnitReader(unit, "text", hs.Tally()):
@@ -39,7 +41,7 @@ def unit_seconds(unit: hs.Unit, encode, batch_chars: int) -> float:
     return time.perf_counter() - t0
 
 
-def makespan(units: list[hs.Unit], times: list[float], cores: int, unit_bytes: int) -> float:
+def makespan(units: list[hu.Unit], times: list[float], cores: int, unit_bytes: int) -> float:
     """Wall time of the units on `cores` workers, each taking the next unit in the build's order
     when it is free."""
     free = [0.0] * cores
@@ -56,13 +58,13 @@ def main() -> None:
     args = ap.parse_args()
     os.environ.setdefault("FASTOKENS_BPE_THREADS", "1")
     config = BuildConfig()
-    files, _ = hs.discover([args.file])
+    files, _ = hd.discover([args.file])
     t0 = time.perf_counter()
-    units, _ = hs.plan_units(files, unit_bytes=config.unit_bytes, text_field="text")
+    units, _ = hu.plan_units(files, unit_bytes=config.unit_bytes, text_field="text")
     plan = time.perf_counter() - t0
     info, check = choose_backend(inspect_tokenizer(args.tokenizer), units, config)
     encode = flat_encoder(info.backend, info.path, info.special_tokens, None)[0]
-    whole = hs.Unit(0, files[0].kind, (files[0].path,), (files[0].name,))
+    whole = hu.Unit(0, files[0].kind, (files[0].path,), (files[0].name,))
     base = unit_seconds(whole, encode, config.batch_chars)
     times = [unit_seconds(u, encode, config.batch_chars) for u in units]
     mb = files[0].size / 1e6

@@ -149,7 +149,8 @@ def test_workers_are_as_many_as_the_input_keeps_busy(tmp_path, small_corpus, sma
 
     import helixtok.builder as hb
     import helixtok.config
-    from helixtok.sources import discover, plan_units
+    from helixtok.discover import discover
+    from helixtok.units import plan_units
 
     made = []
 
@@ -353,7 +354,7 @@ def test_long_document_split_encoding_is_exact(tmp_path, tokenizer_path, dev_doc
 
 def test_schedule_puts_costly_units_first_then_corpus_order():
     from helixtok.builder import schedule
-    from helixtok.sources import Unit
+    from helixtok.units import Unit
 
     U = 1000
     units = [Unit(0, "jsonl", ("a",), ("a",), est_bytes=1010), Unit(1, "jsonl", ("a",), ("a",), est_bytes=990),

@@ -537,11 +537,12 @@ def test_kill_9_while_a_gz_is_indexed_leaves_no_indexer_behind(tmp_path, dev_doc
                                                                   for t in dev_docs[:200]).encode()))
     code = f"""
 import helixtok.compressed as hc
-import helixtok.sources as hs
-hs.SPLIT_BYTES = hs.RANGE_MIN_BYTES = 1
+import helixtok.discover as hd
+import helixtok.units as hu
+hu.SPLIT_BYTES = hu.RANGE_MIN_BYTES = 1
 hc._GZ_INDEXER = hc._GZ_INDEXER.replace("import indexed_gzip", "import time; time.sleep(60); import indexed_gzip")
-files, _ = hs.discover([{str(tmp_path / "big.jsonl.gz")!r}])
-hs.plan_units(files, unit_bytes=1 << 16, text_field="text")
+files, _ = hd.discover([{str(tmp_path / "big.jsonl.gz")!r}])
+hu.plan_units(files, unit_bytes=1 << 16, text_field="text")
 """
     p = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, "HELIXTOK_CACHE": str(tmp_path / "cache")})
     deadline, kids = time.time() + 30, []
@@ -730,15 +731,16 @@ def test_a_stopped_helper_process_fails_its_phase_within_the_stall_timeout(tmp_p
 
     import helixtok.backends as hbk
     import helixtok.compressed as hc
-    import helixtok.sources as hs
-    from helixtok.sources import discover, plan_units
+    import helixtok.units as hu
+    from helixtok.discover import discover
+    from helixtok.units import plan_units
 
     stop_self = "import os, signal\nos.kill(os.getpid(), signal.SIGSTOP)\n"
     monkeypatch.setenv("HELIXTOK_CACHE", str(tmp_path / "cache"))
     (tmp_path / "big.jsonl.gz").write_bytes(gzip.compress("".join(json.dumps({"text": t}) + "\n"
                                                                   for t in dev_docs[:200]).encode()))
-    monkeypatch.setattr(hs, "SPLIT_BYTES", 1)
-    monkeypatch.setattr(hs, "RANGE_MIN_BYTES", 1)
+    monkeypatch.setattr(hu, "SPLIT_BYTES", 1)
+    monkeypatch.setattr(hu, "RANGE_MIN_BYTES", 1)
     monkeypatch.setattr(hc, "_GZ_INDEXER", stop_self + hc._GZ_INDEXER)
     files, _ = discover([str(tmp_path / "big.jsonl.gz")])
     t = time.monotonic()

@@ -16,7 +16,10 @@ from helixtok.builder import build
 from helixtok.config import BuildConfig
 from helixtok.errors import InputError
 from helixtok.longdoc import LongText
-from helixtok.sources import Tally, UnitReader, discover, plan_units
+from helixtok.discover import discover
+from helixtok.sources import UnitReader
+from helixtok.tally import Tally
+from helixtok.units import plan_units
 
 # Characters that stress every cut rule: escapes, multi-byte UTF-8, astral pairs, lone surrogates.
 ALPHABET = st.sampled_from(list('ab "\\\n\t\x01/é日😀') + ["\ud800", "\udc00", "u", "0", "D"])

@@ -18,7 +18,7 @@ from helixtok.cli import main
 from helixtok.config import BuildConfig
 from helixtok.errors import ConfigError, DatasetError, InputError
 from helixtok.outdir import LOCK_INFO, STATE
-from helixtok.sources import discover
+from helixtok.discover import discover
 
 
 def shards_of(out):

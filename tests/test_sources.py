@@ -24,7 +24,10 @@ import helixtok.compressed as hc
 from helixtok.builder import build
 from helixtok.config import BuildConfig
 from helixtok.errors import ConfigError, InputError
-from helixtok.sources import LineRefs, Tally, UnitReader, discover, plan_units
+from helixtok.discover import discover
+from helixtok.sources import LineRefs, UnitReader
+from helixtok.tally import Tally
+from helixtok.units import plan_units
 
 
 def do_build(tmp_path, tok, *paths, **kw):
@@ -177,7 +180,8 @@ def test_a_large_jsonl_zst_is_read_by_several_workers_with_the_same_bytes(tmp_pa
     frames that do not (as pzstd writes them) are cut between, by compressed offset, also without."""
     import zstandard
 
-    import helixtok.sources as hs
+    import helixtok.discover as hd
+    import helixtok.units as hu
 
     lines = [json.dumps({"text": t}, ensure_ascii=False) + "\n" for t in dev_docs[:300]]
     lines[237] = "{not json\n"
@@ -193,16 +197,16 @@ def test_a_large_jsonl_zst_is_read_by_several_workers_with_the_same_bytes(tmp_pa
     c.mkdir()
     (c / "big.jsonl.zst").write_bytes(blob)
     whole, ow = do_build(tmp_path / "whole", small_tok, c, seq_len=64, workers=2)
-    monkeypatch.setattr(hs, "SPLIT_BYTES", 1)
-    monkeypatch.setattr(hs, "RANGE_MIN_BYTES", 1)
-    f = hs.discover([str(c)])[0][0]
+    monkeypatch.setattr(hu, "SPLIT_BYTES", 1)
+    monkeypatch.setattr(hu, "RANGE_MIN_BYTES", 1)
+    f = hd.discover([str(c)])[0][0]
     monkeypatch.setattr(hc, "ZST_RANGES_PER_FRAME", 7)
     fills = []
     real_fill = hc.ZstdRaw._fill
     with monkeypatch.context() as m:  # (the check of the first record decompresses the file's head)
-        m.setattr(hs, "_check_jsonl_head", lambda *a: None)
+        m.setattr(hu, "_check_jsonl_head", lambda *a: None)
         m.setattr(hc.ZstdRaw, "_fill", lambda self: fills.append(1) or real_fill(self))
-        units = hs.plan_units([f], unit_bytes=len(data) // 20, text_field="text")[0]
+        units = hu.plan_units([f], unit_bytes=len(data) // 20, text_field="text")[0]
     assert not fills  # nothing decompressed to plan
     assert [u.start for u in units[1:]] == [u.stop for u in units[:-1]]
     seeks = {u.seek for u in units}
@@ -248,6 +252,7 @@ def test_zst_ranges_read_every_line_once(tmp_path_factory, monkeypatch, texts, b
     import zstandard
 
     import helixtok.sources as hs
+    import helixtok.units as hu
 
     lines = []
     for i, t in enumerate(texts):
@@ -269,7 +274,7 @@ def test_zst_ranges_read_every_line_once(tmp_path_factory, monkeypatch, texts, b
     for mod, name, value in ((hs, "SPLIT_BYTES", 1), (hs, "RANGE_MIN_BYTES", range_bytes),
                              (hc, "ZST_RANGES_PER_FRAME", per_frame)):
         monkeypatch.setattr(mod, name, value)  # the same three every example
-    units = hs.plan_units(discover([str(p)])[0], unit_bytes=1, text_field="text")[0]
+    units = hu.plan_units(discover([str(p)])[0], unit_bytes=1, text_field="text")[0]
     by_frames = not sized and len(bounds) - 1 >= hc.ZST_GROUP_FRAMES
     assert all(u.frames == by_frames for u in units)
     got, counted = [], 0
@@ -298,7 +303,8 @@ def test_a_zst_whose_headers_misstate_its_size_fails(tmp_path, small_tok, dev_do
     publish a dataset missing the lines past the declared end."""
     import zstandard
 
-    import helixtok.sources as hs
+    import helixtok.discover as hd
+    import helixtok.units as hu
 
     data = "".join(json.dumps({"text": t}) + "\n" for t in dev_docs[:300]).encode()
     c = tmp_path / "c"
@@ -307,9 +313,9 @@ def test_a_zst_whose_headers_misstate_its_size_fails(tmp_path, small_tok, dev_do
     bad = r"big\.jsonl\.zst: (truncated or corrupt|corrupt zstd stream)"
     with pytest.raises(InputError, match=bad):
         do_build(tmp_path / "whole", small_tok, c, seq_len=64)
-    monkeypatch.setattr(hs, "SPLIT_BYTES", 1)
-    monkeypatch.setattr(hs, "RANGE_MIN_BYTES", 1)
-    units = hs.plan_units(hs.discover([str(c)])[0], unit_bytes=len(data) // 10, text_field="text")[0]
+    monkeypatch.setattr(hu, "SPLIT_BYTES", 1)
+    monkeypatch.setattr(hu, "RANGE_MIN_BYTES", 1)
+    units = hu.plan_units(hd.discover([str(c)])[0], unit_bytes=len(data) // 10, text_field="text")[0]
     assert len(units) >= 4 and units[-1].stop == len(data) + delta and units[-1].ends_file
     with pytest.raises(InputError, match=bad):
         do_build(tmp_path / "split", small_tok, c, seq_len=64, workers=2, unit_bytes=len(data) // 10)
@@ -317,8 +323,8 @@ def test_a_zst_whose_headers_misstate_its_size_fails(tmp_path, small_tok, dev_do
     # libzstd flags the mismatch where it decodes the frame's end; the last range also checks on
     # its own that it ends where the data ends (a reader may stop before decoding that far).
     (c / "big.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(data))
-    f = hs.discover([str(c)])[0][0]
-    last = hs.Unit(0, "jsonl.zst", (f.path,), (f.name,), 0, len(data) + delta, 0, len(data), ends_file=True)
+    f = hd.discover([str(c)])[0][0]
+    last = hu.Unit(0, "jsonl.zst", (f.path,), (f.name,), 0, len(data) + delta, 0, len(data), ends_file=True)
     with pytest.raises(InputError, match=r"big\.jsonl\.zst: truncated or corrupt .*its frame headers declare"):
         list(UnitReader(last, "text", Tally()))
 
@@ -328,7 +334,8 @@ def test_several_large_compressed_files_are_planned_side_by_side(tmp_path, small
     same bytes as reading each whole; a damaged one is named even while the other's pass runs."""
     import zstandard
 
-    import helixtok.sources as hs
+    import helixtok.discover as hd
+    import helixtok.units as hu
 
     c = tmp_path / "c"
     c.mkdir()
@@ -338,10 +345,10 @@ def test_several_large_compressed_files_are_planned_side_by_side(tmp_path, small
     (c / "b.jsonl").write_bytes(b"".join(json.dumps({"text": t}).encode() + b"\n" for t in dev_docs[300:320]))
     (c / "c.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(b))
     whole, ow = do_build(tmp_path / "whole", small_tok, c, seq_len=64, workers=2)
-    monkeypatch.setattr(hs, "SPLIT_BYTES", 1)
-    monkeypatch.setattr(hs, "RANGE_MIN_BYTES", 1)
+    monkeypatch.setattr(hu, "SPLIT_BYTES", 1)
+    monkeypatch.setattr(hu, "RANGE_MIN_BYTES", 1)
     monkeypatch.setattr(hc, "GZ_INDEX_SPACING", 64 << 10)
-    units = hs.plan_units(hs.discover([str(c)])[0], unit_bytes=len(a) // 6, text_field="text")[0]
+    units = hu.plan_units(hd.discover([str(c)])[0], unit_bytes=len(a) // 6, text_field="text")[0]
     kinds = [u.kind for u in units]
     g, z = kinds.count("jsonl.gz"), kinds.count("jsonl.zst")
     assert g >= 4 and z >= 4 and kinds == ["jsonl.gz"] * g + ["jsonl"] * (len(kinds) - g - z) + ["jsonl.zst"] * z
@@ -359,14 +366,15 @@ def test_a_failing_plan_stops_the_passes_it_started(tmp_path, monkeypatch):
     reading its file to the end before the error is shown."""
     import zstandard
 
-    import helixtok.sources as hs
+    import helixtok.discover as hd
+    import helixtok.units as hu
 
     c = tmp_path / "c"
     c.mkdir()
     (c / "a.jsonl").write_text('{"body": "no text field"}\n')
     # No declared size: the planner decompresses the file to learn it (a pass)
     (c / "b.jsonl.zst").write_bytes(zstandard.ZstdCompressor(write_content_size=False).compress(b'{"text": "x"}\n' * 10))
-    monkeypatch.setattr(hs, "SPLIT_BYTES", 1)
+    monkeypatch.setattr(hu, "SPLIT_BYTES", 1)
     reads = []
     block = b"x" * (1 << 20)
 
@@ -377,7 +385,7 @@ def test_a_failing_plan_stops_the_passes_it_started(tmp_path, monkeypatch):
 
     monkeypatch.setattr(hc.ZstdRaw, "read", endless)
     with pytest.raises(InputError, match=r"a\.jsonl:1: record has no field 'text'"):
-        hs.plan_units(hs.discover([str(c)])[0], unit_bytes=1 << 20, text_field="text")
+        hu.plan_units(hd.discover([str(c)])[0], unit_bytes=1 << 20, text_field="text")
     assert 0 < len(reads) < 1000
 
 
@@ -553,7 +561,8 @@ def test_a_large_jsonl_gz_is_read_by_several_workers_with_the_same_bytes(tmp_pat
                                                                           pooled):
     """One .jsonl.gz cut into decompressed line ranges (a seek index per file): several units,
     byte-identical output to reading it whole, exact line numbers in warnings; damage still fails."""
-    import helixtok.sources as hs
+    import helixtok.discover as hd
+    import helixtok.units as hu
 
     lines = [json.dumps({"text": t}) + "\n" for t in dev_docs[:300]]
     lines[237] = "{not json\n"
@@ -562,8 +571,8 @@ def test_a_large_jsonl_gz_is_read_by_several_workers_with_the_same_bytes(tmp_pat
     data = "".join(lines).encode()
     (c / "big.jsonl.gz").write_bytes(gzip.compress(data))
     whole, ow = do_build(tmp_path / "whole", small_tok, c, seq_len=64, workers=2)
-    monkeypatch.setattr(hs, "SPLIT_BYTES", 1)
-    monkeypatch.setattr(hs, "RANGE_MIN_BYTES", 1)
+    monkeypatch.setattr(hu, "SPLIT_BYTES", 1)
+    monkeypatch.setattr(hu, "RANGE_MIN_BYTES", 1)
     monkeypatch.setattr(hc, "GZ_INDEX_SPACING", 64 << 10)
     split, osp = do_build(tmp_path / "split", small_tok, c, seq_len=64, workers=2, unit_bytes=len(data) // 7)
     assert whole["inputs"]["units"] == 1 and split["inputs"]["units"] >= 6
@@ -583,7 +592,7 @@ def test_a_large_jsonl_gz_is_read_by_several_workers_with_the_same_bytes(tmp_pat
     blocker = tmp_path / "cachedir"
     monkeypatch.setenv("HELIXTOK_CACHE", str(blocker))
     key = hashlib.sha256(f"{c / 'big.jsonl.gz'}|{os.path.getsize(c / 'big.jsonl.gz')}|"
-                         f"{hs.local_stamp(os.stat(c / 'big.jsonl.gz'))}|{64 << 10}".encode()).hexdigest()
+                         f"{hd.local_stamp(os.stat(c / 'big.jsonl.gz'))}|{64 << 10}".encode()).hexdigest()
     os.makedirs(blocker / "gzindex" / f"{key}.idx.{os.getpid()}.tmp")
     with pytest.raises(ConfigError, match=r"cannot write the seek index for .*big\.jsonl\.gz .*HELIXTOK_CACHE"):
         do_build(tmp_path / "nowrite", small_tok, c, seq_len=64, unit_bytes=len(data) // 7)
@@ -609,10 +618,10 @@ def test_a_damaged_gz_seek_index_never_changes_the_data(tmp_path, small_tok, dev
     CRC-32: a damaged entry is dropped and rebuilt, or the range is read without it; the dataset is
     the one the intact corpus gives, every time (a zeroed page used to drop 500 of 16,153 documents
     as "malformed json" with exit 0)."""
-    import helixtok.sources as hs
+    import helixtok.units as hu
 
-    monkeypatch.setattr(hs, "SPLIT_BYTES", 1)
-    monkeypatch.setattr(hs, "RANGE_MIN_BYTES", 1)
+    monkeypatch.setattr(hu, "SPLIT_BYTES", 1)
+    monkeypatch.setattr(hu, "RANGE_MIN_BYTES", 1)
     monkeypatch.setattr(hc, "GZ_INDEX_SPACING", 64 << 10)
     monkeypatch.setenv("HELIXTOK_CACHE", str(tmp_path / "cache"))
     c = tmp_path / "c"
@@ -651,24 +660,26 @@ def test_a_damaged_gz_seek_index_never_changes_the_data(tmp_path, small_tok, dev
 
 
 def test_a_gz_seek_index_is_built_here_when_no_process_can_be_started(tmp_path, dev_docs, monkeypatch):
-    import helixtok.sources as hs
+    import helixtok.discover as hd
+    import helixtok.units as hu
 
-    monkeypatch.setattr(hs, "SPLIT_BYTES", 1)
-    monkeypatch.setattr(hs, "RANGE_MIN_BYTES", 1)
+    monkeypatch.setattr(hu, "SPLIT_BYTES", 1)
+    monkeypatch.setattr(hu, "RANGE_MIN_BYTES", 1)
     monkeypatch.setattr(hc, "GZ_INDEX_SPACING", 64 << 10)
     data = "".join(json.dumps({"text": t}) + "\n" for t in dev_docs[:200]).encode()
     (tmp_path / "big.jsonl.gz").write_bytes(gzip.compress(data))
-    files, _ = hs.discover([str(tmp_path / "big.jsonl.gz")])
-    want, _ = hs.plan_units(files, unit_bytes=len(data) // 5, text_field="text")
+    files, _ = hd.discover([str(tmp_path / "big.jsonl.gz")])
+    want, _ = hu.plan_units(files, unit_bytes=len(data) // 5, text_field="text")
     monkeypatch.setenv("HELIXTOK_CACHE", str(tmp_path / "other-cache"))
     monkeypatch.setattr(sys, "executable", str(tmp_path / "no-python"))
-    got, _ = hs.plan_units(files, unit_bytes=len(data) // 5, text_field="text")
+    got, _ = hu.plan_units(files, unit_bytes=len(data) // 5, text_field="text")
     assert len(got) > 3 and [u.to_json() for u in got] == [u.to_json() for u in want]
     assert all(os.path.isfile(u.aux) and u.aux.startswith(str(tmp_path / "other-cache")) for u in got)
 
 
 def test_a_line_is_named_by_its_place_in_the_file_or_by_its_range():
-    from helixtok.sources import Unit, line_ref
+    from helixtok.sources import line_ref
+    from helixtok.units import Unit
 
     runs = [Unit(i, "jsonl.zst", ("a",), ("a.jsonl.zst",), a, b, 0, (b - a) * 4, seek=(a, 0), frames=True)
             for i, (a, b) in enumerate([(0, 100), (100, 250), (250, 300)])]
