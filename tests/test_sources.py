@@ -251,7 +251,6 @@ def test_zst_ranges_read_every_line_once(tmp_path_factory, monkeypatch, texts, b
     depend on it)."""
     import zstandard
 
-    import helixtok.sources as hs
     import helixtok.units as hu
 
     lines = []
@@ -271,7 +270,7 @@ def test_zst_ranges_read_every_line_once(tmp_path_factory, monkeypatch, texts, b
                     for a, b in zip(bounds, bounds[1:]))
     p = tmp_path_factory.mktemp("z") / "a.jsonl.zst"
     p.write_bytes(blob)
-    for mod, name, value in ((hs, "SPLIT_BYTES", 1), (hs, "RANGE_MIN_BYTES", range_bytes),
+    for mod, name, value in ((hu, "SPLIT_BYTES", 1), (hu, "RANGE_MIN_BYTES", range_bytes),
                              (hc, "ZST_RANGES_PER_FRAME", per_frame)):
         monkeypatch.setattr(mod, name, value)  # the same three every example
     units = hu.plan_units(discover([str(p)])[0], unit_bytes=1, text_field="text")[0]
