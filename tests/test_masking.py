@@ -133,9 +133,10 @@ def test_document_masking_needs_packed_data(dev_document):
 HF_PACKED = """
 import sys, torch
 from transformers import LlamaConfig, LlamaForCausalLM
-ids, pos, cu, L = torch.load(sys.argv[1])
-out = {}
-with torch.no_grad():
+for src, dst in zip(sys.argv[1::2], sys.argv[2::2]):
+  ids, pos, cu, L = torch.load(src)
+  out = {}
+  with torch.no_grad():
     for impl in ("sdpa", "eager"):
         torch.manual_seed(0)
         cfg = LlamaConfig(vocab_size=int(ids.max()) + 1, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -147,31 +148,34 @@ with torch.no_grad():
                  for a, z in zip(cu[:-1], cu[1:])]
         plain = model(input_ids=ids, position_ids=torch.arange(ids.shape[1])[None]).logits[0]
         out[impl] = (packed, alone, plain)
-torch.save(out, sys.argv[2])
+  torch.save(out, dst)
 """
 
 
-@pytest.mark.parametrize("packing", ["packed", "bestfit"])
-def test_hf_transformers_packed_path_keeps_documents_apart(request, tmp_path, packing):
+def test_hf_transformers_packed_path_keeps_documents_apart(dev_packed, dev_bestfit, tmp_path):
     """The HF way: the batch flattened to (1, B x L) with position_ids and no attention_mask; a
-    tiny Llama (transformers, CPU, sdpa and eager) then gives each document its logits alone.
-    Runs in a child process: importing transformers would cost pytest ~150 MB it keeps."""
+    tiny Llama (transformers, CPU, sdpa and eager) then gives each document its logits alone, for
+    packed and bestfit data.  Runs in a child process (one for both): importing transformers would
+    cost pytest ~150 MB it keeps."""
     import importlib.util
     import subprocess
     import sys
 
     if importlib.util.find_spec("transformers") is None:
         pytest.skip("transformers is not installed (it is in the [test] extra)")
-    ds = MemmapChunkDataset(request.getfixturevalue(f"dev_{packing}"), document_masking=True)
-    idx = [i for i in range(len(ds)) if len(ds.document_starts(i)) >= 2][:2]
-    batch = ds.collate(ds.__getitems__(idx))
-    cu = batch["cu_seqlens"].tolist()
-    torch.save((batch["input_ids"].reshape(1, -1), batch["position_ids"].reshape(1, -1), cu, ds.seq_len),
-               tmp_path / "in.pt")
-    r = subprocess.run([sys.executable, "-c", HF_PACKED, str(tmp_path / "in.pt"), str(tmp_path / "out.pt")],
-                       capture_output=True, text=True)
+    args, cus = [], []
+    for name, out in (("packed", dev_packed), ("bestfit", dev_bestfit)):
+        ds = MemmapChunkDataset(out, document_masking=True)
+        idx = [i for i in range(len(ds)) if len(ds.document_starts(i)) >= 2][:2]
+        batch = ds.collate(ds.__getitems__(idx))
+        cus.append(batch["cu_seqlens"].tolist())
+        torch.save((batch["input_ids"].reshape(1, -1), batch["position_ids"].reshape(1, -1), cus[-1], ds.seq_len),
+                   tmp_path / f"{name}.in.pt")
+        args += [str(tmp_path / f"{name}.in.pt"), str(tmp_path / f"{name}.out.pt")]
+    r = subprocess.run([sys.executable, "-c", HF_PACKED, *args], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-3000:]
-    for impl, (packed, alone, plain) in torch.load(tmp_path / "out.pt").items():
-        for (a, z), lone in zip(zip(cu[:-1], cu[1:]), alone):
-            assert torch.allclose(packed[a:z], lone, atol=1e-9), (impl, a, z)
-        assert not torch.allclose(plain[cu[1]:cu[2]], packed[cu[1]:cu[2]], atol=1e-6)  # the mask mattered
+    for name, cu in zip(("packed", "bestfit"), cus):
+        for impl, (packed, alone, plain) in torch.load(tmp_path / f"{name}.out.pt").items():
+            for (a, z), lone in zip(zip(cu[:-1], cu[1:]), alone):
+                assert torch.allclose(packed[a:z], lone, atol=1e-9), (name, impl, a, z)
+            assert not torch.allclose(plain[cu[1]:cu[2]], packed[cu[1]:cu[2]], atol=1e-6)  # the mask mattered
