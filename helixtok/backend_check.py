@@ -9,8 +9,8 @@ from .errors import InputError, TokenizerError
 from .longdoc import LongText
 from .sources import StaleRange, UnitReader
 from .tally import Tally
-from .units import Unit
 from .tokenizer import TokenizerInfo
+from .units import Unit
 
 SAMPLE_UNITS, SAMPLE_CHARS = 8, 1 << 20
 SAMPLE_LINE_BYTES = 4 << 20  # longer JSON lines are not sampled (the long hostile inputs cover long text)

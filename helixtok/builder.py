@@ -28,6 +28,7 @@ from .backend_check import choose_backend
 from .backends import FAST, backend_version, forget_fast_tokenizers
 from .catalog import join_split, published, unit_counts
 from .config import BuildConfig, worker_bytes
+from .discover import discover
 from .errors import ConfigError, HelixtokError, InputError, Interrupted, resource_error
 from .manifest import (DOC_SKIPS, FORMAT_VERSION, MANIFEST, REPAIRS, load_manifest, manifest_files, sum_sources,
                        write_json_atomic)
@@ -39,12 +40,11 @@ from .planid import PLAN_FILE, describe_change, encode_plan, plan_folder, whole_
 from .pool import WorkerPool
 from .publish import remote_sizes
 from .shards import fsync_dir
-from .discover import discover
 from .sources import LineRefs
 from .tally import Tally
-from .units import Unit, plan_units
 from .tokenizer import TokenizerInfo, forget_handed, inspect_tokenizer, resolve_tokenizer_path
 from .unit import THREAD_ENV, _init_worker, _LocalCounters, _W, _where, done_path, run_unit, state_files
+from .units import Unit, plan_units
 
 
 @dataclass

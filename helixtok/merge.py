@@ -7,8 +7,8 @@ import os
 import re
 import shutil
 
-from .errors import ConfigError, DatasetError
 from .catalog import COUNTED, join_split
+from .errors import ConfigError, DatasetError
 from .manifest import FORMAT_VERSION, MANIFEST, load_manifest, sum_sources, write_json_atomic
 from .outdir import OutLock, check_out_path, refuse_foreign, remove_owned
 from .planid import PLAN_FILE, describe_change

@@ -76,12 +76,12 @@ def document_source(out: str, m: dict, split: str, doc: int, corpus: str | None 
 def _locate(corpus: str, plan: dict, u: int, split: str, nth: int) -> str | None:
     """The nth kept document of `split` in unit u, found by reading the unit again as the build did."""
     from .config import BuildConfig
-    from .longdoc import LongText
     from .discover import discover
+    from .longdoc import LongText
     from .sources import LineRefs, UnitReader
     from .tally import Tally
-    from .units import plan_units
     from .unit import kept, kept_long
+    from .units import plan_units
 
     cfg = BuildConfig(**{k: v for k, v in plan["config"].items() if k in BuildConfig.__dataclass_fields__})
     files, _ = discover([corpus])

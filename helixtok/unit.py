@@ -21,8 +21,8 @@ from .objstore import expired
 from .pack import PACKERS
 from .sources import StaleRange, UnitReader
 from .tally import Tally
-from .units import Unit
 from .tokenizer import TokenizerInfo
+from .units import Unit
 
 
 
