@@ -273,6 +273,10 @@ def build(corpus, out: str, tokenizer: str, config: BuildConfig | None = None, *
     Example: helixtok.build("corpus/", "out/", "tokenizer.json", seq_len=2048, val_fraction=0.01)
     """
     config = dataclasses.replace(config, **options) if config is not None else BuildConfig(**options)
+    if config.ray_address is not None:
+        from .rayexec import check_cluster
+
+        check_cluster(config.ray_address)  # before anything is written
     inputs = corpus_paths(corpus)
     out = os.fspath(out)
     if is_url(out):

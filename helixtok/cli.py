@@ -331,6 +331,8 @@ def show(out, index, split, raw, corpus):
                 how = "starts" if seg.starts else "continues"
                 click.echo(f"--- document {seg.document:,} {how}: {document_source(out, m, split, seg.document, corpus)}"
                            " ---")
+            elif m["packing"] == "bestfit":  # items are not numbered: a document, or a seq_len piece of one
+                click.echo(f"--- a document (or a piece of one), {len(seg.ids):,} tokens ---")
             click.echo(" ".join(map(str, seg.ids)) if raw else tok.decode(seg.ids, skip_special_tokens=False))
             if seg.pad:
                 click.echo(f"--- {seg.pad:,} pad ({m['tokenizer']['pad_token']}) ---")

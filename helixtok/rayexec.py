@@ -49,6 +49,21 @@ def _task(cwd: str, config, state: str, run_id: str, remote, unit, info):
             shutil.rmtree(state, ignore_errors=True)
 
 
+def require_ray():
+    """The ray module, or the one line that says how to get it."""
+    try:
+        import ray
+    except ImportError:
+        raise ConfigError('--executor ray needs Ray: pip install "helixtok[ray]"') from None
+    return ray
+
+
+def check_cluster(address: str) -> None:
+    """Before a build writes anything: Ray is installed and something listens at the address."""
+    require_ray()
+    _reachable(address or os.environ.get("RAY_ADDRESS", ""))
+
+
 def _reachable(address: str, timeout: float = 5.0) -> None:
     """Fail at once, with one line, when nothing listens at a cluster address: Ray's own
     connection attempt retries for minutes."""
@@ -69,14 +84,9 @@ class RayExecutor:
     ADDRESS, the one $RAY_ADDRESS names, or a local one started for this build."""
 
     def __init__(self, address: str | None, config, state: str, run_id: str, remote: tuple[str, str] | None = None):
-        try:
-            import ray
-        except ImportError:
-            raise ConfigError('--executor ray needs Ray: pip install "helixtok[ray]"') from None
-        self.ray = ray
+        self.ray = ray = require_ray()
         self._started = not ray.is_initialized()
         if self._started:
-            _reachable(address or os.environ.get("RAY_ADDRESS", ""))
             try:
                 ray.init(address=address or None, logging_level=logging.ERROR, log_to_driver=False,
                          configure_logging=False, include_dashboard=False if not address else None)

@@ -409,3 +409,20 @@ def test_info_html_report_renders_in_a_browser(tmp_path, corpus, small_tok):
     bar = (np.abs(px - np.array([0x3B, 0x6E, 0xA5])).sum(axis=2) < 12).mean()  # the charts' blue
     ink = (px.sum(axis=2) < 600).mean()  # text and bars, not page
     assert bar > 0.03 and ink > 0.05, (bar, ink)
+
+
+def test_show_of_a_bestfit_chunk_marks_each_document_and_the_padding(dev_bestfit):
+    from helixtok.splitview import SplitView
+
+    m = json.load(open(os.path.join(dev_bestfit, "manifest.json")))
+    v = SplitView(dev_bestfit, m)
+    i = next(i for i in range(v.num_chunks) if v.valid(i) < m["seq_len"] and len(v.starts_in(i * 512, i * 512 + 512)) > 1)
+    r = CliRunner().invoke(main, ["show", dev_bestfit, str(i), "--raw"])
+    assert r.exit_code == 0, r.output
+    marks = [line for line in r.output.splitlines() if line.startswith("--- a document")]
+    ids = [line for line in r.output.splitlines()[1:] if line and not line.startswith("---")]
+    cuts = (v.starts_in(i * 512, i * 512 + 512) - i * 512).tolist()
+    assert len(marks) == len(cuts) == len(ids)
+    assert [int(x.split(", ")[1].split()[0].replace(",", "")) for x in marks] == \
+        [b - a for a, b in zip(cuts, cuts[1:] + [v.valid(i)])]
+    assert f"--- {512 - v.valid(i):,} pad" in r.output

@@ -127,6 +127,7 @@ def test_ray_from_python_on_the_cluster_and_a_clear_error_without_one(tmp_path, 
                         "-t", tokenizer_path, "--executor", f"ray:127.0.0.1:{_free_port()}", *ARGS],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 1 and "cannot reach the Ray cluster" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert not (tmp_path / "x").exists()  # nothing written before the check
 
 
 def test_ray_build_to_object_storage_without_a_shared_folder(tmp_path, dev_corpus, tokenizer_path, cluster, local):
@@ -167,3 +168,15 @@ def test_ray_build_to_object_storage_without_a_shared_folder(tmp_path, dev_corpu
     assert m["totals"] == ml["totals"] and len(os.listdir(tmp_path / "back" / folder)) == \
         len([n for n in os.listdir(local) if n.endswith((".bin", ".docs", ".valid", "tokenizer.json"))])
     print(f"ray: built into s3:// by the tasks themselves ({folder}); pulled back, the local build's bytes")
+
+
+def test_without_ray_installed_one_line_and_nothing_written(tmp_path, small_corpus, small_tok, monkeypatch):
+    from click.testing import CliRunner
+
+    from helixtok.cli import main
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # as if it were not installed
+    r = CliRunner().invoke(main, ["build", str(small_corpus), str(tmp_path / "out"), "-t", small_tok, "--executor",
+                                  "ray"])
+    assert r.exit_code == 1 and 'needs Ray: pip install "helixtok[ray]"' in r.output and "Traceback" not in r.output
+    assert not (tmp_path / "out").exists()
