@@ -110,7 +110,7 @@ def main():
                    "one sequence, e.g. Llama 3 yes, GPT-2 no].")
 @click.option("--eos-token", default=None, help="EOS token [default: detected from the tokenizer].")
 @click.option("--bos-token", default=None, help="BOS token for --bos [default: detected].")
-@click.option("--pad-token", default=None, help="Padding token for document packing [default: the tokenizer's, else EOS].")
+@click.option("--pad-token", default=None, help="Padding token for document and bestfit packing [default: the tokenizer's, else EOS].")
 @click.option("--val-fraction", type=click.FloatRange(0, 1, max_open=True), default=0.0, show_default=True,
               help="Fraction of documents in a 'val' split (by content hash).")
 @click.option("--split-seed", type=int, default=0, show_default=True, help="Seed of the train/val split hash.")
@@ -282,7 +282,7 @@ def _print_build_summary(m, out, as_json, con, up_to_date=None, elapsed=None, re
                     f"{s['pad_tokens']:,}", f"{s['dropped_tokens']:,}")
     Console().print(tab)
     click.echo(f"documents {t['documents']:,}  skipped {t['skipped_documents']:,}  repaired {t['repaired_documents']:,}"
-               f"  dropped whole (document packing) {t.get('dropped_documents', 0):,}")
+               f"  dropped whole (below --min-tail-len) {t.get('dropped_documents', 0):,}")
     # Every term of the arithmetic, so no token is unaccounted for.
     click.echo(f"tokens: produced {t['tokens']:,} + pad {t['pad_tokens']:,} - dropped {t['dropped_tokens']:,} "
                f"= stored {t['chunks'] * m['seq_len']:,} = {t['chunks']:,} chunks x {m['seq_len']}")

@@ -210,7 +210,7 @@ def test_summary_prints_every_term_of_the_token_arithmetic(tmp_path, corpus, sma
     assert t["tokens"] + t["pad_tokens"] - t["dropped_tokens"] == t["chunks"] * 64
     assert (f"tokens: produced {t['tokens']:,} + pad {t['pad_tokens']:,} - dropped {t['dropped_tokens']:,} "
             f"= stored {t['chunks'] * 64:,} = {t['chunks']:,} chunks x 64") in r.output
-    assert f"dropped whole (document packing) {t['dropped_documents']:,}" in r.output
+    assert f"dropped whole (below --min-tail-len) {t['dropped_documents']:,}" in r.output
 
 
 def test_bench_read_says_whether_the_loader_keeps_up(dev_packed):

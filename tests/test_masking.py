@@ -94,33 +94,36 @@ def _flex_logits(vocab, ids, pos, doc):
 
 
 @torch.no_grad()  # FlexAttention has no backward on CPU; forward equality is the claim
-@pytest.mark.parametrize("packing", ["packed", "bestfit"])
-def test_packed_logits_equal_each_document_alone(request, packing):
+def test_packed_logits_equal_each_document_alone(dev_packed, dev_bestfit):
     """Each segment of a row (a document, or its piece; a bestfit row's padding is one more)
-    gets the logits it would get alone: SDPA with the block mask, and FlexAttention."""
-    ds = MemmapChunkDataset(request.getfixturevalue(f"dev_{packing}"), document_masking=True)
-    idx = [i for i in range(len(ds)) if len(ds.document_starts(i)) >= 2][:3]  # rows holding several documents
-    batch = ds.collate(ds.__getitems__(idx))
-    assert len(idx) == 3 and len(batch["cu_seqlens"]) > len(idx) + 3
-    model = TinyCausalLM(int(batch["input_ids"].max()) + 1)
-    ids, pos, doc = batch["input_ids"], batch["position_ids"], batch["document_ids"]
-    mask = block_causal_mask(doc)
-    packed = model(ids, pos, lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
+    gets the logits it would get alone: SDPA with the block mask, and FlexAttention; for packed
+    and for bestfit data (one child process for both)."""
     import multiprocessing as mp
 
+    runs = []
+    for out in (dev_packed, dev_bestfit):
+        ds = MemmapChunkDataset(out, document_masking=True)
+        idx = [i for i in range(len(ds)) if len(ds.document_starts(i)) >= 2][:3]  # rows holding several documents
+        batch = ds.collate(ds.__getitems__(idx))
+        assert len(idx) == 3 and len(batch["cu_seqlens"]) > len(idx) + 3
+        runs.append((ds.seq_len, batch, TinyCausalLM(int(batch["input_ids"].max()) + 1)))
     with mp.get_context("spawn").Pool(1) as child:  # eager FlexAttention takes ~400 MB: not in pytest's process
-        flex = child.apply(_flex_logits, (model.head.out_features, ids, pos, doc))
-    plain = model(ids, pos)  # the padded path: attends across documents
-    L = ds.seq_len
-    cu = batch["cu_seqlens"].tolist()
-    crossed = 0
-    for a, z in zip(cu[:-1], cu[1:]):
-        r, a0, z0 = a // L, a % L, a % L + (z - a)
-        alone = model(ids[r, a0:z0][None], torch.arange(z - a)[None])[0]
-        assert torch.allclose(packed[r, a0:z0], alone, atol=1e-10), (r, a0, z0)
-        assert torch.allclose(flex[r, a0:z0], alone, atol=1e-10), (r, a0, z0)
-        crossed += not torch.allclose(plain[r, a0:z0], alone, atol=1e-6)
-    assert crossed > 0  # without the mask, documents after the first in a row see earlier ones
+        flexes = [child.apply(_flex_logits, (model.head.out_features, b["input_ids"], b["position_ids"],
+                                             b["document_ids"])) for _, b, model in runs]
+    for (L, batch, model), flex in zip(runs, flexes):
+        ids, pos, doc = batch["input_ids"], batch["position_ids"], batch["document_ids"]
+        mask = block_causal_mask(doc)
+        packed = model(ids, pos, lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
+        plain = model(ids, pos)  # the padded path: attends across documents
+        cu = batch["cu_seqlens"].tolist()
+        crossed = 0
+        for a, z in zip(cu[:-1], cu[1:]):
+            r, a0, z0 = a // L, a % L, a % L + (z - a)
+            alone = model(ids[r, a0:z0][None], torch.arange(z - a)[None])[0]
+            assert torch.allclose(packed[r, a0:z0], alone, atol=1e-10), (r, a0, z0)
+            assert torch.allclose(flex[r, a0:z0], alone, atol=1e-10), (r, a0, z0)
+            crossed += not torch.allclose(plain[r, a0:z0], alone, atol=1e-6)
+        assert crossed > 0  # without the mask, documents after the first in a row see earlier ones
 
 
 def test_document_masking_needs_packed_data(dev_document):

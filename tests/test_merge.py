@@ -224,7 +224,7 @@ def mixed_small(tmp_path_factory, dev_corpus):
     return str(c)
 
 
-@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(n=st.integers(1, 4), workers=st.sampled_from([1, 2]), packing=st.sampled_from(["packed", "document", "bestfit"]),
        val=st.sampled_from([0.0, 0.3]), shard=st.sampled_from([1 << 10, 1 << 20]))
 def test_any_partitioning_merged_is_the_single_build(tmp_path_factory, mixed_small, tokenizer_path, n, workers, packing,

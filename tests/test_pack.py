@@ -161,7 +161,7 @@ unit_docs = st.lists(st.lists(st.integers(1, 60000), min_size=0, max_size=45).ma
 feeds = st.lists(st.tuples(st.integers(0, 4), st.booleans()), max_size=12)
 
 
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=50, deadline=None)
 @given(docs=unit_docs, L=st.integers(1, 17), shard_chunks=st.integers(1, 5), feed=feeds, tail_frac=st.floats(0, 1))
 def test_packed_and_document_units_store_the_rule_in_any_feed(tmp_path_factory, docs, L, shard_chunks, feed,
                                                               tail_frac):
@@ -180,7 +180,7 @@ def test_packed_and_document_units_store_the_rule_in_any_feed(tmp_path_factory, 
     assert (c.chunks, c.pad_tokens, c.dropped_tokens, c.dropped_documents) == (len(rows), pad, dropped, dropped_docs)
 
 
-@settings(max_examples=120, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(docs=unit_docs, L=st.integers(2, 17), shard_chunks=st.integers(1, 5), feed=feeds,
        window=st.sampled_from([1, 16, 64, 1 << 20]), min_tail=st.sampled_from([0, 0, 1, 3]))
 def test_bestfit_keeps_every_document_whole_or_in_ordered_pieces(tmp_path_factory, docs, L, shard_chunks, feed,
