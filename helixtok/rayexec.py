@@ -12,10 +12,15 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
+import tempfile
 from concurrent.futures import Future
 
 from . import errors
 from .errors import ConfigError, HelixtokError
+from .manifest import write_json_atomic
+from .publish import upload_unit
+from .unit import _init_worker, done_path, run_unit, state_files
 
 RETRIES = 3  # a task is retried this many times when its worker process or node dies
 
@@ -24,11 +29,6 @@ def _task(cwd: str, config, state: str, run_id: str, remote, unit, info):
     """On a Ray worker: tokenize one unit as a pool worker would; with `remote` (URL, folder), in a
     staging folder of this node's own, then upload its shards there.  Errors come back as values
     (class name, message): the driver raises them as the one-line errors they are."""
-    import shutil
-    import tempfile
-
-    from .unit import _init_worker, run_unit, state_files
-
     os.chdir(cwd)  # relative input paths, as the driver's command line gave them
     if remote is not None:
         state = tempfile.mkdtemp(prefix="helixtok-unit-")
@@ -36,8 +36,6 @@ def _task(cwd: str, config, state: str, run_id: str, remote, unit, info):
         _init_worker(config, state, run_id, None, None)
         r = run_unit(unit, info)
         if remote is not None:
-            from .publish import upload_unit
-
             upload_unit(state, list(state_files(r)), *remote, config.stall_seconds)
         return "ok", r
     except HelixtokError as e:
@@ -99,17 +97,13 @@ class RayExecutor:
         self._args = (os.getcwd(), config, os.path.abspath(state), run_id, remote)
         # The driver's object-storage settings (endpoint, credentials) travel with its tasks.
         env = {k: v for k, v in os.environ.items() if k.startswith(("AWS_", "HELIXTOK_"))}
-        self._remote = ray.remote(num_cpus=1, max_retries=RETRIES, retry_exceptions=False)(_task).options(
+        self._task = ray.remote(num_cpus=1, max_retries=RETRIES, retry_exceptions=False)(_task).options(
             runtime_env={"env_vars": env} if env else None)
         self._refs: list = []
-        self._remote_dest = remote
+        self._uploads = remote is not None  # the tasks journal on their own nodes: the driver journals too
 
     def submit(self, fn, unit, info, *, what: str, beats: bool = False) -> Future:
-        from .manifest import write_json_atomic
-        from .unit import done_path
-
-        remote = self._remote_dest
-        ref = self._remote.remote(*self._args, unit, info)
+        ref = self._task.remote(*self._args, unit, info)
         self._refs.append(ref)
         out: Future = Future()
 
@@ -120,18 +114,21 @@ class RayExecutor:
                 msg = (str(e).strip().splitlines() or [""])[-1][:200]
                 out.set_exception(HelixtokError(f"{what} failed on the Ray cluster: {type(e).__name__}: {msg}"))
                 return
-            if kind == "ok":
+            try:
+                if kind == "oserror":
+                    raise OSError(*rest)
+                if kind != "ok":
+                    raise getattr(errors, rest[0], HelixtokError)(rest[1])
                 r = rest[0]
-                if remote is not None:  # the task journaled on its node: journal here, for a resume
+                if self._uploads:  # for a resume
                     write_json_atomic(done_path(self._args[2], r["index"]), r, durable=False)
-                self.counters[0] += unit.est_bytes
-                self.counters[1] += sum(r["documents"].values())
-                self.counters[2] += sum(r["tokens"].values())
-                out.set_result(r)
-            elif kind == "oserror":
-                out.set_exception(OSError(*rest))
-            else:
-                out.set_exception(getattr(errors, rest[0], HelixtokError)(rest[1]))
+            except BaseException as e:  # noqa: BLE001 - this runs in Ray's thread: the build's waits on `out`
+                out.set_exception(e)
+                return
+            self.counters[0] += unit.est_bytes
+            self.counters[1] += sum(r["documents"].values())
+            self.counters[2] += sum(r["tokens"].values())
+            out.set_result(r)
 
         ref.future().add_done_callback(done)
         return out
