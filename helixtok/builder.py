@@ -26,7 +26,7 @@ from typing import Callable
 from . import __version__, preload
 from .backend_check import choose_backend
 from .backends import FAST, backend_version, forget_fast_tokenizers
-from .catalog import join_split, published, unit_counts
+from .catalog import join_split, published, split_totals, unit_counts
 from .config import BuildConfig, worker_bytes
 from .discover import discover
 from .errors import ConfigError, HelixtokError, InputError, Interrupted, resource_error
@@ -542,11 +542,7 @@ def _build_started(out, info, config, overwrite, on_progress, part, files, units
     with open(os.path.join(state, PLAN_FILE), "wb") as fh:
         fh.write(whole)
 
-    totals = {k: sum(s[k] for s in splits.values())
-              for k in ("documents", "tokens", "text_bytes", "pad_tokens", "dropped_tokens", "dropped_documents",
-                        "num_chunks")}
-    totals["chunks"] = totals.pop("num_chunks")
-    totals["stored_tokens"] = totals["chunks"] * config.seq_len
+    totals = split_totals(splits)
     totals["skipped_documents"] = sum(tally.counts.get(r, 0) for r in DOC_SKIPS)
     totals["repaired_documents"] = sum(tally.counts.get(r, 0) for r in REPAIRS)
     manifest = {

@@ -22,6 +22,14 @@ def join_split(pieces: list[dict], shards: list[dict], seq_len: int, packing: st
     return {"num_chunks": chunks, "num_tokens": chunks * seq_len, **d, "shards": shards}
 
 
+def split_totals(splits: dict) -> dict:
+    """The manifest's totals over its splits (a caller adds what never reached a split)."""
+    t = {k: sum(s[k] for s in splits.values()) for k in COUNTED}
+    t["chunks"] = sum(s["num_chunks"] for s in splits.values())
+    t["stored_tokens"] = sum(s["num_tokens"] for s in splits.values())
+    return t
+
+
 def unit_counts(result: dict, split: str) -> dict:
     """One unit's journal entry as a piece of join_split."""
     c = result["counts"][split]

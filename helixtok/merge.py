@@ -7,7 +7,7 @@ import os
 import re
 import shutil
 
-from .catalog import COUNTED, join_split
+from .catalog import join_split, split_totals
 from .errors import ConfigError, DatasetError
 from .manifest import FORMAT_VERSION, MANIFEST, load_manifest, sum_sources, write_json_atomic
 from .outdir import OutLock, check_out_path, refuse_foreign, remove_owned
@@ -203,10 +203,8 @@ def _merge_locked(parts: list[str], ms: list[dict], out: str) -> dict:
     # in a build that was never partitioned.
     splits = {name: join_split(pieces[name], shards.get(name, []), first["seq_len"], first["packing"])
               for name in pieces}
-    totals = {k: sum(s[k] for s in splits.values()) for k in COUNTED}
-    totals.update(chunks=sum(s["num_chunks"] for s in splits.values()),
-                  stored_tokens=sum(s["num_tokens"] for s in splits.values()),
-                  **{k: sum(m["totals"][k] for m in ms) for k in ("skipped_documents", "repaired_documents")})
+    totals = split_totals(splits)
+    totals.update({k: sum(m["totals"][k] for m in ms) for k in ("skipped_documents", "repaired_documents")})
     skipped, warnings = Tally(), Tally()
     for m in ms:
         skipped.merge(Tally.from_json(m["skipped"]))

@@ -163,9 +163,10 @@ class DocumentOut(_Out):
         self._carry = c[full * self.L:]
 
     def _full_chunks(self, ids: np.ndarray) -> None:
+        # Each chunk is a piece of the document: where bestfit keeps .docs, each starts an item.
         k = len(ids) // self.L
         self.counts.chunks += k
-        self.files.write(ids, valid=np.full(k, self.L, np.uint32))
+        self.files.write(ids, starts=np.arange(k, dtype=np.int64) * self.L, valid=np.full(k, self.L, np.uint32))
 
     def end_long(self, n: int) -> None:
         c, self._carry = self._carry, None
@@ -259,11 +260,6 @@ class BestFitOut(DocumentOut):
     def start_long(self) -> None:
         self.flush()
         super().start_long()
-
-    def _full_chunks(self, ids: np.ndarray) -> None:
-        k = len(ids) // self.L
-        self.counts.chunks += k
-        self.files.write(ids, starts=np.arange(k, dtype=np.int64) * self.L, valid=np.full(k, self.L, np.uint32))
 
     def end_long(self, n: int) -> None:
         self._tail_piece = (self._doc, n // self.L)

@@ -73,9 +73,9 @@ class SplitView:
         k = bisect.bisect_right(self._starts, a) - 1
         while k < len(self.shards) and self._starts[k] < b:
             base = self._starts[k]
-            offs = self._map(k, "docs").astype(np.int64) + base
-            lo, hi = np.searchsorted(offs, [a, b])
-            out.append(offs[lo:hi])
+            offs = self._map(k, "docs")  # searched as stored: only the slice found is converted
+            lo, hi = np.searchsorted(offs, np.array([max(0, a - base), b - base], DOCS_DTYPE))
+            out.append(offs[lo:hi].astype(np.int64) + base)
             k += 1
         return np.concatenate(out) if out else np.empty(0, np.int64)
 
