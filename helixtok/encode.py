@@ -125,14 +125,25 @@ class Encoder:
             size += len(piece)
         if group:
             encode_group()
-        flat = np.concatenate(flats) if flats else np.empty(0, self.dtype)
-        flats.clear()
         plens = np.concatenate(piece_lens) if piece_lens else np.empty(0, np.int64)
         lens = np.bincount(np.asarray(owner, dtype=np.int64), weights=plens, minlength=len(docs)).astype(np.int64)
-        out = np.insert(flat, np.cumsum(lens), self.info.eos_id)
-        del flat
-        lens += 1
-        if self.info.add_bos:
-            out = np.insert(out, np.concatenate(([0], np.cumsum(lens)[:-1])), self.info.bos_id)
-            lens += 1
+        # One pass into the result: each document's ids land between its BOS and EOS slots
+        # (np.insert, twice, cost ~3x as much: a boolean mask over every id each time).
+        bos = int(self.info.add_bos)
+        lens += 1 + bos
+        ends = np.cumsum(lens)
+        out = np.empty(int(ends[-1]) if len(ends) else 0, self.dtype)
+        out[ends - 1] = self.info.eos_id
+        if bos:
+            out[ends - lens] = self.info.bos_id
+        at = (ends - lens + bos).tolist()  # where each document's next id goes
+        owners = iter(owner)
+        for ids, pl in zip(flats, piece_lens):
+            src = 0
+            for n in pl.tolist():  # pieces in order: a document's pieces follow each other
+                d = next(owners)
+                out[at[d]: at[d] + n] = ids[src: src + n]
+                at[d] += n
+                src += n
+        flats.clear()
         return out, lens

@@ -115,3 +115,21 @@ def test_any_text_gets_tokenizers_ids_on_every_backend(tokenizer_path, parts, lo
     for backend in ("hf", "tiktoken", "fastokens") + (("gigatoken",) if special == "extract" else ()):
         ids, lens = encoder(tokenizer_path, special, backend).encode([text])
         assert ids[:-1].tolist() == want, backend
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(docs=st.lists(st.one_of(st.text(max_size=40), st.builds(lambda w, n: w * n, st.sampled_from(["ab ", "x y\n"]),
+                                                                 st.integers(300, 1500))), max_size=12),
+       add_bos=st.booleans(), piece=st.sampled_from([50, 1000, 200_000]))
+def test_a_batch_is_each_document_bos_ids_eos_in_order(tokenizer_path, docs, add_bos, piece):
+    """Encoder.encode: documents (long ones cut into pieces that may span encode groups) come
+    back as [BOS] + their ids + EOS each, in order, with those lengths."""
+    import dataclasses
+
+    info = inspect_tokenizer(tokenizer_path)
+    info = dataclasses.replace(info, backend="fastokens", add_bos=add_bos, bos_id=info.eos_id + 1 if add_bos else None)
+    ids, lens = Encoder(info, max_piece_chars=piece).encode(docs)
+    ref = encoder(tokenizer_path, "text", "hf").tok
+    want = [[info.bos_id] * add_bos + ref.encode(d, add_special_tokens=False).ids + [info.eos_id] for d in docs]
+    assert lens.tolist() == [len(w) for w in want]
+    assert ids.tolist() == [t for w in want for t in w] and ids.dtype == info.dtype
