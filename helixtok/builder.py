@@ -1,9 +1,10 @@
 """Orchestrate a build: plan work units, have them tokenized, packed and written, publish, manifest last.
 
-Data flow: files (discover.py) -> units (units.py) -> worker: read (sources.py) + tokenize +
-pack + write the unit's final shards, and its journal entry (unit.py, pack.py; in pool.py's
-processes, on Ray (rayexec.py) or in this one) -> publish: rename the shards into OUT,
-manifest.json from the journal entries (catalog.py; atomic, last).
+Data flow: files (discover.py) -> units (units.py) -> what OUT holds: up to date, or a build to
+resume (resume.py) -> the pending units run (dispatch.py: in this process, pool.py's processes or
+on Ray, rayexec.py), each read (sources.py), tokenized, packed and written as its final shards
+with its journal entry (unit.py, pack.py, shards.py) -> the manifest from the journal entries
+(catalog.py) -> publish: the shards renamed into OUT, the manifest last (outdir.py).
 No step here touches a token.  The journal makes an interrupted build resumable: finished units
 are never redone.
 """
@@ -12,267 +13,31 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import os
-import queue
 import secrets
 import shutil
-import signal
-import threading
-import time
-from dataclasses import dataclass
 from typing import Callable
 
 from . import __version__, preload
 from .backend_check import choose_backend
 from .backends import FAST, backend_version, forget_fast_tokenizers
-from .catalog import join_split, published, split_totals, unit_counts
-from .config import BuildConfig, worker_bytes
+from .catalog import build_manifest, join_split, published, unit_counts
+from .config import BuildConfig
 from .discover import discover
-from .errors import ConfigError, HelixtokError, InputError, Interrupted, resource_error
-from .manifest import (DOC_SKIPS, FORMAT_VERSION, MANIFEST, REPAIRS, load_manifest, manifest_files, sum_sources,
-                       write_json_atomic)
+from .dispatch import Progress, UnitPool, run_units, worker_count
+from .errors import ConfigError, InputError, resource_error
+from .manifest import FORMAT_VERSION, MANIFEST, write_json_atomic
 from .merge import check_sibling_parts, partition
 from .objstore import current, is_url
-from .outdir import PUBLISH, STATE, OutLock, check_out_path, read_list, refuse_foreign, remove_owned
-from .pack import BESTFIT_WINDOW
-from .planid import PLAN_FILE, describe_change, encode_plan, plan_folder, whole_plan
-from .pool import WorkerPool
+from .outdir import STATE, OutLock, check_out_path, publish
+from .planid import PLAN_FILE, encode_plan, plan_folder, whole_plan
 from .publish import remote_sizes
-from .shards import fsync_dir
+from .resume import prepare_out, trusted_results, up_to_date
 from .sources import LineRefs
 from .tally import Tally
-from .tokenizer import TokenizerInfo, forget_handed, inspect_tokenizer, resolve_tokenizer_path
-from .unit import THREAD_ENV, _init_worker, _LocalCounters, _W, _where, done_path, run_unit, state_files
-from .units import Unit, plan_units
-
-
-@dataclass
-class Progress:
-    """What the progress callback receives: bytes of input done out of total, and counts."""
-
-    bytes_done: int
-    bytes_total: int
-    documents: int
-    tokens: int
-    units_done: int
-    units_total: int
-    phase: str
-    processes: int = 1  # tokenizing (worker processes, or this one)
-
-
-
-
-def _prepare_out(out: str, plan: dict, overwrite: bool, protect: list[str]) -> bool:
-    """Make the locked OUT ready; returns True when an unfinished build with the same plan can resume.
-    (A finished dataset without --overwrite never gets here: _up_to_date says what it is.)"""
-    state = os.path.join(out, STATE)
-    refuse_foreign(out)
-    if overwrite:
-        remove_owned(out, protect=protect)
-        return False
-    plan_path = os.path.join(state, "plan.json")
-    if os.path.isfile(plan_path):
-        try:
-            with open(plan_path) as fh:
-                old = json.load(fh)
-        except ValueError:
-            old = None
-        if old == plan:
-            return True
-        if old is not None:
-            raise ConfigError(f"{out}: holds an unfinished build with other inputs or options "
-                              f"({describe_change(old, plan)}); pass --overwrite to discard it")
-    # Leftovers that no plan describes (a kill before plan.json was written) are ours and useless.
-    remove_owned(out)
-    return False
-
-
-def _trusted_results(out: str, state: str, units: list[Unit], uploaded: dict[str, int] | None = None
-                     ) -> dict[int, dict]:
-    """Journal entries of finished units whose shards are all there with the sizes recorded: in
-    STATE, or already moved into OUT by a build stopped while publishing (publish.json names
-    those), or (uploaded: object name -> size) in object storage.  Shards are fsynced before
-    their entry is written (uploaded: their upload checked), so a size that matches is the data.
-
-    Read once, at start: the lock guarantees no other build writes here, and an orphan that
-    journals late only ever names its own run's files, which this run then does not use.
-    """
-    moved = set(read_list(os.path.join(state, PUBLISH)))
-    trusted: dict[int, dict] = {}
-    for u in units:
-        try:
-            with open(done_path(state, u.index)) as fh:
-                r = json.load(fh)
-            ok = r["index"] == u.index and "lines" in r and "sources" in r and "counts" in r and all(
-                uploaded.get(p) == size if uploaded is not None else
-                _has(os.path.join(state, n), size) or (p in moved and _has(os.path.join(out, p), size))
-                for n, p, size in state_files(r))
-        except (OSError, ValueError, KeyError, TypeError):
-            ok = False
-        if ok:
-            trusted[u.index] = r
-    keep = {n for r in trusted.values() for n, _, _ in state_files(r)}
-    for e in os.listdir(state):  # shards of runs that did not finish their unit
-        if e.startswith("u") and e not in keep and not e.endswith(".done.json"):
-            with contextlib.suppress(OSError):
-                os.remove(os.path.join(state, e))
-    return trusted
-
-
-def _has(path: str, size: int) -> bool:
-    return not os.path.islink(path) and os.path.isfile(path) and os.path.getsize(path) == size
-
-
-class _Interrupt:
-    """A stop signal while workers run (Ctrl-C; SIGTERM or SIGHUP where the command line asked to
-    stop on them): note it and stop at the next poll (raised at an arbitrary point inside a wait
-    on futures it could be swallowed).  A signal that is ignored, or left to its default action,
-    stays so: a build started with Ctrl-C ignored (a script's background job) keeps ignoring it."""
-
-    SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-
-    def __init__(self):
-        self.hit = 0  # the signal's number
-        self._old: dict = {}
-
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
-            for s in self.SIGNALS:
-                if signal.getsignal(s) not in (signal.SIG_IGN, signal.SIG_DFL, None):
-                    self._old[s] = signal.signal(s, lambda signum, _: setattr(self, "hit", signum))
-        return self
-
-    def __exit__(self, *exc):
-        for s, old in self._old.items():
-            signal.signal(s, old)
-
-
-class _Pool(WorkerPool):
-    """The worker processes, started before the backend check so that their start-up (and the
-    load of the likeliest library's tokenizer) overlaps it."""
-
-    def __init__(self, n: int, config: BuildConfig, state: str, run_id: str, tokenizer: str, load_likely: bool = True):
-        likely = (FAST[0], tokenizer) if load_likely and config.backend in ("auto", FAST[0]) else None
-        super().__init__(n, (_init_worker, (config, state, run_id, likely)), config.stall_seconds)
-
-
-def _run_units(units: list[Unit], pending: list[Unit], info: TokenizerInfo, config: BuildConfig, state: str,
-               run_id: str, on_progress: Callable[[Progress], None] | None, done_bytes: int,
-               on_result: Callable[[dict], None], workers: _Pool | None) -> list[dict]:
-    """Tokenize the pending units; each journal entry goes to `on_result` as soon as it is in."""
-    total_bytes = sum(u.est_bytes for u in units)
-    # One process: corpus order (a bad input is found where a reader expects it, and nothing is gained
-    # by another order).
-    order = schedule(pending, config.unit_bytes, config.strict or workers is None)
-    units_done = len(units) - len(pending)
-    t_last = 0.0
-    results = []
-
-    def report(counters, units_done, force=False):
-        nonlocal t_last
-        now = time.monotonic()
-        if on_progress and (force or now - t_last > 0.1):
-            t_last = now
-            on_progress(Progress(done_bytes + counters[0], total_bytes, counters[1], counters[2],
-                                 units_done, len(units), "tokenize", workers.n if workers else 1))
-
-    if workers is None:  # inline: no pool, easy to debug and profile
-        counters = _LocalCounters([0, 0, 0])
-        counters.hook = lambda: report(counters, units_done)  # progress within a unit, as it is read
-        _init_worker(config, state, run_id, None, counters)
-        try:
-            for u in order:
-                results.append(run_unit(u, info))
-                on_result(results[-1])
-                units_done += 1
-                report(counters, units_done, force=True)
-        finally:
-            _W.clear()  # this process's encoder (its tokenizer: ~100 MB for a 100k vocabulary) goes
-        return results
-
-    counters = workers.counters
-    try:
-        with _Interrupt() as interrupt:
-            # The pool bounds every wait: a unit's future fails once its worker dies or stalls
-            # (config.stall_seconds without progress), naming that unit.
-            futures = {workers.submit(run_unit, u, info, what=f"tokenizing {_where(u)}", beats=True): u
-                       for u in order}
-            # Each future reports itself done into one queue: a wait costs the same for 10 units as
-            # for 10,000 (concurrent.futures.wait installs a waiter on every pending future, each
-            # time: quadratic in the units).
-            done_q: queue.SimpleQueue = queue.SimpleQueue()
-            for f in futures:
-                f.add_done_callback(done_q.put)
-            remaining = set(futures)
-            bad: tuple[int, InputError] | None = None  # the first bad input in corpus order
-            while remaining:
-                finished = _take_done(done_q, 0.2) & remaining
-                remaining -= finished
-                if interrupt.hit:
-                    raise Interrupted(interrupt.hit)
-                for f in sorted(finished, key=lambda f: futures[f].index):
-                    try:
-                        results.append(_result(f, futures[f]))
-                    except InputError as e:
-                        if bad is None or futures[f].index < bad[0]:
-                            bad = (futures[f].index, e)
-                    else:
-                        on_result(results[-1])
-                    units_done += 1
-                if bad is not None:
-                    # Only units before the bad one can hold an earlier error: wait for those alone.
-                    remaining = {f for f in remaining if futures[f].index < bad[0]}
-                    if not remaining:
-                        raise bad[1]
-                report(counters, units_done, force=bool(finished))
-    except BaseException:
-        workers.kill()
-        raise
-    workers.close()
-    return results
-
-
-def _take_done(q: queue.SimpleQueue, timeout: float) -> set:
-    """The futures done by now: one waited for up to `timeout` s, then all others already in."""
-    try:
-        got = {q.get(timeout=timeout)}
-    except queue.Empty:
-        return set()
-    while True:
-        try:
-            got.add(q.get_nowait())
-        except queue.Empty:
-            return got
-
-
-def schedule(pending: list[Unit], unit_bytes: int, in_order: bool = False) -> list[Unit]:
-    """The order units go to the workers (the output's order does not depend on it).
-
-    Units costing over twice unit_bytes (a large text file or row group, a .zst range that
-    discards what precedes it in its frame) go first, costliest first, so that none of them is
-    the last to finish; then corpus order.  in_order: corpus order only (--strict, to stop at
-    the first bad input soon; one process).
-    """
-    pending = sorted(pending, key=lambda u: u.index)
-    if in_order:
-        return pending
-
-    def cost(u: Unit) -> int:  # discarding decompressed bytes runs ~6x faster than tokenizing them
-        return u.est_bytes + u.skip_bytes // 6
-
-    big = sorted((u for u in pending if cost(u) > 2 * unit_bytes), key=lambda u: (-cost(u), u.index))
-    return big + [u for u in pending if cost(u) <= 2 * unit_bytes]
-
-
-def _result(f, u: Unit) -> dict:
-    """A finished future's journal entry, or one clear error naming the unit that failed."""
-    try:
-        return f.result()
-    except (HelixtokError, OSError):
-        raise
-    except Exception as e:  # noqa: BLE001
-        raise HelixtokError(f"tokenizing {_where(u)} failed: {type(e).__name__}: {e}") from None
+from .tokenizer import forget_handed, inspect_tokenizer, resolve_tokenizer_path
+from .unit import THREAD_ENV, state_files
+from .units import plan_units
 
 
 def build(corpus, out: str, tokenizer: str, config: BuildConfig | None = None, *, overwrite: bool = False,
@@ -332,7 +97,7 @@ def build(corpus, out: str, tokenizer: str, config: BuildConfig | None = None, *
         # (0.4 s for a 100k vocabulary) and the backend check: the worker processes, which load
         # the likeliest library's tokenizer, or that library's load here (~1.2 s for 100k).
         if n_workers > 1:
-            workers = _Pool(n_workers, config, os.path.join(out, STATE), run_id, path)
+            workers = UnitPool(n_workers, config, os.path.join(out, STATE), run_id, path)
         elif config.backend in ("auto", "fastokens") and not finished and config.ray_address is None:
             preload.start(path)  # unless the command line started it
         info = inspect_tokenizer(path, eos_token=config.eos_token, bos_token=config.bos_token,
@@ -369,16 +134,6 @@ def corpus_paths(corpus) -> list[str]:
     return [os.fspath(p) for p in corpus]
 
 
-def worker_count(config: BuildConfig, units: list[Unit], backend: str) -> int:
-    """How many processes tokenize with `backend`: --workers at most, and only as many as the
-    input keeps busy for about a second each, which is what one costs to start (interpreter,
-    imports, the tokenizer's load: 0.5-1.7 s): one per 64 MiB with fastokens or gigatoken, one
-    per 4 MiB with tiktoken or tokenizers (config.worker_bytes).  One means none: the build's own
-    process tokenizes."""
-    per = worker_bytes(backend)
-    return max(1, min(config.num_workers, len(units), -(-sum(u.est_bytes for u in units) // per)))
-
-
 def _build_in(out, info, config, overwrite, on_progress, part, files, units, warnings, run_id, workers,
               remote: str | None = None) -> dict:
     """build() from the moment its work is planned: holds the lock on `out` throughout."""
@@ -392,7 +147,7 @@ def _build_in(out, info, config, overwrite, on_progress, part, files, units, war
     plan = encode_plan(whole_plan(files, units, config.identity(), info.identity(), part and part["num_tasks"]))
     try:
         if not overwrite and os.path.isfile(os.path.join(out, MANIFEST)):
-            return _up_to_date(out, plan)
+            return UpToDate(up_to_date(out, plan))
         return _build_started(out, info, config, overwrite, on_progress, part, files, units, warnings, state,
                               run_id, workers, plan, remote and (remote, plan_folder(plan)))
     except InputError:
@@ -421,34 +176,6 @@ class Built(dict):
 
 class UpToDate(Built):
     """The manifest build() returns when OUT already held this very build: nothing was written."""
-
-
-def _up_to_date(out: str, plan: bytes) -> UpToDate:
-    """The finished dataset in OUT, when it was built from this very plan and its files are all
-    there with their sizes (a Slurm requeue, a Ray retry of a finished task); else why not, as
-    the refusal to build over it."""
-    m = load_manifest(out)  # checked: a damaged manifest is refused, never called up to date
-    try:
-        with open(os.path.join(out, PLAN_FILE), "rb") as fh:
-            theirs = fh.read()
-    except FileNotFoundError:  # built by an older helixtok: nothing tells what it was built from
-        raise ConfigError(f"{out}: already holds a finished dataset; pass --overwrite to replace it") from None
-    if theirs != plan:
-        try:
-            change = describe_change(json.loads(theirs), json.loads(plan))
-        except ValueError:
-            change = f"its {PLAN_FILE} is unreadable"
-        raise ConfigError(f"{out}: already holds a finished dataset built from other inputs or options ({change}); "
-                          "pass --overwrite to replace it")
-    sizes = {x["path"]: x["bytes"] for sp in m["splits"].values() for e in sp["shards"]
-             for x in (e, e.get("docs"), e.get("valid")) if x and "bytes" in x}
-    for rel in manifest_files(m):
-        p = os.path.join(out, rel)
-        if not (os.path.isfile(p) and (rel not in sizes or os.path.getsize(p) == sizes[rel])):
-            raise ConfigError(f"{out}: holds this build's manifest but {rel} is missing or has another size; "
-                              "pass --overwrite to build it again")
-    shutil.rmtree(os.path.join(out, STATE), ignore_errors=True)  # an interrupted last step (cleanup)
-    return UpToDate(m)
 
 
 def _build_to_url(inputs, url, tokenizer, config, overwrite, on_progress, task, staging) -> dict:
@@ -493,12 +220,12 @@ def _build_started(out, info, config, overwrite, on_progress, part, files, units
         "files": [[f.name, f.size, f.stamp] for f in files],
         "units": [u.to_json() for u in units],
     }
-    resume = _prepare_out(out, plan, overwrite, protect=[f.path for f in files] + [info.path])
+    resume = prepare_out(out, plan, overwrite, protect=[f.path for f in files] + [info.path])
     os.makedirs(state, exist_ok=True)
     if not resume:
         write_json_atomic(os.path.join(state, "plan.json"), plan)
 
-    trusted = _trusted_results(out, state, units, remote and remote_sizes(*remote, config.stall_seconds)) \
+    trusted = trusted_results(out, state, units, remote and remote_sizes(*remote, config.stall_seconds)) \
         if resume else {}
     pending = [u for u in units if u.index not in trusted]
     done_bytes = sum(u.est_bytes for u in units if u.index in trusted)
@@ -514,9 +241,9 @@ def _build_started(out, info, config, overwrite, on_progress, part, files, units
         # Sized for a faster library than the check found exact: this one needs more processes.
         if workers is not None:
             workers.kill()
-        workers = _Pool(n, config, state, run_id, info.path, load_likely=False)
+        workers = UnitPool(n, config, state, run_id, info.path, load_likely=False)
     try:
-        fresh = _run_units(units, pending, info, config, state, run_id, on_progress, done_bytes,
+        fresh = run_units(units, pending, info, config, state, run_id, on_progress, done_bytes,
                            lambda r: refs.record(r["index"], r["lines"]), workers)
     except InputError as e:  # a worker names a .jsonl line by its place in the unit
         raise InputError(refs.resolve(str(e))) from None
@@ -542,34 +269,10 @@ def _build_started(out, info, config, overwrite, on_progress, part, files, units
     with open(os.path.join(state, PLAN_FILE), "wb") as fh:
         fh.write(whole)
 
-    totals = split_totals(splits)
-    totals["skipped_documents"] = sum(tally.counts.get(r, 0) for r in DOC_SKIPS)
-    totals["repaired_documents"] = sum(tally.counts.get(r, 0) for r in REPAIRS)
-    manifest = {
-        "format_version": FORMAT_VERSION,
-        "helixtok_version": __version__,
-        "dtype": "uint16" if info.dtype.itemsize == 2 else "uint32",
-        "seq_len": config.seq_len,
-        "packing": config.packing,
-        "min_tail_len": config.tail_len if config.packing != "packed" else None,
-        **({"bestfit_window": BESTFIT_WINDOW} if config.packing == "bestfit" else {}),
-        "tokenizer": {**info.to_json(), "file": "tokenizer.json", "backend_check": backend_check},
-        "options": {"text_field": config.text_field, "val_fraction": config.val_fraction,
-                    "split_seed": config.split_seed, "shard_bytes": config.shard_bytes,
-                    "unit_bytes": config.unit_bytes, "max_piece_chars": config.max_piece_chars,
-                    "strip": config.strip},
-        "inputs": {"files": len(files), "bytes": sum(f.size for f in files), "units": len(units),
-                   "list": [{"name": f.name, "bytes": f.size} for f in files]},
-        **({"partition": part} if part else {}),
-        "splits": splits,
-        "totals": totals,
-        "sources": sum_sources(r["sources"] for r in results),
-        # Documents per work unit and split, in unit order: where a document came from (show.py).
-        "unit_documents": {sp: [r["documents"].get(sp, 0) for r in results] for sp in splits},
-        "skipped": tally.to_json(),
-        "warnings": warnings.to_json(),
-    }
-    _publish(out, state, results, manifest, uploaded=remote is not None)
+    manifest = build_manifest(config, info, backend_check, files, units, part, splits, results, tally, warnings)
+    # The units' shards (unless uploaded), the tokenizer and the plan move into OUT; the manifest last.
+    moves = [] if remote is not None else [(n, p) for r in results for n, p, _ in state_files(r)]
+    publish(out, moves + [("tokenizer.json",) * 2, (PLAN_FILE,) * 2], manifest)
     built = Built(manifest)
     built.reused_units, built.units = len(trusted), len(units)
     return built
@@ -580,23 +283,3 @@ def _check_unchanged(files) -> None:
     for f in files:
         if current(f.path) != (f.size, f.stamp):
             raise InputError(f"{f.path}: changed while the build read it; rerun when the corpus is stable")
-
-
-def _publish(out: str, state: str, results: list[dict], manifest: dict, uploaded: bool = False) -> None:
-    """Move the units' shards (and the tokenizer and plan) from STATE into OUT, then the manifest,
-    last and atomically.  (uploaded: the shards are in object storage already.)
-
-    publish.json names the files first, so a kill halfway leaves them known as helixtok's (a
-    rerun finds the moved shards there and publishes again; --overwrite removes them).
-    """
-    moves = [] if uploaded else [(n, p) for r in results for n, p, _ in state_files(r)]
-    moves += [("tokenizer.json",) * 2, (PLAN_FILE,) * 2]
-    write_json_atomic(os.path.join(state, PUBLISH), {"files": [p for _, p in moves]})
-    for n, p in moves:
-        if os.path.exists(os.path.join(state, n)):  # else moved by a build stopped while publishing
-            os.replace(os.path.join(state, n), os.path.join(out, p))
-    fsync_dir(out)  # shard renames are durable before the manifest says they exist
-    write_json_atomic(os.path.join(state, MANIFEST), manifest)
-    os.replace(os.path.join(state, MANIFEST), os.path.join(out, MANIFEST))
-    fsync_dir(out)
-    shutil.rmtree(state)

@@ -1,6 +1,10 @@
-"""A split's manifest entry from the units' (or parts') shard lists and counts: metadata only, no token read."""
+"""The manifest from the units' (or parts') journal entries, shard lists and counts: metadata only, no token read."""
 
 from __future__ import annotations
+
+from . import __version__
+from .manifest import DOC_SKIPS, FORMAT_VERSION, REPAIRS, sum_sources
+from .pack import BESTFIT_WINDOW
 
 COUNTED = ("documents", "tokens", "text_bytes", "pad_tokens", "dropped_tokens", "dropped_documents")
 
@@ -45,3 +49,36 @@ def published(e: dict) -> dict:
         if side in e:
             e[side] = {k: v for k, v in e[side].items() if k != "state"}
     return e
+
+
+def build_manifest(config, info, backend_check: dict, files, units, part: dict | None, splits: dict,
+                   results: list[dict], tally, warnings) -> dict:
+    """A build's manifest.json: its options, tokenizer, inputs, splits and every count, from the
+    units' journal entries `results` (in unit order) and what was skipped (`tally`, `warnings`)."""
+    totals = split_totals(splits)
+    totals["skipped_documents"] = sum(tally.counts.get(r, 0) for r in DOC_SKIPS)
+    totals["repaired_documents"] = sum(tally.counts.get(r, 0) for r in REPAIRS)
+    return {
+        "format_version": FORMAT_VERSION,
+        "helixtok_version": __version__,
+        "dtype": "uint16" if info.dtype.itemsize == 2 else "uint32",
+        "seq_len": config.seq_len,
+        "packing": config.packing,
+        "min_tail_len": config.tail_len if config.packing != "packed" else None,
+        **({"bestfit_window": BESTFIT_WINDOW} if config.packing == "bestfit" else {}),
+        "tokenizer": {**info.to_json(), "file": "tokenizer.json", "backend_check": backend_check},
+        "options": {"text_field": config.text_field, "val_fraction": config.val_fraction,
+                    "split_seed": config.split_seed, "shard_bytes": config.shard_bytes,
+                    "unit_bytes": config.unit_bytes, "max_piece_chars": config.max_piece_chars,
+                    "strip": config.strip},
+        "inputs": {"files": len(files), "bytes": sum(f.size for f in files), "units": len(units),
+                   "list": [{"name": f.name, "bytes": f.size} for f in files]},
+        **({"partition": part} if part else {}),
+        "splits": splits,
+        "totals": totals,
+        "sources": sum_sources(r["sources"] for r in results),
+        # Documents per work unit and split, in unit order: where a document came from (show.py).
+        "unit_documents": {sp: [r["documents"].get(sp, 0) for r in results] for sp in splits},
+        "skipped": tally.to_json(),
+        "warnings": warnings.to_json(),
+    }

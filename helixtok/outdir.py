@@ -1,4 +1,4 @@
-"""The output folder: one build at a time (a lock), and removal of only the files helixtok wrote there."""
+"""The output folder: one build at a time (a lock), publishing into it (manifest last), and removal of only the files helixtok wrote there."""
 
 from __future__ import annotations
 
@@ -17,6 +17,14 @@ STATE = ".helixtok-partial"  # everything an unfinished build keeps; only helixt
 LOCK_INFO = ".helixtok-lock"  # who holds the lock, for the message a second build prints
 OWNED = "owned.json"  # in STATE: files of an earlier dataset being removed by --overwrite
 PUBLISH = "publish.json"  # in STATE: files being moved from STATE into OUT by the final step
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def check_out_path(out: str) -> None:
@@ -160,3 +168,22 @@ def remove_owned(out: str, keep: set[str] | None = None, protect: list[str] = ()
             os.remove(p)
     if os.path.isdir(state):
         shutil.rmtree(state)
+
+
+def publish(out: str, moves: list[tuple[str, str]], manifest: dict) -> None:
+    """Move a build's files (name in STATE, name in OUT) into OUT, then write the manifest, last
+    and atomically, and remove STATE.
+
+    publish.json names the files first, so a kill halfway leaves them known as helixtok's (a
+    rerun finds the moved shards there and publishes again; --overwrite removes them).
+    """
+    state = os.path.join(out, STATE)
+    write_json_atomic(os.path.join(state, PUBLISH), {"files": [p for _, p in moves]})
+    for n, p in moves:
+        if os.path.exists(os.path.join(state, n)):  # else moved by a build stopped while publishing
+            os.replace(os.path.join(state, n), os.path.join(out, p))
+    fsync_dir(out)  # shard renames are durable before the manifest says they exist
+    write_json_atomic(os.path.join(state, MANIFEST), manifest)
+    os.replace(os.path.join(state, MANIFEST), os.path.join(out, MANIFEST))
+    fsync_dir(out)
+    shutil.rmtree(state)

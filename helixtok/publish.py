@@ -21,9 +21,8 @@ from concurrent.futures import ThreadPoolExecutor
 from .errors import ConfigError, DatasetError, HelixtokError
 from .manifest import MANIFEST, load_manifest, manifest_files, write_json_atomic
 from .objstore import filesystem, redact, reports_storage_errors
-from .outdir import OutLock
+from .outdir import OutLock, fsync_dir
 from .planid import PLAN_FILE, plan_folder
-from .shards import fsync_dir
 from .tokenizer import sha256_file
 
 UPLOAD_THREADS = 4  # objects in flight; each large one is itself a multipart upload

@@ -9,16 +9,9 @@ import threading
 
 import numpy as np
 
+
 VALID_DTYPE = np.dtype("<u4")  # per-chunk count of real (non-pad) tokens: document and bestfit packing
 DOCS_DTYPE = np.dtype("<u8")  # token offsets within the shard where a document (or piece) starts
-
-
-def fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _tmp_of(final: str) -> str:

@@ -22,7 +22,7 @@ import helixtok.discover as hd
 import helixtok.units as hu
 from helixtok.backends import flat_encoder  # noqa: E402
 from helixtok.backend_check import choose_backend  # noqa: E402
-from helixtok.builder import schedule  # noqa: E402
+from helixtok.dispatch import schedule  # noqa: E402
 from helixtok.config import BuildConfig  # noqa: E402
 from helixtok.tokenizer import inspect_tokenizer  # noqa: E402
 

@@ -353,7 +353,7 @@ def test_long_document_split_encoding_is_exact(tmp_path, tokenizer_path, dev_doc
 
 
 def test_schedule_puts_costly_units_first_then_corpus_order():
-    from helixtok.builder import schedule
+    from helixtok.dispatch import schedule
     from helixtok.units import Unit
 
     U = 1000

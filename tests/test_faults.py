@@ -77,7 +77,7 @@ def test_a_build_stopped_before_publishing_resumes_identically(tmp_path, dev_cor
     def stop(*a, **kw):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(hb, "_publish", stop)
+    monkeypatch.setattr(hb, "publish", stop)
     out = str(tmp_path / "out")
     cfg = BuildConfig(seq_len=512, workers=2, shard_bytes=1 << 20, unit_bytes=UNIT)
     with pytest.raises(KeyboardInterrupt):
@@ -187,7 +187,7 @@ def test_changed_option_or_input_refuses_resume(tmp_path, small_tok, monkeypatch
     out = str(tmp_path / "out")
     cfg = BuildConfig(seq_len=4, workers=1)
     # Leave an unfinished build: interrupt right after the plan is journaled.
-    monkeypatch.setattr(hb, "_run_units", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt()))
+    monkeypatch.setattr(hb, "run_units", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt()))
     with pytest.raises(KeyboardInterrupt):
         build([str(c)], out, small_tok, cfg)
     monkeypatch.undo()

@@ -26,7 +26,7 @@ def shards_of(out):
 
 
 def interrupt_after_plan(monkeypatch):
-    monkeypatch.setattr(hb, "_run_units", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt()))
+    monkeypatch.setattr(hb, "run_units", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt()))
 
 
 def start(corpus, out, tok, *extra):
@@ -80,7 +80,7 @@ def test_stale_unit_shards_and_journal_entries_are_never_trusted(tmp_path, small
     cfg = BuildConfig(seq_len=16, workers=1, unit_bytes=1)  # one unit per file
     ref = build([str(small_corpus)], str(tmp_path / "ref"), small_tok, cfg)
     # A finished build to steal journal entries from, then an unfinished one.
-    real_run = hb._run_units
+    real_run = hb.run_units
     calls = {}
 
     def half(units, pending, *a, **k):
@@ -88,7 +88,7 @@ def test_stale_unit_shards_and_journal_entries_are_never_trusted(tmp_path, small
         calls["done"] = res
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(hb, "_run_units", half)
+    monkeypatch.setattr(hb, "run_units", half)
     with pytest.raises(KeyboardInterrupt):
         build([str(small_corpus)], out, small_tok, cfg)
     monkeypatch.undo()

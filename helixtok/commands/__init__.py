@@ -1,0 +1,1 @@
+"""The command line's commands, grouped by what they read (cli.py puts them under `helixtok`)."""

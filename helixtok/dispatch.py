@@ -1,0 +1,194 @@
+"""Run a build's pending work units: in this process, on the local worker pool or on Ray (rayexec.py),
+each journal entry handed on as it comes, with progress and a clean stop on a signal."""
+
+from __future__ import annotations
+
+import queue
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from .backends import FAST
+from .config import BuildConfig, worker_bytes
+from .errors import HelixtokError, InputError, Interrupted
+from .pool import WorkerPool
+from .tokenizer import TokenizerInfo
+from .unit import _init_worker, _LocalCounters, _W, _where, run_unit
+from .units import Unit
+
+
+@dataclass
+class Progress:
+    """What the progress callback receives: bytes of input done out of total, and counts."""
+
+    bytes_done: int
+    bytes_total: int
+    documents: int
+    tokens: int
+    units_done: int
+    units_total: int
+    phase: str
+    processes: int = 1  # tokenizing (worker processes, or this one)
+
+
+class Interrupt:
+    """A stop signal while workers run (Ctrl-C; SIGTERM or SIGHUP where the command line asked to
+    stop on them): note it and stop at the next poll (raised at an arbitrary point inside a wait
+    on futures it could be swallowed).  A signal that is ignored, or left to its default action,
+    stays so: a build started with Ctrl-C ignored (a script's background job) keeps ignoring it."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+    def __init__(self):
+        self.hit = 0  # the signal's number
+        self._old: dict = {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for s in self.SIGNALS:
+                if signal.getsignal(s) not in (signal.SIG_IGN, signal.SIG_DFL, None):
+                    self._old[s] = signal.signal(s, lambda signum, _: setattr(self, "hit", signum))
+        return self
+
+    def __exit__(self, *exc):
+        for s, old in self._old.items():
+            signal.signal(s, old)
+
+
+class UnitPool(WorkerPool):
+    """The worker processes, started before the backend check so that their start-up (and the
+    load of the likeliest library's tokenizer) overlaps it."""
+
+    def __init__(self, n: int, config: BuildConfig, state: str, run_id: str, tokenizer: str, load_likely: bool = True):
+        likely = (FAST[0], tokenizer) if load_likely and config.backend in ("auto", FAST[0]) else None
+        super().__init__(n, (_init_worker, (config, state, run_id, likely)), config.stall_seconds)
+
+
+def run_units(units: list[Unit], pending: list[Unit], info: TokenizerInfo, config: BuildConfig, state: str,
+               run_id: str, on_progress: Callable[[Progress], None] | None, done_bytes: int,
+               on_result: Callable[[dict], None], workers: UnitPool | None) -> list[dict]:
+    """Tokenize the pending units; each journal entry goes to `on_result` as soon as it is in."""
+    total_bytes = sum(u.est_bytes for u in units)
+    # One process: corpus order (a bad input is found where a reader expects it, and nothing is gained
+    # by another order).
+    order = schedule(pending, config.unit_bytes, config.strict or workers is None)
+    units_done = len(units) - len(pending)
+    t_last = 0.0
+    results = []
+
+    def report(counters, units_done, force=False):
+        nonlocal t_last
+        now = time.monotonic()
+        if on_progress and (force or now - t_last > 0.1):
+            t_last = now
+            on_progress(Progress(done_bytes + counters[0], total_bytes, counters[1], counters[2],
+                                 units_done, len(units), "tokenize", workers.n if workers else 1))
+
+    if workers is None:  # inline: no pool, easy to debug and profile
+        counters = _LocalCounters([0, 0, 0])
+        counters.hook = lambda: report(counters, units_done)  # progress within a unit, as it is read
+        _init_worker(config, state, run_id, None, counters)
+        try:
+            for u in order:
+                results.append(run_unit(u, info))
+                on_result(results[-1])
+                units_done += 1
+                report(counters, units_done, force=True)
+        finally:
+            _W.clear()  # this process's encoder (its tokenizer: ~100 MB for a 100k vocabulary) goes
+        return results
+
+    counters = workers.counters
+    try:
+        with Interrupt() as interrupt:
+            # The pool bounds every wait: a unit's future fails once its worker dies or stalls
+            # (config.stall_seconds without progress), naming that unit.
+            futures = {workers.submit(run_unit, u, info, what=f"tokenizing {_where(u)}", beats=True): u
+                       for u in order}
+            # Each future reports itself done into one queue: a wait costs the same for 10 units as
+            # for 10,000 (concurrent.futures.wait installs a waiter on every pending future, each
+            # time: quadratic in the units).
+            done_q: queue.SimpleQueue = queue.SimpleQueue()
+            for f in futures:
+                f.add_done_callback(done_q.put)
+            remaining = set(futures)
+            bad: tuple[int, InputError] | None = None  # the first bad input in corpus order
+            while remaining:
+                finished = take_done(done_q, 0.2) & remaining
+                remaining -= finished
+                if interrupt.hit:
+                    raise Interrupted(interrupt.hit)
+                for f in sorted(finished, key=lambda f: futures[f].index):
+                    try:
+                        results.append(_result(f, futures[f]))
+                    except InputError as e:
+                        if bad is None or futures[f].index < bad[0]:
+                            bad = (futures[f].index, e)
+                    else:
+                        on_result(results[-1])
+                    units_done += 1
+                if bad is not None:
+                    # Only units before the bad one can hold an earlier error: wait for those alone.
+                    remaining = {f for f in remaining if futures[f].index < bad[0]}
+                    if not remaining:
+                        raise bad[1]
+                report(counters, units_done, force=bool(finished))
+    except BaseException:
+        workers.kill()
+        raise
+    workers.close()
+    return results
+
+
+def take_done(q: queue.SimpleQueue, timeout: float) -> set:
+    """The futures done by now: one waited for up to `timeout` s, then all others already in."""
+    try:
+        got = {q.get(timeout=timeout)}
+    except queue.Empty:
+        return set()
+    while True:
+        try:
+            got.add(q.get_nowait())
+        except queue.Empty:
+            return got
+
+
+def schedule(pending: list[Unit], unit_bytes: int, in_order: bool = False) -> list[Unit]:
+    """The order units go to the workers (the output's order does not depend on it).
+
+    Units costing over twice unit_bytes (a large text file or row group, a .zst range that
+    discards what precedes it in its frame) go first, costliest first, so that none of them is
+    the last to finish; then corpus order.  in_order: corpus order only (--strict, to stop at
+    the first bad input soon; one process).
+    """
+    pending = sorted(pending, key=lambda u: u.index)
+    if in_order:
+        return pending
+
+    def cost(u: Unit) -> int:  # discarding decompressed bytes runs ~6x faster than tokenizing them
+        return u.est_bytes + u.skip_bytes // 6
+
+    big = sorted((u for u in pending if cost(u) > 2 * unit_bytes), key=lambda u: (-cost(u), u.index))
+    return big + [u for u in pending if cost(u) <= 2 * unit_bytes]
+
+
+def _result(f, u: Unit) -> dict:
+    """A finished future's journal entry, or one clear error naming the unit that failed."""
+    try:
+        return f.result()
+    except (HelixtokError, OSError):
+        raise
+    except Exception as e:  # noqa: BLE001
+        raise HelixtokError(f"tokenizing {_where(u)} failed: {type(e).__name__}: {e}") from None
+
+
+def worker_count(config: BuildConfig, units: list[Unit], backend: str) -> int:
+    """How many processes tokenize with `backend`: --workers at most, and only as many as the
+    input keeps busy for about a second each, which is what one costs to start (interpreter,
+    imports, the tokenizer's load: 0.5-1.7 s): one per 64 MiB with fastokens or gigatoken, one
+    per 4 MiB with tiktoken or tokenizers (config.worker_bytes).  One means none: the build's own
+    process tokenizes."""
+    per = worker_bytes(backend)
+    return max(1, min(config.num_workers, len(units), -(-sum(u.est_bytes for u in units) // per)))

@@ -1,0 +1,105 @@
+"""What OUT already holds: this very build, finished (up to date); an unfinished one to resume, and
+the finished units it can trust; or something to refuse, named."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+
+from .errors import ConfigError
+from .manifest import load_manifest, manifest_files
+from .outdir import PUBLISH, STATE, read_list, refuse_foreign, remove_owned
+from .planid import PLAN_FILE, describe_change
+from .unit import done_path, state_files
+from .units import Unit
+
+
+def up_to_date(out: str, plan: bytes) -> dict:
+    """The finished dataset in OUT, when it was built from this very plan and its files are all
+    there with their sizes (a Slurm requeue, a Ray retry of a finished task); else why not, as
+    the refusal to build over it."""
+    m = load_manifest(out)  # checked: a damaged manifest is refused, never called up to date
+    try:
+        with open(os.path.join(out, PLAN_FILE), "rb") as fh:
+            theirs = fh.read()
+    except FileNotFoundError:  # built by an older helixtok: nothing tells what it was built from
+        raise ConfigError(f"{out}: already holds a finished dataset; pass --overwrite to replace it") from None
+    if theirs != plan:
+        try:
+            change = describe_change(json.loads(theirs), json.loads(plan))
+        except ValueError:
+            change = f"its {PLAN_FILE} is unreadable"
+        raise ConfigError(f"{out}: already holds a finished dataset built from other inputs or options ({change}); "
+                          "pass --overwrite to replace it")
+    sizes = {x["path"]: x["bytes"] for sp in m["splits"].values() for e in sp["shards"]
+             for x in (e, e.get("docs"), e.get("valid")) if x and "bytes" in x}
+    for rel in manifest_files(m):
+        p = os.path.join(out, rel)
+        if not (os.path.isfile(p) and (rel not in sizes or os.path.getsize(p) == sizes[rel])):
+            raise ConfigError(f"{out}: holds this build's manifest but {rel} is missing or has another size; "
+                              "pass --overwrite to build it again")
+    shutil.rmtree(os.path.join(out, STATE), ignore_errors=True)  # an interrupted last step (cleanup)
+    return m
+
+
+def prepare_out(out: str, plan: dict, overwrite: bool, protect: list[str]) -> bool:
+    """Make the locked OUT ready; returns True when an unfinished build with the same plan can resume.
+    (A finished dataset without --overwrite never gets here: up_to_date says what it is.)"""
+    state = os.path.join(out, STATE)
+    refuse_foreign(out)
+    if overwrite:
+        remove_owned(out, protect=protect)
+        return False
+    plan_path = os.path.join(state, "plan.json")
+    if os.path.isfile(plan_path):
+        try:
+            with open(plan_path) as fh:
+                old = json.load(fh)
+        except ValueError:
+            old = None
+        if old == plan:
+            return True
+        if old is not None:
+            raise ConfigError(f"{out}: holds an unfinished build with other inputs or options "
+                              f"({describe_change(old, plan)}); pass --overwrite to discard it")
+    # Leftovers that no plan describes (a kill before plan.json was written) are ours and useless.
+    remove_owned(out)
+    return False
+
+
+def trusted_results(out: str, state: str, units: list[Unit], uploaded: dict[str, int] | None = None
+                     ) -> dict[int, dict]:
+    """Journal entries of finished units whose shards are all there with the sizes recorded: in
+    STATE, or already moved into OUT by a build stopped while publishing (publish.json names
+    those), or (uploaded: object name -> size) in object storage.  Shards are fsynced before
+    their entry is written (uploaded: their upload checked), so a size that matches is the data.
+
+    Read once, at start: the lock guarantees no other build writes here, and an orphan that
+    journals late only ever names its own run's files, which this run then does not use.
+    """
+    moved = set(read_list(os.path.join(state, PUBLISH)))
+    trusted: dict[int, dict] = {}
+    for u in units:
+        try:
+            with open(done_path(state, u.index)) as fh:
+                r = json.load(fh)
+            ok = r["index"] == u.index and "lines" in r and "sources" in r and "counts" in r and all(
+                uploaded.get(p) == size if uploaded is not None else
+                _has(os.path.join(state, n), size) or (p in moved and _has(os.path.join(out, p), size))
+                for n, p, size in state_files(r))
+        except (OSError, ValueError, KeyError, TypeError):
+            ok = False
+        if ok:
+            trusted[u.index] = r
+    keep = {n for r in trusted.values() for n, _, _ in state_files(r)}
+    for e in os.listdir(state):  # shards of runs that did not finish their unit
+        if e.startswith("u") and e not in keep and not e.endswith(".done.json"):
+            with contextlib.suppress(OSError):
+                os.remove(os.path.join(state, e))
+    return trusted
+
+
+def _has(path: str, size: int) -> bool:
+    return not os.path.islink(path) and os.path.isfile(path) and os.path.getsize(path) == size
