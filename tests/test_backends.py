@@ -277,9 +277,9 @@ def test_an_inline_build_tokenizes_with_the_library_its_check_loaded(tmp_path, d
     # ... and freed when build() returns: a notebook that builds keeps no tokenizer (~100 MB for
     # a 100k vocabulary) alive, in the encoder or the cache; nor its one-core settings, which
     # would slow the notebook's own tokenizers.
-    from helixtok import builder as hb
-    assert real.cache_info().currsize == 0 and hb._W == {}
-    assert [os.environ.get(k) for k in hb.THREAD_ENV] == [None, "4"]
+    from helixtok import unit as hu
+    assert real.cache_info().currsize == 0 and hu._W == {}
+    assert [os.environ.get(k) for k in hu.THREAD_ENV] == [None, "4"]
 
 
 def test_an_inline_build_loads_the_likely_library_ahead_and_a_failure_meanwhile_exits_cleanly(
@@ -517,8 +517,8 @@ def test_the_command_line_loads_fastokens_while_it_imports_and_the_build_takes_t
     from helixtok import builder as hb
 
     where.clear()
-    pools, pool_cls = [], hb._Pool
-    monkeypatch.setattr(hb, "_Pool", lambda n, *a, **kw: pools.append(n) or pool_cls(n, *a, **kw))
+    pools, pool_cls = [], hb.UnitPool
+    monkeypatch.setattr(hb, "UnitPool", lambda n, *a, **kw: pools.append(n) or pool_cls(n, *a, **kw))
     monkeypatch.setattr(preload, "_fits_one_process", lambda corpus: True)
     monkeypatch.setenv("HELIXTOK_WORKER_BYTES", "8192")
     r = cli("pool", "-j", "2", "--unit-size", "8KiB")

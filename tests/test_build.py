@@ -154,12 +154,12 @@ def test_workers_are_as_many_as_the_input_keeps_busy(tmp_path, small_corpus, sma
 
     made = []
 
-    class Counted(hb._Pool):
+    class Counted(hb.UnitPool):
         def __init__(self, n, *a, **k):
             made.append((n, k.get("load_likely", True)))
             super().__init__(n, *a, **k)
 
-    monkeypatch.setattr(hb, "_Pool", Counted)
+    monkeypatch.setattr(hb, "UnitPool", Counted)
     monkeypatch.delenv("HELIXTOK_WORKER_BYTES", raising=False)
     cfg = BuildConfig(seq_len=64, workers=2, unit_bytes=1)  # 18 KB of text, one unit per file (7)
 

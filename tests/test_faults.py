@@ -17,6 +17,7 @@ import pytest
 from click.testing import CliRunner
 
 import helixtok.builder as hb
+import helixtok.dispatch as hdisp
 from conftest import UNIT
 from helixtok.builder import STATE, build
 from helixtok.cli import main
@@ -94,7 +95,7 @@ def test_a_build_stopped_before_publishing_resumes_identically(tmp_path, dev_cor
 def _stopped_after(n_units: int, monkeypatch):
     """Make an inline build stop (Ctrl-C) when it starts its n-th unit; returns the list of the
     units the build tokenizes (all of its runs)."""
-    ran, real = [], hb.run_unit
+    ran, real = [], hdisp.run_unit
     stop = [True]
 
     def counted(unit, info):
@@ -102,7 +103,7 @@ def _stopped_after(n_units: int, monkeypatch):
             raise KeyboardInterrupt
         ran.append(unit.index)
         return real(unit, info)
-    monkeypatch.setattr(hb, "run_unit", counted)
+    monkeypatch.setattr(hdisp, "run_unit", counted)
     return ran
 
 
@@ -359,9 +360,9 @@ def test_a_one_process_build_stops_at_a_failed_write_and_leaves_nothing_half_wri
         ran.append(unit.index)
         return real_run(unit, info)
 
-    real_run = hb.run_unit
+    real_run = hdisp.run_unit
     monkeypatch.setattr(shards.HashedFile, "write", write)
-    monkeypatch.setattr(hb, "run_unit", run_unit)
+    monkeypatch.setattr(hdisp, "run_unit", run_unit)
     out = tmp_path / "out"
     with pytest.raises(HelixtokError, match="disk full while building"):
         build([str(c)], str(out), small_tok, BuildConfig(seq_len=16, workers=1, unit_bytes=4096))
@@ -496,14 +497,14 @@ def test_a_pool_that_breaks_while_starting_is_one_line_and_leaves_no_worker(tmp_
     import helixtok.pool as hp
 
     made = []
-    real_init = hb._Pool.__init__
+    real_init = hb.UnitPool.__init__
 
     def init(self, *a, **k):
         real_init(self, *a, **k)
         made.extend(self.procs)
     monkeypatch.setattr(hp, "_SERVE", "import os\nos._exit(3)\n")
-    monkeypatch.setattr(hb._Pool, "__init__", init)
-    with pytest.raises(hb.HelixtokError, match="a worker process died while starting"):
+    monkeypatch.setattr(hb.UnitPool, "__init__", init)
+    with pytest.raises(HelixtokError, match="a worker process died while starting"):
         build([str(small_corpus)], str(tmp_path / "out"), small_tok, BuildConfig(seq_len=16, workers=2, unit_bytes=1))
     assert made and all(p.poll() is not None for p in made)
 

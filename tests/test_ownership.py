@@ -16,8 +16,9 @@ from helixtok import MemmapChunkDataset
 from helixtok.builder import build
 from helixtok.cli import main
 from helixtok.config import BuildConfig
-from helixtok.errors import ConfigError, DatasetError, InputError
+from helixtok.errors import ConfigError, DatasetError, HelixtokError, InputError
 from helixtok.outdir import LOCK_INFO, STATE
+from helixtok.unit import done_path
 from helixtok.discover import discover
 
 
@@ -103,7 +104,7 @@ def test_stale_unit_shards_and_journal_entries_are_never_trusted(tmp_path, small
         fh.truncate(os.path.getsize(tok_file) // 2)
     ghost_shard = {**done[1]["shards"]["train"][0], "state": "u999999.rX.train.0000.bin"}
     ghost = dict(done[1], shards={"train": [ghost_shard]})
-    with open(hb.done_path(state, done[1]["index"]), "w") as fh:
+    with open(done_path(state, done[1]["index"]), "w") as fh:
         json.dump(ghost, fh)
     m = build([str(small_corpus)], out, small_tok, cfg)
     assert m["splits"] == ref["splits"]
@@ -342,5 +343,5 @@ def test_a_panic_inside_the_tokenizer_is_one_line_naming_the_unit(tmp_path, smal
     from helixtok.encode import Encoder
 
     monkeypatch.setattr(Encoder, "encode", panic)
-    with pytest.raises(hb.HelixtokError, match=r"tokenizing .*a.txt.* failed: PanicException: called"):
+    with pytest.raises(HelixtokError, match=r"tokenizing .*a.txt.* failed: PanicException: called"):
         build([str(small_corpus)], str(tmp_path / "out"), small_tok, BuildConfig(seq_len=16, workers=1))
