@@ -89,7 +89,7 @@ def build(corpus, out: str, tokenizer: str, config: BuildConfig | None = None, *
     # either way nothing is tokenized, so no worker starts.
     finished = not overwrite and os.path.isfile(os.path.join(out, MANIFEST))
     # On Ray the cluster's workers tokenize; nothing starts here before the backend check.
-    n_workers = 1 if finished or config.ray_address is not None else worker_count(config, mine, likely)
+    n_workers = 1 if finished or config.ray_address is not None else worker_count(config, mine, likely, path)
     workers = None
     env = {k: os.environ.get(k) for k in THREAD_ENV}
     try:
@@ -237,7 +237,7 @@ def _build_started(out, info, config, overwrite, on_progress, part, files, units
         from .rayexec import RayExecutor
 
         workers = RayExecutor(config.ray_address, config, state, run_id, remote)
-    elif (n := worker_count(config, pending, info.backend)) > (workers.n if workers else 1):
+    elif (n := worker_count(config, pending, info.backend, info.path)) > (workers.n if workers else 1):
         # Sized for a faster library than the check found exact: this one needs more processes.
         if workers is not None:
             workers.kill()

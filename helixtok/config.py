@@ -24,13 +24,23 @@ WORKER_BYTES = {"fastokens": 64 << 20, "gigatoken": 64 << 20}
 WORKER_BYTES_SLOW = 4 << 20
 
 
-def worker_bytes(backend: str) -> int:
-    """Input per worker process with `backend`; $HELIXTOK_WORKER_BYTES sets it for all (1: --workers
-    alone decides how many)."""
+# A worker's start grows with the tokenizer it loads: ~0.5 s for the interpreter and imports, plus
+# ~0.1 s per MB of tokenizer.json (fastokens, a 7 MB 100k vocabulary: 0.74 s), twice that while
+# the workers and the backend check load at once.  Measured on two vCPUs: with such a tokenizer,
+# -j 2 was slower than -j 1 up to ~200 MB of input under a 64 MiB share.
+LOAD_SHARE_PER_MB = 0.4
+
+
+def worker_bytes(backend: str, tokenizer_bytes: int = 0) -> int:
+    """Input per worker process with `backend` and a tokenizer.json of `tokenizer_bytes`: about
+    what keeps a worker busy for as long again as it took to start.  $HELIXTOK_WORKER_BYTES sets
+    it for all (1: --workers alone decides how many)."""
     env = os.environ.get("HELIXTOK_WORKER_BYTES", "")
     if env and (not env.isdigit() or int(env) < 1):
         raise ConfigError(f"HELIXTOK_WORKER_BYTES must be a whole number of bytes, at least 1; got {env!r}")
-    return int(env) if env else WORKER_BYTES.get(backend, WORKER_BYTES_SLOW)
+    if env:
+        return int(env)
+    return int(WORKER_BYTES.get(backend, WORKER_BYTES_SLOW) * (1 + LOAD_SHARE_PER_MB * tokenizer_bytes / 1e6))
 
 DEFAULT_SHARD_BYTES = 1 << 30
 # ~4 MiB of input per work unit: big enough that per-unit overhead is noise,

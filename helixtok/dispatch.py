@@ -3,6 +3,7 @@ each journal entry handed on as it comes, with progress and a clean stop on a si
 
 from __future__ import annotations
 
+import os
 import queue
 import signal
 import threading
@@ -184,11 +185,11 @@ def _result(f, u: Unit) -> dict:
         raise HelixtokError(f"tokenizing {_where(u)} failed: {type(e).__name__}: {e}") from None
 
 
-def worker_count(config: BuildConfig, units: list[Unit], backend: str) -> int:
+def worker_count(config: BuildConfig, units: list[Unit], backend: str, tokenizer: str) -> int:
     """How many processes tokenize with `backend`: --workers at most, and only as many as the
     input keeps busy for about a second each, which is what one costs to start (interpreter,
     imports, the tokenizer's load: 0.5-1.7 s): one per 64 MiB with fastokens or gigatoken, one
-    per 4 MiB with tiktoken or tokenizers (config.worker_bytes).  One means none: the build's own
-    process tokenizes."""
-    per = worker_bytes(backend)
+    per 4 MiB with tiktoken or tokenizers, more the larger the tokenizer file (config.worker_bytes:
+    a 7 MB 100k vocabulary, ~250 MiB).  One means none: the build's own process tokenizes."""
+    per = worker_bytes(backend, os.path.getsize(tokenizer))
     return max(1, min(config.num_workers, len(units), -(-sum(u.est_bytes for u in units) // per)))

@@ -72,16 +72,16 @@ def speculate(corpus: list[str], tokenizer: str, workers: int, backend: str) -> 
     path = os.path.join(tokenizer, "tokenizer.json") if os.path.isdir(tokenizer) else tokenizer
     if not os.path.isfile(path):
         return  # a HF repo id, or an error the build reports
-    if workers != 1 and not _fits_one_process(corpus):
+    if workers != 1 and not _fits_one_process(corpus, os.path.getsize(path)):
         return
     start(path)
 
 
-def _fits_one_process(corpus: list[str]) -> bool:
+def _fits_one_process(corpus: list[str], tokenizer_bytes: int) -> bool:
     """Whether the local inputs hold at most one fastokens worker's share, counting files as they
     are on disk (a compressed one holds more: the guess may be wrong, at the cost above)."""
     try:
-        limit = worker_bytes("fastokens")
+        limit = worker_bytes("fastokens", tokenizer_bytes)
     except ConfigError:
         return False  # the build says what is wrong with it
     total = seen = 0

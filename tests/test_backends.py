@@ -519,7 +519,7 @@ def test_the_command_line_loads_fastokens_while_it_imports_and_the_build_takes_t
     where.clear()
     pools, pool_cls = [], hb.UnitPool
     monkeypatch.setattr(hb, "UnitPool", lambda n, *a, **kw: pools.append(n) or pool_cls(n, *a, **kw))
-    monkeypatch.setattr(preload, "_fits_one_process", lambda corpus: True)
+    monkeypatch.setattr(preload, "_fits_one_process", lambda corpus, tokenizer_bytes: True)
     monkeypatch.setenv("HELIXTOK_WORKER_BYTES", "8192")
     r = cli("pool", "-j", "2", "--unit-size", "8KiB")
     assert r.exit_code == 0, r.output
@@ -536,7 +536,7 @@ def test_the_command_line_loads_fastokens_while_it_imports_and_the_build_takes_t
     monkeypatch.setattr(fastokens, "Tokenizer", Counted)
     monkeypatch.setattr(preload, "start", lambda path: where.append("guessed"))
     monkeypatch.setenv("HELIXTOK_WORKER_BYTES", str(os.path.getsize(corpus)))  # one process's share
-    assert preload._fits_one_process([corpus]) and not preload._fits_one_process([corpus, corpus])
+    assert preload._fits_one_process([corpus], 0) and not preload._fits_one_process([corpus, corpus], 0)
     preload.speculate([corpus, corpus], tok, 2, "auto")
     preload.speculate([corpus], tok, 2, "hf")
     preload.speculate([corpus], str(tmp_path / "missing.json"), 1, "auto")

@@ -176,12 +176,20 @@ def test_workers_are_as_many_as_the_input_keeps_busy(tmp_path, small_corpus, sma
     assert (m["tokenizer"]["backend"], pools) == ("fastokens", [])  # 18 KB: this process tokenizes
     units, _ = plan_units(discover([str(small_corpus)])[0], unit_bytes=cfg.unit_bytes, text_field="text")
     monkeypatch.setenv("HELIXTOK_WORKER_BYTES", str(8 << 10))  # three processes' worth: --workers 2 caps it
-    assert [hb.worker_count(cfg, units, b) for b in ("fastokens", "hf")] == [2, 2]
+    assert [hb.worker_count(cfg, units, b, small_tok) for b in ("fastokens", "hf")] == [2, 2]
     monkeypatch.setenv("HELIXTOK_WORKER_BYTES", "64KiB")
     with pytest.raises(ConfigError, match="HELIXTOK_WORKER_BYTES must be a whole number of bytes"):
-        hb.worker_count(cfg, units, "fastokens")
+        hb.worker_count(cfg, units, "fastokens", small_tok)
     monkeypatch.delenv("HELIXTOK_WORKER_BYTES")
     total = sum(u.est_bytes for u in units)
+    # Each worker loads the tokenizer: a larger file (a 100k vocabulary is ~7 MB) takes longer, so
+    # each needs more input to pay for its start (-j 2 was slower than -j 1 on 123 MB otherwise).
+    monkeypatch.setattr(helixtok.config, "WORKER_BYTES", {"fastokens": -(-total // 4)})  # four workers' worth
+    big = tmp_path / "big-tokenizer.json"
+    big.write_bytes(b" " * 2_500_000)  # (only its size counts here)
+    many = dataclasses.replace(cfg, workers=8)
+    assert os.path.getsize(small_tok) < 100_000
+    assert [hb.worker_count(many, units, "fastokens", t) for t in (small_tok, str(big))] == [4, 2]
     monkeypatch.setattr(helixtok.config, "WORKER_BYTES", {"fastokens": -(-total // 2)})  # the corpus: two workers' worth
     assert run("share", task=(1, 3))[1] == []  # one task of three (the last two files): sized for its share
     monkeypatch.setattr(helixtok.config, "WORKER_BYTES", {"fastokens": 1 << 30})  # kilobytes stand for MiB
