@@ -20,7 +20,8 @@ def export_llmc(src: str, dest: str, *, split: str = "train") -> dict:
     m = load_manifest(src)
     s = split_entry(m, split, src)
     if m["packing"] != "packed":
-        raise ConfigError(f"{src}: llm.c reads one token stream; this build is {m['packing']}-packed")
+        raise ConfigError(f"{src}: llm.c reads one token stream; this build is {m['packing']}-packed "
+                          "(rebuild with --pack packed)")
     n = int(s["num_tokens"])
     if n >= 2**31:
         raise ConfigError(f"{src}: {n} tokens; llm.c's header counts at most 2**31 - 1: export fewer shards")

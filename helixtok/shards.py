@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import queue
+import sys
 import threading
 
 import numpy as np
@@ -76,6 +78,26 @@ class _Sha256Behind:
             self._thread = None
 
 
+WRITEBACK_BYTES = 1 << 20  # written since the last start of write-back
+
+
+@functools.lru_cache(maxsize=1)
+def _start_writeback():
+    """Linux's sync_file_range(fd, start, n, SYNC_FILE_RANGE_WRITE): starts writing a range of a
+    file back to disk without waiting for it, so the fsync at commit finds little left to write
+    (160 files of 2.9 MB: fsync waits 0.22-0.30 s in all, 0.10 s with it).  None elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
+    return fn
+
+
 class HashedFile:
     """A temp file whose bytes are hashed as written; `commit` fsyncs and renames it into place."""
 
@@ -84,12 +106,17 @@ class HashedFile:
         self.fh = open(self.tmp, "wb")
         self.hasher = _Sha256Behind()
         self.bytes = 0
+        self._behind = 0  # bytes up to which write-back has been started
 
     def write(self, arr: np.ndarray) -> None:
         buf = np.ascontiguousarray(arr).data
         self.fh.write(buf)
         self.hasher.update(buf)
         self.bytes += buf.nbytes
+        if self.bytes - self._behind >= WRITEBACK_BYTES and (start := _start_writeback()) is not None:
+            self.fh.flush()
+            start(self.fh.fileno(), self._behind, self.bytes - self._behind, 2)  # only a hint: its result does not matter
+            self._behind = self.bytes
 
     def commit(self) -> dict:
         """Durable under its final name: {"bytes", "sha256"}."""

@@ -267,3 +267,7 @@ def test_megatron_export_of_bestfit_is_one_sequence_per_item(tmp_path, dev_bestf
     assert all(tuple(got["docs"][str(i % len(stored))]) == stored[i] for i in picks)
     with pytest.raises(ConfigError, match="HelixLM's store is a packed stream; this build is bestfit-packed"):
         export_helixlm(dev_bestfit, str(tmp_path / "store"))
+    r = CliRunner().invoke(main, ["export", "llmc", dev_bestfit, str(tmp_path / "bf.bin")])
+    assert r.exit_code == 1 and not os.path.exists(tmp_path / "bf.bin")
+    assert r.output.strip() == (f"Error: {dev_bestfit}: llm.c reads one token stream; this build is bestfit-packed "
+                                "(rebuild with --pack packed)")

@@ -63,15 +63,26 @@ def test_document_chunks_hand_made():
 
 
 @settings(max_examples=60, deadline=None)
-@given(sizes=st.lists(st.integers(0, 50000), max_size=25), queued=st.integers(1, 90000))
-def test_shard_hash_behind_the_writes_is_the_files_sha256(tmp_path_factory, sizes, queued):
+@given(sizes=st.lists(st.integers(0, 50000), max_size=25), queued=st.integers(1, 90000),
+       behind=st.integers(1, 300000))
+def test_shard_hash_behind_the_writes_is_the_files_sha256(tmp_path_factory, sizes, queued, behind):
     """A shard's sha256 is hashed in a thread beside the writes (small buffers inline), holding
     at most `queued` bytes not yet hashed: the commit gives exactly hashlib's digest of the bytes
-    in order, and the file holds them under its final name."""
+    in order, and the file holds them under its final name.  Write-back is started (Linux) over
+    consecutive ranges of at least `behind` bytes, each already in the file when started."""
     d = tmp_path_factory.mktemp("sha")
     rng = np.random.default_rng(len(sizes))
+    real, started = shards._start_writeback(), []
+
+    def start(fd, at, n, flags):
+        assert os.fstat(fd).st_size >= at + n and flags == 2
+        started.append((at, n))
+        return real(fd, at, n, flags) if real is not None else 0
+
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(shards._Sha256Behind, "QUEUED_BYTES", queued)
+        mp.setattr(shards, "WRITEBACK_BYTES", behind)
+        mp.setattr(shards, "_start_writeback", lambda: start)
         f = shards.HashedFile(str(d / "s.bin"))
         want, seen = hashlib.sha256(), b""
         for i, n in enumerate(sizes):
@@ -84,6 +95,9 @@ def test_shard_hash_behind_the_writes_is_the_files_sha256(tmp_path_factory, size
         entry = f.commit()
     assert entry == {"bytes": len(seen), "sha256": want.hexdigest()}
     assert (d / "s.bin").read_bytes() == seen
+    ends = [at + n for at, n in started]
+    assert [at for at, _ in started] == ([0] + ends[:-1] if started else []) and all(n >= behind for _, n in started)
+    assert len(seen) - (ends[-1] if ends else 0) < behind  # all but the last `behind` bytes are on their way
     assert not os.path.exists(shards._tmp_of(str(d / "s.bin")))
 
 
