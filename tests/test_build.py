@@ -451,3 +451,27 @@ def test_bos_follows_the_tokenizers_own_rule_unless_told(tmp_path, small_tok):
     assert got["gpt2"][:2] == (False, "tokenizer")
     pad = Tokenizer.from_file(small_tok).token_to_id("<pad>")
     assert got["gpt2-bos"][:2] == (True, "--bos") and (got["gpt2-bos"][2] == pad).all()
+
+
+def test_a_workers_progress_is_sent_coalesced_and_complete():
+    """A worker reports progress after every batch; it sends at most one message per
+    Beat.SEND_SECONDS, and flush() (before each task's answer) sends what was held: the sums
+    the parent sees are exact."""
+    import io
+    import threading
+
+    from helixtok import pool
+
+    buf = io.BytesIO()
+    beat = pool.Beat(buf, threading.Lock())
+    for i in range(5000):
+        beat.bump(10, 1, i % 7)
+    beat.flush()
+    buf.seek(0)
+    msgs = []
+    while (m := pool._recv(buf)) is not pool._EOF:
+        msgs.append(m)
+    assert 1 <= len(msgs) <= 5 and all(m[0] == "progress" for m in msgs)
+    assert [sum(m[k] for m in msgs) for k in (1, 2, 3)] == [50000, 5000, sum(i % 7 for i in range(5000))]
+    beat.flush()  # nothing held: nothing sent
+    assert buf.read() == b""
