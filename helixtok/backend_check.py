@@ -44,8 +44,9 @@ def choose_backend(info: TokenizerInfo, units: list[Unit], config: BuildConfig,
     With an `executor` (the build's pool.WorkerPool), the fastest library's ids come from a worker."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from .backends import (FAST, answers, backend_version, digests_apart, flat_encoder, hf_answers, hf_tokenizer,
-                           judge, needs_long, parity_texts)
+    from .backends import (FAST, NO_LONG_VERDICT, answers, backend_version, cached_verdict, digests_apart,
+                           flat_encoder, hf_answers, hf_tokenizer, judge, needs_long, parity_texts, remember_verdict,
+                           texts_digest)
 
     hf = dataclasses.replace(info, backend="hf", backend_version=backend_version("hf"))
     if config.backend == "hf":
@@ -53,20 +54,35 @@ def choose_backend(info: TokenizerInfo, units: list[Unit], config: BuildConfig,
     tok = hf_tokenizer(info.path, info.special_tokens)
     sample = sample_texts(units, config)
     texts = parity_texts(tok, sample)
+    digest = texts_digest(texts)
     names = FAST if config.backend == "auto" else (config.backend,)
     versions = {name: backend_version(name) for name in names}
-    long = {name: ver is not None and needs_long(name, ver, info.sha256, info.special_tokens)
-            for name, ver in versions.items()}
-    tried, hf_long, apart = {}, None, []
     key = (info.path, info.sha256, info.special_tokens)
+    verdict_key = {name: (name, ver, info.sha256, info.special_tokens, digest) for name, ver in versions.items()}
+    tried, hf_long, apart, want = {}, None, [], None
+
+    def chosen(name: str) -> tuple[TokenizerInfo, dict]:
+        return dataclasses.replace(info, backend=name, backend_version=versions[name]), {
+            "chosen": name, "reason": "same ids as tokenizers on the corpus sample and the hostile sets",
+            "sample_documents": len(sample), "rejected": tried}
+
     # tokenizers' ids of the sample, the slow half of the check, are made in a thread (its encode
     # releases the GIL) while the backend answers, here or in a worker; the long inputs are
-    # encoded in other processes meanwhile (see digests_apart), stopped once not needed.
+    # encoded in other processes meanwhile (see digests_apart), stopped once not needed.  A
+    # verdict this machine has reached on the same texts (a rerun, a resumed build, another task
+    # of the corpus) is taken as it is: none of that runs.
     with ThreadPoolExecutor(1, thread_name_prefix="helixtok-check") as side:
-        want = side.submit(hf_answers, tok, texts)
         try:
             for name in names:
                 ver = versions[name]
+                known = cached_verdict(*verdict_key[name]) if ver is not None else None
+                if known is not None:
+                    if known[0]:
+                        return chosen(name)
+                    tried[name] = known[1]
+                    continue
+                if want is None:
+                    want = side.submit(hf_answers, tok, texts)
                 # The workers have loaded the first library's tokenizer (_warm): spare this process
                 # loading it too (0.5 s for a 100k vocabulary).
                 in_worker = executor is not None and name == FAST[0] and ver is not None
@@ -76,7 +92,7 @@ def choose_backend(info: TokenizerInfo, units: list[Unit], config: BuildConfig,
                         tried[name] = why
                         continue
                 theirs = None
-                if long[name]:  # started first, to be encoded beside the answers
+                if needs_long(name, ver, info.sha256, info.special_tokens):  # started first, encoded beside the answers
                     if hf_long is None:
                         hf_long = digests_apart("hf", *key, executor, config.stall_seconds)
                         apart.append(hf_long)
@@ -87,10 +103,10 @@ def choose_backend(info: TokenizerInfo, units: list[Unit], config: BuildConfig,
                        if in_worker else answers(encode, texts))
                 ok, why = judge(name, ver, info.sha256, info.special_tokens, texts, (got, theirs),
                                 (want.result(), hf_long))
+                if why != NO_LONG_VERDICT:
+                    remember_verdict(*verdict_key[name], (ok, why))
                 if ok:
-                    return dataclasses.replace(info, backend=name, backend_version=ver), {
-                        "chosen": name, "reason": "same ids as tokenizers on the corpus sample and the hostile sets",
-                        "sample_documents": len(sample), "rejected": tried}
+                    return chosen(name)
                 tried[name] = why
                 if theirs is not None:
                     theirs.drop()  # refused on the sample: its long inputs no longer matter

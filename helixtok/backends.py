@@ -393,6 +393,33 @@ def long_parity(name: str, version: str, sha: str, special: str, digests: list[s
     return ok, why
 
 
+def texts_digest(texts: list[str]) -> str:
+    """sha256 of a list of texts (each length-prefixed: ["ab"] and ["a", "b"] differ)."""
+    h = hashlib.sha256()
+    for t in texts:
+        b = t.encode("utf-8", "surrogatepass")
+        h.update(len(b).to_bytes(8, "little"))
+        h.update(b)
+    return h.hexdigest()
+
+
+def _verdict_file(name: str, version: str, sha: str, special: str, digest: str) -> str:
+    return _cache_file("verdict", name, version, sha, special, digest)
+
+
+def cached_verdict(name: str, version: str, sha: str, special: str, digest: str) -> tuple[bool, str] | None:
+    """judge's verdict on the parity texts whose texts_digest is `digest`, when this machine has it:
+    a rerun, a resumed build or another task of the same corpus skips the check's encoding."""
+    got = _read_cache(_verdict_file(name, version, sha, special, digest))
+    if isinstance(got, dict) and isinstance(got.get("ok"), bool) and isinstance(got.get("why"), str):
+        return got["ok"], got["why"]
+    return None
+
+
+def remember_verdict(name: str, version: str, sha: str, special: str, digest: str, verdict: tuple[bool, str]) -> None:
+    _write_cache(_verdict_file(name, version, sha, special, digest), {"ok": verdict[0], "why": verdict[1]})
+
+
 def parity_texts(tok, sample: list[str]) -> list[str]:
     """What the parity check compares: HOSTILE, every special token inside text, the sample."""
     return HOSTILE + special_probes(tok) + sample
@@ -411,6 +438,9 @@ def hf_answers(tok, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
     """tokenizers' side of the check, as answers() gives a backend's: (flat ids, lengths) of
     `texts`, made 64 at a time (their Encodings take ~100 bytes a character)."""
     return _flat(hf_ids(tok, texts, 64))
+
+
+NO_LONG_VERDICT = "no verdict on the long inputs"  # its cached verdict went meanwhile: not a verdict to keep
 
 
 def judge(name: str, version: str, sha: str, special: str, texts: list[str], got: tuple, want: tuple
@@ -434,7 +464,7 @@ def judge(name: str, version: str, sha: str, special: str, texts: list[str], got
     if name == "tiktoken":  # its BPE is quadratic on a 1 MiB word: long runs go to tokenizers (WS_RUN)
         return True, ""
     if digests is None:
-        return cached_long_parity(name, version, sha, special) or (False, "no verdict on the long inputs")
+        return cached_long_parity(name, version, sha, special) or (False, NO_LONG_VERDICT)
     return long_parity(name, version, sha, special, digests(), want_digests())
 
 

@@ -384,6 +384,43 @@ def test_a_backend_wrong_only_on_a_long_input_is_refused_and_the_references_are_
     assert len(made()) == 3 and len(long_hf) == len(backends.LONG_HOSTILE)
 
 
+def test_a_rebuild_of_the_same_corpus_takes_the_cached_verdict_and_writes_the_same_manifest(
+        tmp_path, dev_corpus, small_tok, monkeypatch):
+    """The check's verdict on the same parity texts (same tokenizer file, policy, library version
+    and corpus sample) is cached: a rerun, a resumed build or another task of the corpus encodes
+    nothing for the check, and its manifest (backend_check included) is the checked build's.  A
+    changed sample, or a damaged entry, is checked again."""
+    from helixtok import backends
+
+    monkeypatch.setenv("HELIXTOK_CACHE", str(tmp_path / "cache"))
+    checked, real = [], backends.hf_answers
+
+    def hf_answers(tok, texts):  # tokenizers' side of the check: computed only when checking
+        checked.append("hf_answers")
+        return real(tok, texts)
+    monkeypatch.setattr(backends, "hf_answers", hf_answers)
+    corpus = [str(dev_corpus / "jsonl" / "plain.jsonl")]
+    cfg = BuildConfig(seq_len=64, workers=1, unit_bytes=1 << 18, val_fraction=0.1)
+
+    def manifest(name, corpus=corpus):
+        checked.clear()
+        build(corpus, str(tmp_path / name), small_tok, cfg)
+        return open(tmp_path / name / "manifest.json", "rb").read()
+
+    first = manifest("a")
+    assert checked == ["hf_answers"] and b'"chosen": "fastokens"' in first
+    verdicts = os.listdir(tmp_path / "cache" / "verdict")
+    assert len(verdicts) == 1
+    assert manifest("b") == first and checked == []  # taken from the cache: the same bytes
+    for damage in ("", '{"value": {"ok": true, "why": ""}, "sha256": "0"}'):
+        (tmp_path / "cache" / "verdict" / verdicts[0]).write_text(damage)
+        assert manifest(f"damaged{len(damage)}") == first and checked == ["hf_answers"]  # checked again
+    other = tmp_path / "other.jsonl"  # another sample: another verdict
+    other.write_text("".join(json.dumps({"text": json.loads(line)["text"][::-1]}) + "\n" for line in open(corpus[0])))
+    manifest("other", [str(other)])
+    assert checked == ["hf_answers"] and len(os.listdir(tmp_path / "cache" / "verdict")) == 2
+
+
 def test_a_damaged_or_foreign_verdict_cache_entry_is_ignored_and_removed(tmp_path, monkeypatch):
     """Cached verdicts carry the sha256 of their value: a torn or edited entry (an unsealed
     {"ok": true} included) is never believed; and they are kept per reference tokenizers release."""

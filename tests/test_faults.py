@@ -307,16 +307,30 @@ def test_dead_worker_message_names_the_file_that_worker_was_reading(tmp_path, de
 
 
 def test_hung_worker_fails_promptly_with_location(tmp_path, dev_corpus, tokenizer_path):
-    out = tmp_path / "out"
-    p = start_cli(dev_corpus, out, tokenizer_path, "--stall-timeout", "3")
-    wait_for(str(out / STATE / "plan.json"), p)  # units are being tokenized
-    workers = [k for k in _children(p.pid) if "helixtok-worker" in open(f"/proc/{k}/cmdline").read()]
-    for w in workers:
-        os.kill(w, signal.SIGSTOP)  # a worker that neither works nor dies
+    out, corpus = tmp_path / "out", tmp_path / "corpus"
+    corpus.mkdir()
+    plain = (dev_corpus / "jsonl" / "plain.jsonl").read_bytes()
+    for name in ("a", "b", "c"):  # units long enough that each worker is caught mid-unit
+        (corpus / f"{name}.jsonl").write_bytes(plain * 10)
+    p = start_cli(corpus, out, tokenizer_path, "--stall-timeout", "3", "--unit-size", "8MiB", "--backend", "hf")
+    wait_for(str(out / STATE / "plan.json"), p)
+    # Each worker stopped while it reads a unit (one still starting would be named as starting).
+    stopped = set()
+    while len(stopped) < 2 and p.poll() is None:
+        for k in set(_children(p.pid)) - stopped:
+            with contextlib.suppress(OSError):
+                if "helixtok-worker" not in open(f"/proc/{k}/cmdline").read():
+                    continue
+            os.kill(k, signal.SIGSTOP)  # a worker that neither works nor dies
+            if _open_input(k, corpus):
+                stopped.add(k)
+            else:
+                os.kill(k, signal.SIGCONT)
+    assert len(stopped) == 2, p.communicate()
     t = time.time()
     _, err = p.communicate(timeout=60)
     assert p.returncode == 1 and time.time() - t < 30
-    assert "no progress for 3 s: a worker seems hung while tokenizing" in err and str(dev_corpus) in err
+    assert "no progress for 3 s: a worker seems hung while tokenizing" in err and str(corpus) in err
     assert not (out / "manifest.json").exists()
 
 
@@ -570,12 +584,15 @@ def test_a_stopped_worker_ends_the_build_within_the_stall_timeout(tmp_path, dev_
     """SIGSTOP of a worker (a stuck network read, a swapped-out process) at random moments: while
     it starts, during the backend check, mid-unit, after the last unit was handed out.  Every
     build ends within --stall-timeout + 5 s, with the dataset or one line naming what the worker
-    was doing (it used to wait for ever in the pool's shutdown or the check's Future.result)."""
+    was doing (it used to wait for ever in the pool's shutdown or the check's Future.result).
+    Two at a time: most of each is the wait for the stall timeout."""
     import random
+    from concurrent.futures import ThreadPoolExecutor
 
-    rng = random.Random(0)
-    stall, outcomes = 2, []
-    for i in range(8):
+    stall = 2
+
+    def trial(i: int) -> int:
+        rng = random.Random(i)
         out = tmp_path / f"o{i}"
         # tokenizers itself (--backend hf: slow enough that most stops land while there is work)
         # every other run; the backend check's tasks the others.
@@ -605,7 +622,10 @@ def test_a_stopped_worker_ends_the_build_within_the_stall_timeout(tmp_path, dev_
             assert p.returncode == 1 and len(err.splitlines()) == 1, err
             assert f"no progress for {stall} s: a worker seems hung while " in err, err
             assert not (out / "manifest.json").exists()
-        outcomes.append(p.returncode)
+        return p.returncode
+
+    with ThreadPoolExecutor(2) as ex:
+        outcomes = list(ex.map(trial, range(8)))
     assert 1 in outcomes  # the stop caught a worker at work at least once (the first: while it started)
 
 
