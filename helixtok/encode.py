@@ -41,10 +41,16 @@ def cut_points(text: str, max_chars: int) -> list[int]:
     return cuts
 
 
+# Characters per call of a library that returns flat id arrays: a worker's whole batch
+# (config.batch_chars) in one call.  tokenizers' and tiktoken's answers are per-text objects
+# (an Encoding takes ~100 bytes a character), so their calls stay at max_piece_chars.
+FLAT_GROUP_CHARS = 1 << 20
+
+
 class Encoder:
     """Encodes batches of documents into one id array plus per-document lengths (EOS/BOS added)."""
 
-    def __init__(self, info: TokenizerInfo, *, max_piece_chars: int):
+    def __init__(self, info: TokenizerInfo, *, max_piece_chars: int, group_chars: int | None = None):
         self.info = info
         from .backends import flat_encoder, hf_tokenizer
 
@@ -52,6 +58,8 @@ class Encoder:
         self.tok = hf_tokenizer(info.path, info.special_tokens) if info.backend in ("hf", "tiktoken") else None
         self.dtype = info.dtype
         self.max_piece_chars = max_piece_chars
+        flat = info.backend in ("fastokens", "gigatoken")
+        self.group_chars = group_chars or (max(max_piece_chars, FLAT_GROUP_CHARS) if flat else max_piece_chars)
         # encode_batch_fast (inside hf) skips offset tracking, which we never use: ~25% faster.
         self._encode, _, why = flat_encoder(info.backend, info.path, info.special_tokens, self.tok)
         if self._encode is None:
@@ -104,7 +112,7 @@ class Encoder:
         """Returns (ids, lengths): ids of all docs concatenated, each [BOS] + text + EOS.
 
         Memory: the documents, plus about twice their ids (a 50 MB document: 2.4x its size
-        at most), because pieces are encoded in groups of about max_piece_chars characters —
+        at most), because pieces are encoded in groups of about group_chars characters —
         an Encoding costs ~100 bytes per token, so one call over 50 MB would hold GBs."""
         flats, owner, piece_lens = [], [], []
         group: list[str] = []
@@ -117,7 +125,7 @@ class Encoder:
             group.clear()
 
         for d, piece in self._pieces(docs):
-            if group and size + len(piece) > self.max_piece_chars:
+            if group and size + len(piece) > self.group_chars:
                 encode_group()
                 size = 0
             group.append(piece)
