@@ -11,6 +11,7 @@ from functools import lru_cache
 
 import numpy as np
 import pytest
+from conftest import cache_knowing_the_tokenizers
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from helixtok.builder import build
@@ -392,7 +393,7 @@ def test_a_rebuild_of_the_same_corpus_takes_the_cached_verdict_and_writes_the_sa
     changed sample, or a damaged entry, is checked again."""
     from helixtok import backends
 
-    monkeypatch.setenv("HELIXTOK_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("HELIXTOK_CACHE", cache_knowing_the_tokenizers(tmp_path / "cache"))
     checked, real = [], backends.hf_answers
 
     def hf_answers(tok, texts):  # tokenizers' side of the check: computed only when checking

@@ -16,6 +16,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from conftest import cache_knowing_the_tokenizers
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer
@@ -622,7 +623,7 @@ def test_a_damaged_gz_seek_index_never_changes_the_data(tmp_path, small_tok, dev
     monkeypatch.setattr(hu, "SPLIT_BYTES", 1)
     monkeypatch.setattr(hu, "RANGE_MIN_BYTES", 1)
     monkeypatch.setattr(hc, "GZ_INDEX_SPACING", 64 << 10)
-    monkeypatch.setenv("HELIXTOK_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("HELIXTOK_CACHE", cache_knowing_the_tokenizers(tmp_path / "cache"))
     c = tmp_path / "c"
     c.mkdir()
     data = "".join(json.dumps({"text": t}) + "\n" for t in dev_docs[:160]).encode()
