@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Callable, Iterable, Iterator
 
 import numpy as np
@@ -41,12 +42,6 @@ def cut_points(text: str, max_chars: int) -> list[int]:
     return cuts
 
 
-# Characters per call of a library that returns flat id arrays: a worker's whole batch
-# (config.batch_chars) in one call.  tokenizers' and tiktoken's answers are per-text objects
-# (an Encoding takes ~100 bytes a character), so their calls stay at max_piece_chars.
-FLAT_GROUP_CHARS = 1 << 20
-
-
 class Encoder:
     """Encodes batches of documents into one id array plus per-document lengths (EOS/BOS added)."""
 
@@ -58,8 +53,12 @@ class Encoder:
         self.tok = hf_tokenizer(info.path, info.special_tokens) if info.backend in ("hf", "tiktoken") else None
         self.dtype = info.dtype
         self.max_piece_chars = max_piece_chars
+        # Characters per library call.  fastokens and gigatoken answer in flat id arrays: the
+        # caller's whole batch goes in one call (it is bounded: a worker's batch_chars plus one
+        # document under long_doc_bytes).  tokenizers' and tiktoken's answers are per-text objects
+        # (an Encoding takes ~100 bytes a character): their calls stay at max_piece_chars.
         flat = info.backend in ("fastokens", "gigatoken")
-        self.group_chars = group_chars or (max(max_piece_chars, FLAT_GROUP_CHARS) if flat else max_piece_chars)
+        self.group_chars = group_chars or (sys.maxsize if flat else max_piece_chars)
         # encode_batch_fast (inside hf) skips offset tracking, which we never use: ~25% faster.
         self._encode, _, why = flat_encoder(info.backend, info.path, info.special_tokens, self.tok)
         if self._encode is None:

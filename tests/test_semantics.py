@@ -136,7 +136,7 @@ def test_a_batch_is_each_document_bos_ids_eos_in_order(tokenizer_path, docs, add
 
 
 def test_the_fast_libraries_take_a_whole_batch_per_call_and_tokenizers_stays_in_pieces(tokenizer_path):
-    """A library that returns flat id arrays is called once per worker batch (five calls of 200 K
+    """A library that returns flat id arrays is called once per batch (five calls of 200 K
     characters cost a build ~5% more than one of 1 MiB); tokenizers, whose Encodings take ~100
     bytes a character, keeps its calls to max_piece_chars.  The ids are the same either way."""
     import dataclasses
@@ -153,3 +153,9 @@ def test_the_fast_libraries_take_a_whole_batch_per_call_and_tokenizers_stays_in_
     assert got["fastokens"][:2] == got["hf"][:2]
     assert got["fastokens"][2] == [880_000]
     assert len(got["hf"][2]) == 5 and max(got["hf"][2]) <= 200_000
+    # A worker's batch ends with the document that took it past batch_chars (1 MiB): still one call.
+    enc = Encoder(dataclasses.replace(info, backend="fastokens"), max_piece_chars=200_000)
+    calls, real = [], enc._encode
+    enc._encode = lambda texts: calls.append(sum(map(len, texts))) or real(texts)
+    enc.encode(docs + docs[:40])
+    assert calls == [1_056_000]
