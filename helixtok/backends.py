@@ -268,12 +268,20 @@ def _write_cache(path: str, value) -> None:
         os.replace(tmp, path)
 
 
-def cached_long_parity(name: str, version: str, sha: str, special: str) -> tuple[bool, str] | None:
-    """long_parity's verdict when this machine has it, else None (`sha`: the tokenizer file's sha256)."""
-    got = _read_cache(_long_parity_file(name, version, sha, special))
+def _read_verdict(path: str) -> tuple[bool, str] | None:
+    got = _read_cache(path)
     if isinstance(got, dict) and isinstance(got.get("ok"), bool) and isinstance(got.get("why"), str):
         return got["ok"], got["why"]
     return None
+
+
+def _write_verdict(path: str, verdict: tuple[bool, str]) -> None:
+    _write_cache(path, {"ok": verdict[0], "why": verdict[1]})
+
+
+def cached_long_parity(name: str, version: str, sha: str, special: str) -> tuple[bool, str] | None:
+    """long_parity's verdict when this machine has it, else None (`sha`: the tokenizer file's sha256)."""
+    return _read_verdict(_long_parity_file(name, version, sha, special))
 
 
 def _ids_digest(ids) -> str:
@@ -389,7 +397,7 @@ def long_parity(name: str, version: str, sha: str, special: str, digests: list[s
         if got != w:
             ok, why = False, (got if got.startswith("failed") else f"ids differ on {text[:40]!r}")
             break
-    _write_cache(_long_parity_file(name, version, sha, special), {"ok": ok, "why": why})
+    _write_verdict(_long_parity_file(name, version, sha, special), (ok, why))
     return ok, why
 
 
@@ -410,14 +418,11 @@ def _verdict_file(name: str, version: str, sha: str, special: str, digest: str) 
 def cached_verdict(name: str, version: str, sha: str, special: str, digest: str) -> tuple[bool, str] | None:
     """judge's verdict on the parity texts whose texts_digest is `digest`, when this machine has it:
     a rerun, a resumed build or another task of the same corpus skips the check's encoding."""
-    got = _read_cache(_verdict_file(name, version, sha, special, digest))
-    if isinstance(got, dict) and isinstance(got.get("ok"), bool) and isinstance(got.get("why"), str):
-        return got["ok"], got["why"]
-    return None
+    return _read_verdict(_verdict_file(name, version, sha, special, digest))
 
 
 def remember_verdict(name: str, version: str, sha: str, special: str, digest: str, verdict: tuple[bool, str]) -> None:
-    _write_cache(_verdict_file(name, version, sha, special, digest), {"ok": verdict[0], "why": verdict[1]})
+    _write_verdict(_verdict_file(name, version, sha, special, digest), verdict)
 
 
 def parity_texts(tok, sample: list[str]) -> list[str]:
