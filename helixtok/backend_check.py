@@ -51,13 +51,13 @@ def choose_backend(info: TokenizerInfo, units: list[Unit], config: BuildConfig,
     hf = dataclasses.replace(info, backend="hf", backend_version=backend_version("hf"))
     if config.backend == "hf":
         return hf, {"chosen": "hf", "reason": "--backend hf"}
-    tok = hf_tokenizer(info.path, info.special_tokens)
+    tok = hf_tokenizer(info.sha256, info.special_tokens)
     sample = sample_texts(units, config)
     texts = parity_texts(tok, sample)
     digest = texts_digest(texts)
     names = FAST if config.backend == "auto" else (config.backend,)
     versions = {name: backend_version(name) for name in names}
-    key = (info.path, info.sha256, info.special_tokens)
+    key = (info.sha256, info.special_tokens)
     verdict_key = {name: (name, ver, info.sha256, info.special_tokens, digest) for name, ver in versions.items()}
     tried, hf_long, apart, want = {}, None, [], None
 
@@ -87,7 +87,7 @@ def choose_backend(info: TokenizerInfo, units: list[Unit], config: BuildConfig,
                 # loading it too (0.5 s for a 100k vocabulary).
                 in_worker = executor is not None and name == FAST[0] and ver is not None
                 if not in_worker:
-                    encode, ver, why = flat_encoder(name, info.path, info.special_tokens, tok)
+                    encode, ver, why = flat_encoder(name, info.sha256, info.special_tokens, tok)
                     if encode is None:
                         tried[name] = why
                         continue
@@ -98,8 +98,8 @@ def choose_backend(info: TokenizerInfo, units: list[Unit], config: BuildConfig,
                         apart.append(hf_long)
                     theirs = digests_apart(name, *key, executor, config.stall_seconds)
                     apart.append(theirs)
-                got = (executor.submit(worker_answers, name, info.path, info.special_tokens, texts,
-                                       what=f"checking {name} against tokenizers").result()
+                got = (executor.submit(worker_answers, name, info.sha256, info.special_tokens, texts,
+                                       what=f"checking {name} against tokenizers", urgent=True).result()
                        if in_worker else answers(encode, texts))
                 ok, why = judge(name, ver, info.sha256, info.special_tokens, texts, (got, theirs),
                                 (want.result(), hf_long))
@@ -120,10 +120,10 @@ def choose_backend(info: TokenizerInfo, units: list[Unit], config: BuildConfig,
                 "sample_documents": len(sample)}
 
 
-def worker_answers(name: str, path: str, special: str, texts: list[str]):
+def worker_answers(name: str, sha: str, special: str, texts: list[str]):
     """A backend's answers for the check, computed in a worker process that has (or will reuse)
     its tokenizer loaded: the main process never loads it (0.5 s for a 100k vocabulary)."""
     from .backends import answers, flat_encoder
 
-    encode, _, why = flat_encoder(name, path, special, None)
+    encode, _, why = flat_encoder(name, sha, special, None)
     return answers(encode, texts) if encode is not None else why

@@ -8,13 +8,14 @@ import json
 import os
 import re
 import subprocess
+import threading
 from functools import lru_cache
 from itertools import chain
 
 import numpy as np
 
 from . import preload
-from .tokenizer import load_tokenizer, reference_version
+from .tokenizer import load_held, reference_version, tokenizer_bytes
 
 # The pre-tokenizer regex of HF's ByteLevel(use_regex=True): GPT-2's pattern.
 GPT2_PAT = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
@@ -48,8 +49,8 @@ def _byte_decoder() -> dict[str, int]:
     return {chr(c): b for b, c in zip(bs, cs)}
 
 
-def tiktoken_encoding(tokenizer_json: str):
-    """A tiktoken Encoding equivalent in structure to a byte-level BPE tokenizer.json.
+def tiktoken_encoding(sha: str):
+    """A tiktoken Encoding equivalent in structure to a byte-level BPE tokenizer.json (the held bytes `sha`).
 
     Returns (encoding, None), or (None, reason) when the tokenizer is not of that shape or
     tiktoken is not installed. Structure is necessary, not sufficient: callers check parity.
@@ -58,8 +59,7 @@ def tiktoken_encoding(tokenizer_json: str):
         import tiktoken
     except ImportError:
         return None, "tiktoken is not installed (pip install tiktoken)"
-    with open(tokenizer_json, encoding="utf-8") as fh:
-        spec = json.load(fh)
+    spec = json.loads(tokenizer_bytes(sha))
     model, pre = spec.get("model") or {}, spec.get("pre_tokenizer") or {}
     if model.get("type") != "BPE" or model.get("byte_fallback") or model.get("dropout"):
         return None, "model is not a plain BPE"
@@ -100,11 +100,11 @@ def tiktoken_encoding(tokenizer_json: str):
     return enc, None
 
 
-def hf_tokenizer(path: str, special: str):
+def hf_tokenizer(sha: str, special: str):
     """A tokenizers Tokenizer that treats special-token strings inside a document per `special`:
     "text" encodes them as ordinary characters (no hidden boundaries or control tokens from
     crawled text), "extract" turns them into their special ids (for corpora with markup)."""
-    tok = load_tokenizer(path)
+    tok = load_held(sha)
     tok.encode_special_tokens = special == "text"
     return tok
 
@@ -168,9 +168,10 @@ def backend_version(name: str) -> str | None:
         return None
 
 
-def flat_encoder(name: str, path: str, special: str, tok):
-    """(encode, version, None): encode(texts) -> (ids uint32 of all texts concatenated, lengths);
-    or (None, None, why) when this backend cannot load the tokenizer or is not installed."""
+def flat_encoder(name: str, sha: str, special: str, tok):
+    """(encode, version, None): encode(texts) -> (ids uint32 of all texts concatenated, lengths),
+    for the held tokenizer bytes `sha`; or (None, None, why) when this backend cannot load the
+    tokenizer or is not installed."""
     lib = _library(name)
     ver = backend_version(name)
     if ver is None:
@@ -178,7 +179,7 @@ def flat_encoder(name: str, path: str, special: str, tok):
     if name == "hf":
         return (lambda texts: _flat(hf_ids(tok, texts))), ver, None
     if name == "tiktoken":
-        enc, why = tiktoken_encoding(path)
+        enc, why = tiktoken_encoding(sha)
         if enc is None:
             return None, None, why
         return (lambda texts: _flat(tiktoken_ids(enc, texts, special, tok))), ver, None
@@ -187,14 +188,14 @@ def flat_encoder(name: str, path: str, special: str, tok):
             # One thread: a build runs one worker process per core (--workers), and its own
             # thread pool would make each worker compete with the others for cores.
             os.environ.setdefault("FASTOKENS_BPE_THREADS", "1")
-            ft = _fast_tokenizer("fastokens", path, os.stat(path).st_mtime_ns)
+            ft = _fast_tokenizer("fastokens", sha)
 
             def encode(texts):
                 ids, offs = ft.encode_batch_flat(texts, add_special_tokens=False,
                                                  split_special_tokens=special == "text")
                 return np.frombuffer(ids, dtype="<u4"), np.diff(np.frombuffer(offs, dtype="<u8")).astype(np.int64)
         else:
-            gt = _fast_tokenizer("gigatoken", path, os.stat(path).st_mtime_ns)
+            gt = _fast_tokenizer("gigatoken", sha)
 
             def encode(texts):
                 return _flat(gt.encode_batch_list(texts, parallel=False))
@@ -204,19 +205,20 @@ def flat_encoder(name: str, path: str, special: str, tok):
 
 
 @lru_cache(maxsize=2)
-def _fast_tokenizer(lib: str, path: str, mtime_ns: int):
-    """The fast library's tokenizer for a file, loaded once per process (the backend check and
-    an inline build's encoder use the same one; loading a 100k vocabulary takes a while), or
-    taken from the load started ahead of it (preload.py), once that has ended."""
+def _fast_tokenizer(lib: str, sha: str):
+    """The fast library's tokenizer of the held bytes `sha`, loaded once per process (the backend
+    check and an inline build's encoder use the same one; loading a 100k vocabulary takes a
+    while; a forked worker inherits the fork server's), or taken from the load started ahead of
+    it (preload.py), once that has ended."""
     if lib == "fastokens":
-        if (early := preload.take(path)) is not None:
+        if (early := preload.take(sha)) is not None:
             return early
         import fastokens
 
-        return fastokens.Tokenizer.from_file(path)
+        return fastokens.Tokenizer.from_json_str(tokenizer_bytes(sha).decode("utf-8"))
     import gigatoken
 
-    return gigatoken.Tokenizer(path)
+    return gigatoken.Tokenizer.from_json(tokenizer_bytes(sha))
 
 
 def forget_fast_tokenizers() -> None:
@@ -310,12 +312,12 @@ def hf_long_digests(tok, sha: str, special: str) -> list[str]:
     return digests
 
 
-def long_digests(name: str, path: str, sha: str, special: str) -> list[str]:
+def long_digests(name: str, sha: str, special: str) -> list[str]:
     """`name`'s digest of its ids of each LONG_HOSTILE text, or why it failed on one (tokenizers'
     cached): what digests_apart has another process compute."""
     if name == "hf":
-        return hf_long_digests(hf_tokenizer(path, special), sha, special)
-    encode, _, why = flat_encoder(name, path, special, None)
+        return hf_long_digests(hf_tokenizer(sha, special), sha, special)
+    encode, _, why = flat_encoder(name, sha, special, None)
     out = []
     for t in LONG_HOSTILE:
         got = answers(encode, [t]) if encode is not None else f"failed: {why}"
@@ -323,10 +325,14 @@ def long_digests(name: str, path: str, sha: str, special: str) -> list[str]:
     return out
 
 
+# The tokenizer's bytes come on stdin: the helper never reads the user's file.
 _LONG_CHILD = """
 import json, sys
 from helixtok.backends import long_digests
-print(json.dumps(long_digests(*sys.argv[1:5])))
+from helixtok.tokenizer import hold_bytes
+sha = hold_bytes(sys.stdin.buffer.read())
+assert sha == sys.argv[2], "not the tokenizer handed"
+print(json.dumps(long_digests(*sys.argv[1:4])))
 """
 
 
@@ -348,6 +354,12 @@ class Apart:
             return None
         from .children import communicate_while_alive
 
+        self._child.feeder.join(self._stall)  # the child reads its input first
+        if self._child.feeder.is_alive():  # stopped before reading it: computed here instead
+            self._child.kill()
+            self._child.feeder.join()
+            self._child.communicate()
+            return None
         out = communicate_while_alive(self._child, self._stall, f"checking {self._args[0]} on the long inputs")[0]
         with contextlib.suppress(ValueError):
             got = json.loads(out)
@@ -363,28 +375,44 @@ class Apart:
             self._future.cancel()  # a worker that already started it finishes it
         elif self._value is None and self._child is not None:
             self._child.kill()  # nothing if it has exited
+            self._child.feeder.join()
             self._child.communicate()  # reaped, its pipe closed
         self._child = self._future = None
 
 
-def digests_apart(name: str, path: str, sha: str, special: str, executor=None, stall: float = 600) -> Apart:
+def digests_apart(name: str, sha: str, special: str, executor=None, stall: float = 600) -> Apart:
     """long_digests(name, ...), computed meanwhile in another process: a library takes up to
     ~400 bytes a character of the 1 MiB inputs, heap that a build's main process would keep.
     In a worker of `executor`, else in a child process (here if none can start or it fails).
     Call it from the thread that runs the build: the child dies with the thread that started it
     (children.die_with_parent)."""
-    args = (name, path, sha, special)
+    args = (name, sha, special)
     if name == "hf" and (got := _cached_hf_long(sha, special)) is not None:
         return Apart(args, value=got)
     if executor is not None:
-        return Apart(args, future=executor.submit(long_digests, *args, what=f"checking {name} on the long inputs"))
+        return Apart(args, future=executor.submit(long_digests, *args, what=f"checking {name} on the long inputs",
+                                                  urgent=True))
     from .children import start_helper
 
     try:
-        return Apart(args, child=start_helper(_LONG_CHILD, *args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL),
-                     stall=stall)
+        child = start_helper(_LONG_CHILD, *args, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             stderr=subprocess.DEVNULL)
     except OSError:  # no interpreter to start (embedded Python)
         return Apart(args)
+    child.feeder = threading.Thread(target=_feed, args=(child, tokenizer_bytes(sha)), daemon=True)
+    child.feeder.start()
+    return Apart(args, child=child, stall=stall)
+
+
+def _feed(child: subprocess.Popen, data: bytes) -> None:
+    """Write the tokenizer's bytes to a helper's stdin (a thread: the pipe holds 64 KiB at a time)."""
+    try:
+        with contextlib.suppress(OSError, ValueError):
+            child.stdin.write(data)
+    finally:
+        with contextlib.suppress(OSError, ValueError):
+            child.stdin.close()
+        child.stdin = None  # communicate() must not flush it
 
 
 def long_parity(name: str, version: str, sha: str, special: str, digests: list[str], want: list[str]

@@ -12,6 +12,7 @@ are never redone.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import dataclasses
 import os
 import secrets
@@ -35,7 +36,8 @@ from .publish import remote_sizes
 from .resume import prepare_out, trusted_results, up_to_date
 from .sources import LineRefs
 from .tally import Tally
-from .tokenizer import forget_handed, inspect_tokenizer, resolve_tokenizer_path
+from .tokenizer import (forget_handed, hold_bytes, inspect_tokenizer, read_tokenizer, release_bytes,
+                        resolve_tokenizer_path, tokenizer_bytes)
 from .unit import THREAD_ENV, state_files
 from .units import plan_units
 
@@ -68,6 +70,16 @@ def build(corpus, out: str, tokenizer: str, config: BuildConfig | None = None, *
         return _build_to_url(inputs, out, tokenizer, config, overwrite, on_progress, task, staging)
     path = resolve_tokenizer_path(tokenizer)
     check_out_path(out)
+    # The one read of the tokenizer file: everything after loads these bytes (tokenizer._HELD).
+    data = read_tokenizer(path)
+    sha = hold_bytes(data)
+    try:
+        return _build_local(inputs, out, path, data, sha, config, overwrite, on_progress, task, remote)
+    finally:
+        release_bytes(sha)
+
+
+def _build_local(inputs, out, path, data, sha, config, overwrite, on_progress, task, remote) -> "Built":
     files, warnings = discover(inputs, exclude=out)
     units, plan_warn = plan_units(files, unit_bytes=config.unit_bytes, text_field=config.text_field,
                                   stall=config.stall_seconds)
@@ -89,20 +101,21 @@ def build(corpus, out: str, tokenizer: str, config: BuildConfig | None = None, *
     # either way nothing is tokenized, so no worker starts.
     finished = not overwrite and os.path.isfile(os.path.join(out, MANIFEST))
     # On Ray the cluster's workers tokenize; nothing starts here before the backend check.
-    n_workers = 1 if finished or config.ray_address is not None else worker_count(config, mine, likely, path)
+    n_workers = 1 if finished or config.ray_address is not None else worker_count(config, mine, likely)[0]
     workers = None
     env = {k: os.environ.get(k) for k in THREAD_ENV}
     try:
         # What tokenizing needs starts first, so that it overlaps inspecting the tokenizer
-        # (0.4 s for a 100k vocabulary) and the backend check: the worker processes, which load
-        # the likeliest library's tokenizer, or that library's load here (~1.2 s for 100k).
+        # (0.4 s for a 100k vocabulary) and the backend check: the worker processes (forked from
+        # one that loads the likeliest library's tokenizer once), or that library's load here
+        # (~1.2 s for 100k).
         if n_workers > 1:
-            workers = UnitPool(n_workers, config, os.path.join(out, STATE), run_id, path)
+            workers = UnitPool(n_workers, config, os.path.join(out, STATE), run_id, data)
         elif config.backend in ("auto", "fastokens") and not finished and config.ray_address is None:
-            preload.start(path)  # unless the command line started it
+            preload.start_bytes(data)  # unless the command line started it
         info = inspect_tokenizer(path, eos_token=config.eos_token, bos_token=config.bos_token,
                                  pad_token=config.pad_token, add_bos=config.add_bos,
-                                 special_tokens=config.special_tokens)
+                                 special_tokens=config.special_tokens, sha256=sha)
         return _build_in(out, info, config, overwrite, on_progress, part, files, units, warnings, run_id, workers,
                          remote)
     except BaseException:
@@ -172,6 +185,7 @@ class Built(dict):
 
     reused_units = 0  # work units an interrupted run had finished, taken as they were
     units = 0
+    notes: list[str] = []  # what the user should know of the run (one line each, on stderr)
 
 
 class UpToDate(Built):
@@ -236,12 +250,12 @@ def _build_started(out, info, config, overwrite, on_progress, part, files, units
     if config.ray_address is not None and pending:
         from .rayexec import RayExecutor
 
-        workers = RayExecutor(config.ray_address, config, state, run_id, remote)
-    elif (n := worker_count(config, pending, info.backend, info.path)) > (workers.n if workers else 1):
+        workers = RayExecutor(config.ray_address, config, state, run_id, tokenizer_bytes(info.sha256), remote)
+    elif (n := worker_count(config, pending, info.backend)[0]) > (workers.n if workers else 1):
         # Sized for a faster library than the check found exact: this one needs more processes.
         if workers is not None:
             workers.kill()
-        workers = UnitPool(n, config, state, run_id, info.path, load_likely=False)
+        workers = UnitPool(n, config, state, run_id, tokenizer_bytes(info.sha256), load_likely=False)
     try:
         fresh = run_units(units, pending, info, config, state, run_id, on_progress, done_bytes,
                            lambda r: refs.record(r["index"], r["lines"]), workers)
@@ -265,17 +279,35 @@ def _build_started(out, info, config, overwrite, on_progress, part, files, units
         raise InputError(f"the corpus gave {splits['train']['tokens']} tokens, not one chunk of "
                          f"--seq-len {config.seq_len}; lower --seq-len or add text")
     _check_unchanged(files)
-    shutil.copyfile(info.path, os.path.join(state, "tokenizer.json"))
+    with open(os.path.join(state, "tokenizer.json"), "wb") as fh:  # the bytes the build used, not the file now
+        fh.write(tokenizer_bytes(info.sha256))
     with open(os.path.join(state, PLAN_FILE), "wb") as fh:
         fh.write(whole)
 
     manifest = build_manifest(config, info, backend_check, files, units, part, splits, results, tally, warnings)
+    if part is not None:  # merge checks the part's build-plan.json by it
+        manifest["plan_sha256"] = hashlib.sha256(whole).hexdigest()
     # The units' shards (unless uploaded), the tokenizer and the plan move into OUT; the manifest last.
     moves = [] if remote is not None else [(n, p) for r in results for n, p, _ in state_files(r)]
     publish(out, moves + [("tokenizer.json",) * 2, (PLAN_FILE,) * 2], manifest)
     built = Built(manifest)
     built.reused_units, built.units = len(trusted), len(units)
+    built.notes = _tokenizer_moved(info)
     return built
+
+
+def _tokenizer_moved(info) -> list[str]:
+    """A note when the tokenizer file no longer holds the bytes the build read (replaced while it
+    ran): the dataset and OUT's copy are of the bytes read, which the manifest names."""
+    try:
+        with open(info.path, "rb") as fh:
+            now = hashlib.sha256(fh.read()).hexdigest()
+    except OSError:
+        now = None
+    if now == info.sha256:
+        return []
+    return [f"{info.path} changed while the build ran: the dataset was tokenized with the file as first read "
+            f"(sha256 {info.sha256[:12]}..., copied to OUT/tokenizer.json), not with what the path holds now"]
 
 
 def _check_unchanged(files) -> None:

@@ -36,14 +36,15 @@ def die_with_parent(parent: int) -> None:
         threading.Thread(target=watch, daemon=True).start()
 
 
-def start_helper(code: str, *args: str, **popen) -> subprocess.Popen:
+def start_helper(code: str, *args: str, env_extra: dict | None = None, **popen) -> subprocess.Popen:
     """`python -c code args` in a process that dies with this one and imports the helixtok this
     process runs: not a multiprocessing child, which would import the caller's __main__ again.
     Raises OSError where no interpreter can be started (embedded Python)."""
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)}
+    env = {**os.environ, **(env_extra or {}), "PYTHONPATH": os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)}
     prelude = f"from helixtok.children import die_with_parent\ndie_with_parent({os.getpid()})\n"
-    return subprocess.Popen([sys.executable, "-c", prelude + code, *args], env=env, stdin=subprocess.DEVNULL, **popen)
+    popen.setdefault("stdin", subprocess.DEVNULL)
+    return subprocess.Popen([sys.executable, "-c", prelude + code, *args], env=env, **popen)
 
 
 def _cpu_ticks(pid: int) -> int | None:

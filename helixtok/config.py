@@ -18,29 +18,23 @@ def cache_root() -> str:
 PACKINGS = ("packed", "document", "bestfit")
 BACKENDS = ("auto", "hf", "fastokens", "gigatoken", "tiktoken")
 SPECIAL_POLICIES = ("text", "extract")  # what special-token strings inside documents become
-# Input per worker process: about a second of tokenizing with each library (fastokens 100-300
-# MB/s a core, gigatoken 50-80; tiktoken ~10 and tokenizers 2-4 get WORKER_BYTES_SLOW).
-WORKER_BYTES = {"fastokens": 64 << 20, "gigatoken": 64 << 20}
-WORKER_BYTES_SLOW = 4 << 20
+# Input per worker process when --workers is left to helixtok: a forked worker costs milliseconds
+# to start (pool.py's fork server loads the tokenizer once), so one per ~0.1 s of tokenizing with
+# each library (fastokens 100-300 MB/s a core, gigatoken 50-80; tiktoken ~10 and tokenizers 2-4
+# get WORKER_BYTES_SLOW).  Below one worker's share the build tokenizes in its own process.
+WORKER_BYTES = {"fastokens": 16 << 20, "gigatoken": 16 << 20}
+WORKER_BYTES_SLOW = 1 << 20
 
 
-# A worker's start grows with the tokenizer it loads: ~0.5 s for the interpreter and imports, plus
-# ~0.1 s per MB of tokenizer.json (fastokens, a 7 MB 100k vocabulary: 0.74 s), twice that while
-# the workers and the backend check load at once.  Measured on two vCPUs: with such a tokenizer,
-# -j 2 was slower than -j 1 up to ~200 MB of input under a 64 MiB share.
-LOAD_SHARE_PER_MB = 0.4
-
-
-def worker_bytes(backend: str, tokenizer_bytes: int = 0) -> int:
-    """Input per worker process with `backend` and a tokenizer.json of `tokenizer_bytes`: about
-    what keeps a worker busy for as long again as it took to start.  $HELIXTOK_WORKER_BYTES sets
-    it for all (1: --workers alone decides how many)."""
+def worker_bytes(backend: str) -> int:
+    """Input per worker process with `backend` when --workers is not given.  $HELIXTOK_WORKER_BYTES
+    sets it for all (1: as many processes as cores and units)."""
     env = os.environ.get("HELIXTOK_WORKER_BYTES", "")
     if env and (not env.isdigit() or int(env) < 1):
         raise ConfigError(f"HELIXTOK_WORKER_BYTES must be a whole number of bytes, at least 1; got {env!r}")
     if env:
         return int(env)
-    return int(WORKER_BYTES.get(backend, WORKER_BYTES_SLOW) * (1 + LOAD_SHARE_PER_MB * tokenizer_bytes / 1e6))
+    return WORKER_BYTES.get(backend, WORKER_BYTES_SLOW)
 
 DEFAULT_SHARD_BYTES = 1 << 30
 # ~4 MiB of input per work unit: big enough that per-unit overhead is noise,
@@ -62,7 +56,7 @@ class BuildConfig:
     split_seed: int = 0
     shard_bytes: int = DEFAULT_SHARD_BYTES
     unit_bytes: int = DEFAULT_UNIT_BYTES
-    workers: int = 0  # 0 = all cores
+    workers: int = 0  # N: N tokenizing processes (at most one per unit); 0 = as many as the input keeps busy, up to all cores
     strict: bool = False
     batch_chars: int = 1 << 20  # characters per encode_batch call in a worker
     max_piece_chars: int = 200_000  # longer documents are encoded in pieces

@@ -3,7 +3,6 @@ each journal entry handed on as it comes, with progress and a clean stop on a si
 
 from __future__ import annotations
 
-import os
 import queue
 import signal
 import threading
@@ -16,7 +15,7 @@ from .config import BuildConfig, worker_bytes
 from .errors import HelixtokError, InputError, Interrupted
 from .pool import WorkerPool
 from .tokenizer import TokenizerInfo
-from .unit import _init_worker, _LocalCounters, _W, _where, run_unit
+from .unit import _init_worker, _LocalCounters, _W, _where, prepare_worker, run_unit
 from .units import Unit
 
 
@@ -62,9 +61,11 @@ class UnitPool(WorkerPool):
     """The worker processes, started before the backend check so that their start-up (and the
     load of the likeliest library's tokenizer) overlaps it."""
 
-    def __init__(self, n: int, config: BuildConfig, state: str, run_id: str, tokenizer: str, load_likely: bool = True):
-        likely = (FAST[0], tokenizer) if load_likely and config.backend in ("auto", FAST[0]) else None
-        super().__init__(n, (_init_worker, (config, state, run_id, likely)), config.stall_seconds)
+    def __init__(self, n: int, config: BuildConfig, state: str, run_id: str, tokenizer: bytes,
+                 load_likely: bool = True):
+        likely = FAST[0] if load_likely and config.backend in ("auto", FAST[0]) else None
+        super().__init__(n, (_init_worker, (config, state, run_id)), config.stall_seconds,
+                         prepare=(prepare_worker, (tokenizer, likely)))
 
 
 def run_units(units: list[Unit], pending: list[Unit], info: TokenizerInfo, config: BuildConfig, state: str,
@@ -90,7 +91,7 @@ def run_units(units: list[Unit], pending: list[Unit], info: TokenizerInfo, confi
     if workers is None:  # inline: no pool, easy to debug and profile
         counters = _LocalCounters([0, 0, 0])
         counters.hook = lambda: report(counters, units_done)  # progress within a unit, as it is read
-        _init_worker(config, state, run_id, None, counters)
+        _init_worker(config, state, run_id, counters)
         try:
             for u in order:
                 results.append(run_unit(u, info))
@@ -185,11 +186,14 @@ def _result(f, u: Unit) -> dict:
         raise HelixtokError(f"tokenizing {_where(u)} failed: {type(e).__name__}: {e}") from None
 
 
-def worker_count(config: BuildConfig, units: list[Unit], backend: str, tokenizer: str) -> int:
-    """How many processes tokenize with `backend`: --workers at most, and only as many as the
-    input keeps busy for about a second each, which is what one costs to start (interpreter,
-    imports, the tokenizer's load: 0.5-1.7 s): one per 64 MiB with fastokens or gigatoken, one
-    per 4 MiB with tiktoken or tokenizers, more the larger the tokenizer file (config.worker_bytes:
-    a 7 MB 100k vocabulary, ~250 MiB).  One means none: the build's own process tokenizes."""
-    per = worker_bytes(backend, os.path.getsize(tokenizer))
-    return max(1, min(config.num_workers, len(units), -(-sum(u.est_bytes for u in units) // per)))
+def worker_count(config: BuildConfig, units: list[Unit], backend: str) -> tuple[int, str]:
+    """How many processes tokenize with `backend`, and why.  --workers N: N, one per unit at most.
+    Not given: one per worker_bytes of input (about 0.1 s of work; a forked worker starts in
+    milliseconds), up to all cores.  One means none: the build's own process tokenizes."""
+    if config.workers:
+        n = max(1, min(config.workers, len(units)))
+        return n, f"--workers {config.workers}" + (f", {len(units)} work units" if n < config.workers else "")
+    per, cores = worker_bytes(backend), config.num_workers
+    n = max(1, min(cores, len(units), -(-sum(u.est_bytes for u in units) // per)))
+    return n, (f"auto: {cores} cores, {len(units)} work units, one process per {per / (1 << 20):g} MiB of "
+               f"input with {backend}")

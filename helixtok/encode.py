@@ -50,7 +50,7 @@ class Encoder:
         from .backends import flat_encoder, hf_tokenizer
 
         # The fast libraries load the file themselves; tokenizers is needed only where it encodes.
-        self.tok = hf_tokenizer(info.path, info.special_tokens) if info.backend in ("hf", "tiktoken") else None
+        self.tok = hf_tokenizer(info.sha256, info.special_tokens) if info.backend in ("hf", "tiktoken") else None
         self.dtype = info.dtype
         self.max_piece_chars = max_piece_chars
         # Characters per library call.  fastokens and gigatoken answer in flat id arrays: the
@@ -60,7 +60,7 @@ class Encoder:
         flat = info.backend in ("fastokens", "gigatoken")
         self.group_chars = group_chars or (sys.maxsize if flat else max_piece_chars)
         # encode_batch_fast (inside hf) skips offset tracking, which we never use: ~25% faster.
-        self._encode, _, why = flat_encoder(info.backend, info.path, info.special_tokens, self.tok)
+        self._encode, _, why = flat_encoder(info.backend, info.sha256, info.special_tokens, self.tok)
         if self._encode is None:
             raise TokenizerError(f"{info.path}: backend {info.backend} unavailable: {why}")
 

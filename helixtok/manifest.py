@@ -113,6 +113,14 @@ def _int(v) -> bool:
 def schema_problems(m: dict) -> list[str]:
     """Every way `m` departs from the manifest schema of docs/format.md, one line each."""
     out: list[str] = []
+    # A path stays inside the dataset's folder, or (a merged dataset) inside one of the parts it was merged from.
+    roots = [os.path.normpath(r) for r in m.get("merged_from") or [] if isinstance(r, str)] if isinstance(m, dict) else []
+
+    def inside(v) -> bool:
+        if not _rel_path(v):
+            return False
+        p = os.path.normpath(v)
+        return not p.startswith(os.pardir) or any(p.startswith(r + os.sep) for r in roots if r.startswith(os.pardir))
 
     def need(obj, key, check, what, where):
         if not isinstance(obj, dict) or key not in obj:
@@ -131,7 +139,7 @@ def schema_problems(m: dict) -> list[str]:
         need(t, "sha256", lambda v: isinstance(v, str) and len(v) == 64, "a sha256 hex digest", "tokenizer.")
         for k in ("vocab_size", "eos_id", "pad_id"):
             need(t, k, _int, "a non-negative integer", "tokenizer.")
-        need(t, "file", lambda v: isinstance(v, str) and v, "a file name", "tokenizer.")
+        need(t, "file", inside, "a relative path inside the dataset", "tokenizer.")
     if need(m, "totals", lambda v: isinstance(v, dict), "an object", ""):
         for k in ("documents", "tokens", "chunks"):
             need(m["totals"], k, _int, "a non-negative integer", "totals.")
@@ -151,13 +159,13 @@ def schema_problems(m: dict) -> list[str]:
             if not isinstance(e, dict):
                 out.append(f"{w}shards[{i}]: not an object")
                 continue
-            need(e, "path", _rel_path, "a relative path", we)
+            need(e, "path", inside, "a relative path inside the dataset", we)
             need(e, "num_tokens" if m.get("format_version") != 1 else "num_chunks", _int, "a non-negative integer", we)
             need(e, "bytes", _int, "a non-negative integer", we)
             need(e, "sha256", lambda v: isinstance(v, str) and len(v) == 64, "a sha256 hex digest", we)
             for side in SIDES.get(m.get("packing"), ()):
                 if need(e, side, lambda v: isinstance(v, dict), "an object", we):
-                    need(e[side], "path", _rel_path, "a relative path", f"{we}{side}.")
+                    need(e[side], "path", inside, "a relative path inside the dataset", f"{we}{side}.")
                     need(e[side], "sha256", lambda v: isinstance(v, str) and len(v) == 64, "a sha256 hex digest",
                          f"{we}{side}.")
                     if side == "docs":

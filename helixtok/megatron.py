@@ -128,9 +128,11 @@ def import_megatron(prefix: str, out: str, tokenizer: str, *, seq_len: int, shar
     from .manifest import FORMAT_VERSION, MANIFEST, write_json_atomic
     from .catalog import join_split, published
     from .shards import ShardFiles
-    from .tokenizer import inspect_tokenizer
+    from .tokenizer import inspect_tokenizer, release_bytes, tokenizer_bytes
 
     info = inspect_tokenizer(tokenizer)
+    data = tokenizer_bytes(info.sha256)  # OUT's copy is the file as read for the checks below
+    release_bytes(info.sha256)
     mdtype, lengths, pointers, docs = read_index(prefix)
     item = np.dtype(mdtype).itemsize
     binp = prefix + ".bin"
@@ -175,7 +177,8 @@ def import_megatron(prefix: str, out: str, tokenizer: str, *, seq_len: int, shar
         if created:  # it was not there (or empty) before: leave nothing behind
             shutil.rmtree(out, ignore_errors=True)
         raise
-    shutil.copyfile(info.path, os.path.join(out, "tokenizer.json"))
+    with open(os.path.join(out, "tokenizer.json"), "wb") as fh:
+        fh.write(data)
     split = join_split([{"documents": len(doc_starts), "tokens": total, "text_bytes": 0, "pad_tokens": 0,
                          "dropped_tokens": 0, "dropped_documents": 0}], shards, L, "packed")
     n = split["num_chunks"]

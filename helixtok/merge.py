@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -10,7 +11,7 @@ import shutil
 from .catalog import join_split, split_totals
 from .errors import ConfigError, DatasetError
 from .manifest import FORMAT_VERSION, MANIFEST, load_manifest, sum_sources, write_json_atomic
-from .outdir import OutLock, check_out_path, refuse_foreign, remove_owned
+from .outdir import PUBLISH, STATE, OutLock, check_out_path, refuse_foreign, remove_owned
 from .planid import PLAN_FILE, describe_change
 from .tally import Tally
 from .units import Unit
@@ -166,10 +167,16 @@ def merge(parts: list[str], out: str, *, overwrite: bool = False) -> dict:
         order = sorted(range(len(parts)), key=lambda i: tasks[i]["task_index"])
         parts, ms, tasks = [parts[i] for i in order], [ms[i] for i in order], [tasks[i] for i in order]
         plans = [_plan_of(p) for p in parts]
-        for p, plan in zip(parts, plans):  # the first with itself: a lone part's own record
+        for p, m, plan in zip(parts, ms, plans):  # the first with itself: a lone part's own record
             why = plan_mismatch(p, plan, parts[0], plans[0])
             if why:
                 raise DatasetError(why)
+            if plan is not None and m.get("plan_sha256") != hashlib.sha256(plan).hexdigest():
+                raise DatasetError(f"{p}: its {PLAN_FILE} is not the plan its manifest was built from (plan_sha256 "
+                                   f"{str(m.get('plan_sha256'))[:12]}...); rebuild the part")
+    for p, m in zip(parts, ms):
+        _check_files(p, m)
+    tokenizer = _tokenizer_of(parts[0], ms[0])
     check_out_path(out)
     os.makedirs(out, exist_ok=True)
     with OutLock(out):
@@ -181,10 +188,38 @@ def merge(parts: list[str], out: str, *, overwrite: bool = False) -> dict:
         refuse_foreign(out, allowed=inside)
         if overwrite:
             remove_owned(out, keep=inside)
-        return _merge_locked(parts, ms, out)
+        return _merge_locked(parts, ms, out, tokenizer)
 
 
-def _merge_locked(parts: list[str], ms: list[dict], out: str) -> dict:
+def _check_files(part: str, m: dict) -> None:
+    """Every file a part's manifest names is there with its size (stat only: no token is read)."""
+    for sp in m["splits"].values():
+        for e in sp["shards"]:
+            for x in (e, e.get("docs"), e.get("valid")):
+                if not x:
+                    continue
+                p = os.path.join(part, x["path"])
+                size = os.path.getsize(p) if os.path.isfile(p) else None
+                if size != x["bytes"]:
+                    raise DatasetError(f"{p}: {'missing' if size is None else f'{size} bytes'}, its manifest says "
+                                       f"{x['bytes']}; rebuild the part (helixtok verify {part} says more)")
+
+
+def _tokenizer_of(part: str, m: dict) -> bytes:
+    """The part's tokenizer copy, read once and checked against its manifest's sha256."""
+    path = os.path.join(part, m["tokenizer"]["file"])
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read()
+    except OSError as e:
+        raise DatasetError(f"{path}: cannot read it ({e.strerror}); rebuild the part") from None
+    if hashlib.sha256(data).hexdigest() != m["tokenizer"]["sha256"]:
+        raise DatasetError(f"{path}: not the tokenizer the part was built with (its sha256 differs from the "
+                           "manifest's tokenizer.sha256); rebuild the part")
+    return data
+
+
+def _merge_locked(parts: list[str], ms: list[dict], out: str, tokenizer: bytes) -> dict:
     first = ms[0]
 
     pieces: dict[str, list[dict]] = {}
@@ -218,8 +253,14 @@ def _merge_locked(parts: list[str], ms: list[dict], out: str) -> dict:
                                  for sp in splits},
               "skipped": skipped.to_json(),
               "warnings": warnings.to_json()}
-    tok_src = os.path.join(parts[0], first["tokenizer"]["file"])
-    shutil.copyfile(tok_src, os.path.join(out, ".tokenizer.json.tmp"))
+    # What is about to be written is recorded first (as a build's publish.json): a merge killed
+    # before its manifest leaves files a rerun knows as helixtok's, to replace or delete.
+    state = os.path.join(out, STATE)
+    os.makedirs(state, exist_ok=True)
+    write_json_atomic(os.path.join(state, PUBLISH), {"files": ["tokenizer.json", MANIFEST]})
+    with open(os.path.join(out, ".tokenizer.json.tmp"), "wb") as fh:
+        fh.write(tokenizer)
     os.replace(os.path.join(out, ".tokenizer.json.tmp"), os.path.join(out, "tokenizer.json"))
     write_json_atomic(os.path.join(out, MANIFEST), merged)
+    shutil.rmtree(state, ignore_errors=True)
     return merged

@@ -13,45 +13,63 @@ from .errors import ConfigError
 
 # A build that tokenizes in its own process waits for this load (1.0 s for a 100k vocabulary)
 # before its first unit; fastokens releases the GIL while it loads, so started before numpy and
-# the rest of helixtok are imported (0.2-0.3 s) it finishes that much earlier.
-_early: dict[tuple, tuple[threading.Thread, list]] = {}
+# the rest of helixtok are imported (0.2-0.3 s) it finishes that much earlier.  The file is read
+# here, once: the build takes these very bytes (take_bytes) instead of reading it again.
+_early: dict[str, tuple[threading.Thread, list]] = {}  # sha256 of the bytes -> (load, [tokenizer])
+_read: dict[tuple, bytes] = {}  # file key -> the bytes start() read
 SCAN_FILES = 2000  # inputs looked at to guess a build's size: past this, no guess
 
 
 def _key(path: str) -> tuple:
     st = os.stat(path)
-    return os.path.realpath(path), st.st_mtime_ns, st.st_size
-
-
-def _load(path: str):
-    import fastokens
-
-    return fastokens.Tokenizer.from_file(path)
+    return os.path.realpath(path), st.st_mtime_ns, st.st_size, st.st_ino
 
 
 def start(path: str) -> None:
-    """Load fastokens' tokenizer for `path` in a thread, unless one is loading it; `take` hands
-    it over.  fastokens releases the GIL while it loads: the build meanwhile imports, plans,
-    inspects the tokenizer (tokenizers' own load) and samples the corpus."""
+    """Read `path` and load fastokens' tokenizer of those bytes ahead (start_bytes); the build
+    takes the bytes (take_bytes) as its one read of the file."""
     key = _key(path)
-    if key in _early:
+    if key not in _read:
+        with open(path, "rb") as fh:
+            _read[key] = fh.read()
+    start_bytes(_read[key])
+
+
+def start_bytes(data: bytes) -> None:
+    """Load fastokens' tokenizer of `data` in a thread, unless one is loading it; `take` hands it
+    over.  fastokens releases the GIL while it loads: the build meanwhile imports, plans,
+    inspects the tokenizer (tokenizers' own load) and samples the corpus."""
+    import hashlib
+
+    sha = hashlib.sha256(data).hexdigest()
+    if sha in _early:
         return
     box: list = []
 
     def load() -> None:
         with contextlib.suppress(Exception):  # the build loads it again and says why it cannot
-            box.append(_load(path))
+            import fastokens
+
+            box.append(fastokens.Tokenizer.from_json_str(data.decode("utf-8")))
     # Not a daemon: a daemon thread still inside the library when Python shuts down aborts it.
     t = threading.Thread(target=load, name="helixtok-preload")
-    _early[key] = (t, box)
+    _early[sha] = (t, box)
     t.start()
 
 
-def take(path: str):
-    """The tokenizer `start` loaded for `path` as it is now (same file, size, mtime), else None."""
+def take_bytes(path: str) -> bytes | None:
+    """The bytes `start` read of `path`, if the file is still the one it read (inode, size, mtime)."""
     try:
-        t, box = _early.pop(_key(path))
+        return _read.pop(_key(path))
     except (KeyError, OSError):
+        return None
+
+
+def take(sha: str):
+    """The tokenizer loaded ahead from bytes whose sha256 is `sha` (once it is loaded), else None."""
+    try:
+        t, box = _early.pop(sha)
+    except KeyError:
         return None
     t.join()
     return box[0] if box else None
@@ -59,6 +77,7 @@ def take(path: str):
 
 def drop() -> None:
     """Wait for the loads started and forget what they loaded (a build that did not use them)."""
+    _read.clear()
     while _early:
         _early.popitem()[1][0].join()
 
@@ -72,16 +91,16 @@ def speculate(corpus: list[str], tokenizer: str, workers: int, backend: str) -> 
     path = os.path.join(tokenizer, "tokenizer.json") if os.path.isdir(tokenizer) else tokenizer
     if not os.path.isfile(path):
         return  # a HF repo id, or an error the build reports
-    if workers != 1 and not _fits_one_process(corpus, os.path.getsize(path)):
+    if workers != 1 and not _fits_one_process(corpus):
         return
     start(path)
 
 
-def _fits_one_process(corpus: list[str], tokenizer_bytes: int) -> bool:
+def _fits_one_process(corpus: list[str]) -> bool:
     """Whether the local inputs hold at most one fastokens worker's share, counting files as they
     are on disk (a compressed one holds more: the guess may be wrong, at the cost above)."""
     try:
-        limit = worker_bytes("fastokens", tokenizer_bytes)
+        limit = worker_bytes("fastokens")
     except ConfigError:
         return False  # the build says what is wrong with it
     total = seen = 0

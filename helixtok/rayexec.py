@@ -20,20 +20,24 @@ from . import errors
 from .errors import ConfigError, HelixtokError
 from .manifest import write_json_atomic
 from .publish import upload_unit
+from .tokenizer import hold_bytes, release_bytes
 from .unit import _init_worker, done_path, run_unit, state_files
 
 RETRIES = 3  # a task is retried this many times when its worker process or node dies
 
 
-def _task(cwd: str, config, state: str, run_id: str, remote, unit, info):
+def _task(cwd: str, config, state: str, run_id: str, remote, tokenizer: bytes, unit, info):
     """On a Ray worker: tokenize one unit as a pool worker would; with `remote` (URL, folder), in a
     staging folder of this node's own, then upload its shards there.  Errors come back as values
     (class name, message): the driver raises them as the one-line errors they are."""
     os.chdir(cwd)  # relative input paths, as the driver's command line gave them
     if remote is not None:
         state = tempfile.mkdtemp(prefix="helixtok-unit-")
+    sha = hold_bytes(tokenizer)  # the driver's bytes (one object in Ray's store), never a file
     try:
-        _init_worker(config, state, run_id, None, None)
+        if sha != info.sha256:
+            raise HelixtokError(f"the tokenizer handed to the task is not the build's (sha256 {sha[:12]}...)")
+        _init_worker(config, state, run_id, None)
         r = run_unit(unit, info)
         if remote is not None:
             upload_unit(state, list(state_files(r)), *remote, config.stall_seconds)
@@ -43,6 +47,7 @@ def _task(cwd: str, config, state: str, run_id: str, remote, unit, info):
     except OSError as e:
         return "oserror", e.errno, e.strerror, e.filename
     finally:
+        release_bytes(sha)
         if remote is not None:
             shutil.rmtree(state, ignore_errors=True)
 
@@ -81,7 +86,8 @@ class RayExecutor:
     """submit(fn=run_unit, unit, info) -> Future of the journal entry, on a Ray cluster: the one at
     ADDRESS, the one $RAY_ADDRESS names, or a local one started for this build."""
 
-    def __init__(self, address: str | None, config, state: str, run_id: str, remote: tuple[str, str] | None = None):
+    def __init__(self, address: str | None, config, state: str, run_id: str, tokenizer: bytes,
+                 remote: tuple[str, str] | None = None):
         self.ray = ray = require_ray()
         self._started = not ray.is_initialized()
         if self._started:
@@ -94,7 +100,8 @@ class RayExecutor:
                                   ) from None
         self.n = max(1, int(ray.cluster_resources().get("CPU", 1)))
         self.counters = [0, 0, 0]  # bytes, documents, tokens of the units finished
-        self._args = (os.getcwd(), config, os.path.abspath(state), run_id, remote)
+        # The tokenizer's bytes go into the object store once; each task gets them from there.
+        self._args = (os.getcwd(), config, os.path.abspath(state), run_id, remote, ray.put(tokenizer))
         # The driver's object-storage settings (endpoint, credentials) travel with its tasks.
         env = {k: v for k, v in os.environ.items() if k.startswith(("AWS_", "HELIXTOK_"))}
         self._task = ray.remote(num_cpus=1, max_retries=RETRIES, retry_exceptions=False)(_task).options(

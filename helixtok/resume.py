@@ -4,6 +4,7 @@ the finished units it can trust; or something to refuse, named."""
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import shutil
@@ -71,10 +72,12 @@ def prepare_out(out: str, plan: dict, overwrite: bool, protect: list[str]) -> bo
 
 def trusted_results(out: str, state: str, units: list[Unit], uploaded: dict[str, int] | None = None
                      ) -> dict[int, dict]:
-    """Journal entries of finished units whose shards are all there with the sizes recorded: in
-    STATE, or already moved into OUT by a build stopped while publishing (publish.json names
-    those), or (uploaded: object name -> size) in object storage.  Shards are fsynced before
-    their entry is written (uploaded: their upload checked), so a size that matches is the data.
+    """Journal entries of finished units whose shards are all there with the sizes and sha256 the
+    worker recorded as it wrote them: in STATE, or already moved into OUT by a build stopped
+    while publishing (publish.json names those), or (uploaded: object name -> size) in object
+    storage (their upload was checked).  Local files are read again: a file replaced by other
+    bytes of the same size (a damaged disk, a copy from another run) is not trusted, and its unit
+    is tokenized again -- reading a shard costs a fraction of tokenizing it.
 
     Read once, at start: the lock guarantees no other build writes here, and an orphan that
     journals late only ever names its own run's files, which this run then does not use.
@@ -87,8 +90,8 @@ def trusted_results(out: str, state: str, units: list[Unit], uploaded: dict[str,
                 r = json.load(fh)
             ok = r["index"] == u.index and "lines" in r and "sources" in r and "counts" in r and all(
                 uploaded.get(p) == size if uploaded is not None else
-                _has(os.path.join(state, n), size) or (p in moved and _has(os.path.join(out, p), size))
-                for n, p, size in state_files(r))
+                _has(os.path.join(state, n), size, sha) or (p in moved and _has(os.path.join(out, p), size, sha))
+                for n, p, size, sha in state_files(r, with_sha=True))
         except (OSError, ValueError, KeyError, TypeError):
             ok = False
         if ok:
@@ -101,5 +104,11 @@ def trusted_results(out: str, state: str, units: list[Unit], uploaded: dict[str,
     return trusted
 
 
-def _has(path: str, size: int) -> bool:
-    return not os.path.islink(path) and os.path.isfile(path) and os.path.getsize(path) == size
+def _has(path: str, size: int, sha: str) -> bool:
+    if os.path.islink(path) or not os.path.isfile(path) or os.path.getsize(path) != size:
+        return False
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(1 << 20):
+            h.update(block)
+    return h.hexdigest() == sha

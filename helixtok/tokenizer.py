@@ -140,35 +140,68 @@ class TokenizerInfo:
 
 
 def load_tokenizer(path: str):
+    """A tokenizers Tokenizer from a file (a dataset's own copy: readers, not the build)."""
+    with open(path, "rb") as fh:
+        return tokenizer_from_bytes(fh.read(), path)
+
+
+def tokenizer_from_bytes(data: bytes, where: str):
     from tokenizers import Tokenizer
 
-    handed = _handed.pop(_file_key(path), None)
-    if handed is not None:
-        return handed
     try:
-        return Tokenizer.from_file(path)
+        return Tokenizer.from_str(data.decode("utf-8"))
     except Exception as e:  # tokenizers raises a bare Exception on bad JSON
-        raise TokenizerError(f"{path}: not a tokenizers tokenizer.json ({str(e).splitlines()[0][:200]}); "
+        raise TokenizerError(f"{where}: not a tokenizers tokenizer.json ({str(e).splitlines()[0][:200]}); "
                              "pass the tokenizer.json of a HF tokenizer") from e
 
 
-# A Tokenizer inspect_tokenizer loaded and no longer uses, for the next load of the same file
+# The bytes of the tokenizers a build uses, by sha256.  A build reads its tokenizer.json once
+# (inspect_tokenizer) and every load after that -- the backend check, each worker (inherited
+# from the fork server, or sent in its first message), each Ray task, the long-input helper,
+# OUT's copy -- takes these bytes: a file replaced while the build runs cannot mix another
+# tokenizer's ids into the shards the manifest attributes to the first.
+_HELD: dict[str, list] = {}  # sha256 -> [bytes, holders]
+
+
+def hold_bytes(data: bytes) -> str:
+    """Keep `data` for loads by its sha256 (returned) until release_bytes."""
+    sha = hashlib.sha256(data).hexdigest()
+    _HELD.setdefault(sha, [data, 0])[1] += 1
+    return sha
+
+
+def release_bytes(sha: str) -> None:
+    entry = _HELD.get(sha)
+    if entry is not None:
+        entry[1] -= 1
+        if entry[1] <= 0:
+            del _HELD[sha]
+
+
+def tokenizer_bytes(sha: str) -> bytes:
+    """The held bytes whose sha256 is `sha`: a process never loads a tokenizer it was not handed."""
+    try:
+        return _HELD[sha][0]
+    except KeyError:
+        raise TokenizerError(f"tokenizer sha256 {sha[:12]}...: its bytes were not handed to this process "
+                             "(a helixtok bug; rerun the same command)") from None
+
+
+def load_held(sha: str):
+    """A tokenizers Tokenizer of the held bytes `sha` (the one inspect_tokenizer loaded, once)."""
+    handed = _handed.pop(sha, None)
+    return handed if handed is not None else tokenizer_from_bytes(tokenizer_bytes(sha), f"tokenizer {sha[:12]}")
+
+
+# A Tokenizer inspect_tokenizer loaded and no longer uses, for the next load of the same bytes
 # (the backend check): a 100k-vocabulary file takes ~0.5 s to load.  Taken once, never shared.
-_handed: dict[tuple, object] = {}
+_handed: dict[str, object] = {}
 
 
 def forget_handed() -> None:
     """Drop a Tokenizer inspect_tokenizer handed on and nothing took (a pool build with tokenizers,
     a build that failed before its check): a long-lived process keeps no ~30-100 MB of it."""
     _handed.clear()
-
-
-def _file_key(path: str) -> tuple:
-    try:
-        st = os.stat(path)
-    except OSError:
-        return (path,)
-    return (os.path.realpath(path), st.st_size, st.st_mtime_ns)
 
 
 def _config_token(tok_path: str, key: str) -> str | None:
@@ -186,14 +219,29 @@ def _config_token(tok_path: str, key: str) -> str | None:
     return v if isinstance(v, str) else None
 
 
+def read_tokenizer(path: str) -> bytes:
+    """The tokenizer file's bytes: the one read of it a build makes (see _HELD)."""
+    from . import preload
+
+    early = preload.take_bytes(path)
+    if early is not None:
+        return early
+    with open(path, "rb") as fh:
+        return fh.read()
+
+
 def inspect_tokenizer(spec: str, *, eos_token: str | None = None, bos_token: str | None = None,
-                      pad_token: str | None = None, add_bos: bool | None = False, special_tokens: str = "text"
-                      ) -> TokenizerInfo:
+                      pad_token: str | None = None, add_bos: bool | None = False, special_tokens: str = "text",
+                      sha256: str | None = None) -> TokenizerInfo:
     """What a build needs to know of a tokenizer: special ids, vocabulary size, dtype, whether long
     documents may be cut.  add_bos None: what the tokenizer's post-processor puts before a single
-    sequence (Llama 3: <|begin_of_text|>; GPT-2: nothing), as tokenizer(text) does in transformers."""
+    sequence (Llama 3: <|begin_of_text|>; GPT-2: nothing), as tokenizer(text) does in transformers.
+    sha256: the held bytes (hold_bytes) to inspect; else the file is read and its bytes held
+    (the caller releases them: release_bytes(info.sha256))."""
     path = resolve_tokenizer_path(spec)
-    tok = load_tokenizer(path)
+    if sha256 is None:
+        sha256 = hold_bytes(read_tokenizer(path))
+    tok = tokenizer_from_bytes(tokenizer_bytes(sha256), path)
     vocab = tok.get_vocab(with_added_tokens=True)
     if not vocab:
         raise TokenizerError(f"{path}: tokenizer has an empty vocabulary")
@@ -225,13 +273,13 @@ def inspect_tokenizer(spec: str, *, eos_token: str | None = None, bos_token: str
     bos = pick(bos_token, "bos_token", BOS_CANDIDATES, "bos", add_bos)
     pad = pick(pad_token, "pad_token", PAD_CANDIDATES, "pad", False) or eos
     info = TokenizerInfo(
-        path=path, sha256=sha256_file(path), vocab_size=max(vocab.values()) + 1,
+        path=path, sha256=sha256, vocab_size=max(vocab.values()) + 1,
         eos_id=vocab[eos], eos_token=eos, pad_id=vocab[pad], pad_token=pad,
         bos_id=vocab[bos] if bos else None, bos_token=bos, add_bos=add_bos, bos_rule=rule,
         splittable=_splits_exactly(tok), special_tokens=special_tokens, reference_version=reference_version(),
     )
     _handed.clear()
-    _handed[_file_key(path)] = tok
+    _handed[sha256] = tok
     return info
 
 

@@ -21,7 +21,7 @@ from .objstore import expired
 from .pack import PACKERS
 from .sources import StaleRange, UnitReader
 from .tally import Tally
-from .tokenizer import TokenizerInfo
+from .tokenizer import TokenizerInfo, hold_bytes
 from .units import Unit
 
 
@@ -61,26 +61,33 @@ _W = _PerThread()
 THREAD_ENV = ("TOKENIZERS_PARALLELISM", "FASTOKENS_BPE_THREADS")
 
 
-def _init_worker(config: BuildConfig, state_dir: str, run_id: str, likely: tuple[str, str] | None, counters) -> None:
-    """Set up a tokenizing process: a worker (counters: its pool.Beat), or the build's own."""
+def prepare_worker(tokenizer: bytes, likely: str | None) -> None:
+    """What the fork server does once for all its workers (or a worker started as its own
+    interpreter for itself), while the main process checks backends: hold the tokenizer's
+    bytes (the build's one read of the file: no worker reads it) and load them into the library
+    the check most likely picks (a 100k vocabulary takes fastokens ~1 s; the Encoder finds it in
+    the library's cache, or it is dropped unused)."""
+    from . import backends
+
+    _one_thread()
+    sha = hold_bytes(tokenizer)
+    if likely is not None:
+        with contextlib.suppress(Exception):  # the check will say why this library cannot be used
+            backends.flat_encoder(likely, sha, "", None)
+            _W["preloaded"] = likely
+
+
+def _one_thread() -> None:
     # One process per core: rayon threads inside each would oversubscribe the cores
     # (and --workers 1 means one core).  In the build's own process, build() restores it.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    os.environ.setdefault("FASTOKENS_BPE_THREADS", "1")
+
+
+def _init_worker(config: BuildConfig, state_dir: str, run_id: str, counters) -> None:
+    """Set up a tokenizing process: a worker (counters: its pool.Beat), or the build's own."""
+    _one_thread()
     _W.update(config=config, state=state_dir, run=run_id, counters=counters)
-    if likely is not None:
-        _warm(likely)
-
-
-def _warm(likely: tuple[str, str]) -> None:
-    """A worker's start, while the main process checks backends: load the tokenizer into the
-    backend the check most likely picks (a 100k vocabulary takes fastokens ~0.5 s; the Encoder
-    finds it in the backend's cache, or it is dropped unused)."""
-    from . import backends
-
-    name, path = likely
-    with contextlib.suppress(Exception):  # the check will say why this backend cannot be used
-        backends.flat_encoder(name, path, "", None)
-        _W["preloaded"] = name
 
 
 def _encoder(info: TokenizerInfo) -> Encoder:
@@ -276,14 +283,12 @@ def _run_unit(unit: Unit, info: TokenizerInfo) -> dict:
     return result
 
 
-def state_files(result: dict):
-    """(name in STATE, name once published, bytes) of every file a unit's journal entry names."""
+def state_files(result: dict, with_sha: bool = False):
+    """(name in STATE, name once published, bytes[, sha256]) of every file a unit's journal entry names."""
     for entries in result["shards"].values():
         for e in entries:
-            yield e["state"], e["path"], e["bytes"]
-            for side in ("docs", "valid"):
-                if side in e:
-                    yield e[side]["state"], e[side]["path"], e[side]["bytes"]
+            for x in (e, *(e[side] for side in ("docs", "valid") if side in e)):
+                yield (x["state"], x["path"], x["bytes"], x["sha256"]) if with_sha else (x["state"], x["path"], x["bytes"])
 
 
 def _where(u: Unit) -> str:

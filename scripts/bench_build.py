@@ -101,8 +101,9 @@ def raw_rows(docs, tok_path, variants=True):
         n = sum(len(tok.encode(d, add_special_tokens=False).ids) for d in docs)
         rows["encode (per document)"] = (time.perf_counter() - t, n)
     from helixtok.backends import tiktoken_encoding, tiktoken_ids
+    from helixtok.tokenizer import inspect_tokenizer
 
-    enc, _ = tiktoken_encoding(tok_path)
+    enc, _ = tiktoken_encoding(inspect_tokenizer(tok_path).sha256)
     if enc is not None:  # the limit of --backend auto when it picks tiktoken
         t = time.perf_counter()
         n = sum(map(len, tiktoken_ids(enc, docs)))

@@ -53,8 +53,8 @@ def main() -> None:
     files, _ = discover([args.corpus])
     units, _ = plan_units(files, unit_bytes=cfg.unit_bytes, text_field=cfg.text_field)
     info, _ = choose_backend(info, units, cfg)
-    raw, _, _ = flat_encoder(info.backend, args.tokenizer, cfg.special_tokens,
-                             hf_tokenizer(args.tokenizer, cfg.special_tokens))
+    raw, _, _ = flat_encoder(info.backend, info.sha256, cfg.special_tokens,
+                             hf_tokenizer(info.sha256, cfg.special_tokens))
     enc = Encoder(info, max_piece_chars=cfg.max_piece_chars)
     tmp = tempfile.mkdtemp(prefix="helixtok-ladder-", dir=os.path.dirname(os.path.abspath(args.corpus)))
 

@@ -83,7 +83,7 @@ def limit_seconds(corpus: str, tok: str, part: tuple[int, int] = (0, 1), barrier
     files, _ = discover([corpus])
     units, _ = plan_units(files, unit_bytes=cfg.unit_bytes, text_field="text")
     info, _ = choose_backend(info, units, cfg)
-    encode, _, _ = flat_encoder(info.backend, tok, cfg.special_tokens, hf_tokenizer(tok, cfg.special_tokens))
+    encode, _, _ = flat_encoder(info.backend, info.sha256, cfg.special_tokens, hf_tokenizer(info.sha256, cfg.special_tokens))
     if barrier is not None:
         barrier.wait()
     t0 = time.perf_counter()

@@ -63,7 +63,7 @@ def main() -> None:
     units, _ = hu.plan_units(files, unit_bytes=config.unit_bytes, text_field="text")
     plan = time.perf_counter() - t0
     info, check = choose_backend(inspect_tokenizer(args.tokenizer), units, config)
-    encode = flat_encoder(info.backend, info.path, info.special_tokens, None)[0]
+    encode = flat_encoder(info.backend, info.sha256, info.special_tokens, None)[0]
     whole = hu.Unit(0, files[0].kind, (files[0].path,), (files[0].name,))
     base = unit_seconds(whole, encode, config.batch_chars)
     times = [unit_seconds(u, encode, config.batch_chars) for u in units]

@@ -160,22 +160,29 @@ def _assert_every_backend(got: dict, shapes: dict, special: str) -> None:
     assert all(table[s, "tiktoken"].startswith("refused") for s in shapes if s != "gpt2-like")
 
 
-def test_the_tokenizer_inspect_loaded_is_handed_on_once_and_never_when_the_file_changed(tmp_path, small_tok):
+def test_the_tokenizer_inspect_loaded_is_handed_on_once_and_a_replaced_file_is_never_loaded(tmp_path, small_tok):
     """inspect_tokenizer's Tokenizer saves the backend check a second load; it is taken by one
-    caller only (hf_tokenizer sets options on it), and not at all if the file was replaced."""
+    caller only (hf_tokenizer sets options on it).  Every later load is of the bytes inspect read
+    (held by their sha256): a file replaced meanwhile is never loaded.  (Form changed with the
+    loads by sha256: a file replaced after the inspection used to be loaded afresh.)"""
     import shutil
 
-    from helixtok.tokenizer import inspect_tokenizer, load_tokenizer
+    from helixtok.errors import TokenizerError
+    from helixtok.tokenizer import inspect_tokenizer, load_held, release_bytes
 
-    inspect_tokenizer(small_tok)
-    a, b = load_tokenizer(small_tok), load_tokenizer(small_tok)
+    info = inspect_tokenizer(small_tok)
+    a, b = load_held(info.sha256), load_held(info.sha256)
     assert a is not b and a.get_vocab() == b.get_vocab()
+    vocab = a.get_vocab()
     other = tmp_path / "other.json"
     Tokenizer(models.WordLevel({"x": 0, "<|endoftext|>": 1}, unk_token="x")).save(str(other))
-    inspect_tokenizer(small_tok)
-    os.utime(small_tok, ns=(1, 1))  # replaced between the inspection and the load (mtime differs)
-    shutil.copyfile(other, small_tok)
-    assert load_tokenizer(small_tok).get_vocab() == {"x": 0, "<|endoftext|>": 1}
+    info = inspect_tokenizer(small_tok)
+    shutil.copyfile(other, small_tok)  # replaced between the inspection and the load
+    assert load_held(info.sha256).get_vocab() == vocab
+    release_bytes(info.sha256)
+    release_bytes(info.sha256)
+    with pytest.raises(TokenizerError, match="its bytes were not handed to this process"):
+        load_held(info.sha256)
 
 
 def test_workers_load_the_likely_backend_early_and_drop_it_when_another_is_chosen(shapes):
@@ -194,10 +201,10 @@ def test_workers_load_the_likely_backend_early_and_drop_it_when_another_is_chose
         backends._fast_tokenizer.cache_clear()
         hb._W.clear()
         hb._W["config"] = BuildConfig()
-        hb._warm(("fastokens", tok))
+        hb.prepare_worker(open(tok, "rb").read(), "fastokens")
     try:
         fresh_worker()
-        loaded = backends._fast_tokenizer("fastokens", tok, os.stat(tok).st_mtime_ns)
+        loaded = backends._fast_tokenizer("fastokens", info.sha256)
         fast = dataclasses.replace(info, backend="fastokens", backend_version="x")
         assert any(c.cell_contents is loaded for c in hb._encoder(fast)._encode.__closure__)  # the one preloaded
         fresh_worker()  # another worker, where the check chose tokenizers
@@ -241,7 +248,7 @@ def test_a_pool_build_checks_the_backend_in_a_worker(tmp_path, dev_corpus, shape
             batches.append(len(texts))
             longest.append(max(map(len, texts)))
             return self.tok.encode_batch_fast(texts, **kw)
-    monkeypatch.setattr(backends, "hf_tokenizer", lambda path, special: Counted(hf_tokenizer(path, special)))
+    monkeypatch.setattr(backends, "hf_tokenizer", lambda sha, special: Counted(hf_tokenizer(sha, special)))
     monkeypatch.setenv("HELIXTOK_CACHE", str(tmp_path / "fresh-cache"))  # nothing known about the long inputs
     pool = build(corpus, str(tmp_path / "pool"), tok, BuildConfig(seq_len=256, workers=2, unit_bytes=1 << 16))
     assert len(os.listdir(tmp_path / "fresh-cache" / "parity")) == 1  # the verdict, judged from the worker's digests
@@ -299,9 +306,9 @@ def test_an_inline_build_loads_the_likely_library_ahead_and_a_failure_meanwhile_
 
     class Counted:  # every load, wherever it happens
         @staticmethod
-        def from_file(path, *a, **kw):
+        def from_json_str(text, *a, **kw):  # (form: the bytes read once are loaded, not the file)
             where.append(threading.current_thread().name)
-            return real.from_file(path, *a, **kw)
+            return real.from_json_str(text, *a, **kw)
     backends._fast_tokenizer.cache_clear()
     monkeypatch.setattr(fastokens, "Tokenizer", Counted)
     corpus = str(tmp_path / "c.txt")  # what is tested happens before any tokenizing
@@ -490,9 +497,12 @@ def test_the_check_refuses_a_backend_that_answers_for_fewer_texts(small_tok):
     """Ids and lengths that cover only some of the texts are refused, not compared as a prefix."""
     from helixtok import backends
 
-    tok = backends.hf_tokenizer(small_tok, "text")
+    from helixtok.tokenizer import hold_bytes
+
+    sha = hold_bytes(open(small_tok, "rb").read())
+    tok = backends.hf_tokenizer(sha, "text")
     texts = ["hello world", "the quick brown fox", "pack me"]
-    encode, ver, _ = backends.flat_encoder("fastokens", small_tok, "text", tok)
+    encode, ver, _ = backends.flat_encoder("fastokens", sha, "text", tok)
     ids, lens = encode(texts)
     want = (backends.hf_answers(tok, texts), None)
     # Judged as tiktoken's answers: those are not checked on the long inputs.
@@ -530,9 +540,9 @@ def test_the_command_line_loads_fastokens_while_it_imports_and_the_build_takes_t
 
     class Counted:
         @staticmethod
-        def from_file(path, *a, **kw):
+        def from_json_str(text, *a, **kw):  # (form: the bytes read once are loaded, not the file)
             where.append(threading.current_thread().name)
-            return real.from_file(path, *a, **kw)
+            return real.from_json_str(text, *a, **kw)
     monkeypatch.setattr(fastokens, "Tokenizer", Counted)
     corpus = str(tmp_path / "c.jsonl")  # 40 KB in lines: several units at --unit-size 8KiB
     with open(dev_corpus / "txt" / sorted(os.listdir(dev_corpus / "txt"))[0], encoding="utf-8") as fh:
@@ -557,7 +567,7 @@ def test_the_command_line_loads_fastokens_while_it_imports_and_the_build_takes_t
     where.clear()
     pools, pool_cls = [], hb.UnitPool
     monkeypatch.setattr(hb, "UnitPool", lambda n, *a, **kw: pools.append(n) or pool_cls(n, *a, **kw))
-    monkeypatch.setattr(preload, "_fits_one_process", lambda corpus, tokenizer_bytes: True)
+    monkeypatch.setattr(preload, "_fits_one_process", lambda corpus: True)
     monkeypatch.setenv("HELIXTOK_WORKER_BYTES", "8192")
     r = cli("pool", "-j", "2", "--unit-size", "8KiB")
     assert r.exit_code == 0, r.output
@@ -574,7 +584,7 @@ def test_the_command_line_loads_fastokens_while_it_imports_and_the_build_takes_t
     monkeypatch.setattr(fastokens, "Tokenizer", Counted)
     monkeypatch.setattr(preload, "start", lambda path: where.append("guessed"))
     monkeypatch.setenv("HELIXTOK_WORKER_BYTES", str(os.path.getsize(corpus)))  # one process's share
-    assert preload._fits_one_process([corpus], 0) and not preload._fits_one_process([corpus, corpus], 0)
+    assert preload._fits_one_process([corpus]) and not preload._fits_one_process([corpus, corpus])
     preload.speculate([corpus, corpus], tok, 2, "auto")
     preload.speculate([corpus], tok, 2, "hf")
     preload.speculate([corpus], str(tmp_path / "missing.json"), 1, "auto")

@@ -140,11 +140,13 @@ def test_two_builds_in_threads_of_one_program_keep_to_their_own_options(tmp_path
     assert alone[0] != alone[1]
 
 
-def test_workers_are_as_many_as_the_input_keeps_busy(tmp_path, small_corpus, small_tok, monkeypatch):
-    """--workers is a maximum: a worker process costs about a second to start, so a build starts
-    one per 64 MiB of input with fastokens (up to 64 MiB it tokenizes in its own process)
-    and one per 4 MiB with tokenizers; if the check picks tokenizers after a build started
-    fewer, the pool it needs starts then.  The bytes never depend on it."""
+def test_workers_are_what_j_says_or_as_many_as_the_input_keeps_busy(tmp_path, small_corpus, small_tok, monkeypatch):
+    """-j N means N tokenizing processes whenever there are N work units (a forked worker costs
+    milliseconds to start).  Without -j, a build starts one per 16 MiB of input with fastokens
+    (up to that it tokenizes in its own process) and one per 1 MiB with tokenizers, up to all
+    cores; if the check picks tokenizers after such a build started fewer, the pool it needs
+    starts then.  The bytes never depend on it.  (Rule changed by issue 38: -j used to be a
+    maximum that the input's size and the tokenizer file's size cut down.)"""
     import dataclasses
 
     import helixtok.builder as hb
@@ -161,7 +163,7 @@ def test_workers_are_as_many_as_the_input_keeps_busy(tmp_path, small_corpus, sma
 
     monkeypatch.setattr(hb, "UnitPool", Counted)
     monkeypatch.delenv("HELIXTOK_WORKER_BYTES", raising=False)
-    cfg = BuildConfig(seq_len=64, workers=2, unit_bytes=1)  # 18 KB of text, one unit per file (7)
+    cfg = BuildConfig(seq_len=64, workers=0, unit_bytes=1)  # 18 KB of text, one unit per file (7)
 
     def run(name, task=None, **kw):
         made.clear()
@@ -174,22 +176,23 @@ def test_workers_are_as_many_as_the_input_keeps_busy(tmp_path, small_corpus, sma
 
     m, pools, shards = run("fast")
     assert (m["tokenizer"]["backend"], pools) == ("fastokens", [])  # 18 KB: this process tokenizes
+    m, pools, got = run("j3", workers=3)
+    assert (m["tokenizer"]["backend"], pools, got) == ("fastokens", [(3, True)], shards)  # -j 3: three, whatever the size
     units, _ = plan_units(discover([str(small_corpus)])[0], unit_bytes=cfg.unit_bytes, text_field="text")
-    monkeypatch.setenv("HELIXTOK_WORKER_BYTES", str(8 << 10))  # three processes' worth: --workers 2 caps it
-    assert [hb.worker_count(cfg, units, b, small_tok) for b in ("fastokens", "hf")] == [2, 2]
+    assert len(units) == 7
+    assert hb.worker_count(dataclasses.replace(cfg, workers=64), units, "fastokens") == (7, "--workers 64, 7 work units")
+    assert hb.worker_count(dataclasses.replace(cfg, workers=5), units, "hf")[0] == 5
+    monkeypatch.setenv("HELIXTOK_WORKER_BYTES", str(8 << 10))  # three processes' worth
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
+    n, why = hb.worker_count(cfg, units, "fastokens")
+    assert (n, why) == (3, "auto: 4 cores, 7 work units, one process per 0.0078125 MiB of input with fastokens")
+    monkeypatch.setenv("HELIXTOK_WORKER_BYTES", "1")
+    assert hb.worker_count(cfg, units, "fastokens")[0] == 4  # the cores
     monkeypatch.setenv("HELIXTOK_WORKER_BYTES", "64KiB")
     with pytest.raises(ConfigError, match="HELIXTOK_WORKER_BYTES must be a whole number of bytes"):
-        hb.worker_count(cfg, units, "fastokens", small_tok)
+        hb.worker_count(cfg, units, "fastokens")
     monkeypatch.delenv("HELIXTOK_WORKER_BYTES")
     total = sum(u.est_bytes for u in units)
-    # Each worker loads the tokenizer: a larger file (a 100k vocabulary is ~7 MB) takes longer, so
-    # each needs more input to pay for its start (-j 2 was slower than -j 1 on 123 MB otherwise).
-    monkeypatch.setattr(helixtok.config, "WORKER_BYTES", {"fastokens": -(-total // 4)})  # four workers' worth
-    big = tmp_path / "big-tokenizer.json"
-    big.write_bytes(b" " * 2_500_000)  # (only its size counts here)
-    many = dataclasses.replace(cfg, workers=8)
-    assert os.path.getsize(small_tok) < 100_000
-    assert [hb.worker_count(many, units, "fastokens", t) for t in (small_tok, str(big))] == [4, 2]
     monkeypatch.setattr(helixtok.config, "WORKER_BYTES", {"fastokens": -(-total // 2)})  # the corpus: two workers' worth
     assert run("share", task=(1, 3))[1] == []  # one task of three (the last two files): sized for its share
     monkeypatch.setattr(helixtok.config, "WORKER_BYTES", {"fastokens": 1 << 30})  # kilobytes stand for MiB
@@ -203,7 +206,7 @@ def test_workers_are_as_many_as_the_input_keeps_busy(tmp_path, small_corpus, sma
     assert (m["tokenizer"]["backend"], pools, got) == ("hf", [(2, False)], shards)  # started after the check
     monkeypatch.setattr(helixtok.config, "WORKER_BYTES", {"fastokens": -(-total // 2)})  # two workers for fastokens,
     monkeypatch.setattr(helixtok.config, "WORKER_BYTES_SLOW", -(-total // 3))  # three for tokenizers
-    m, pools, got = run("larger", workers=3)
+    m, pools, got = run("larger")
     assert (m["tokenizer"]["backend"], pools, got) == ("hf", [(2, True), (3, False)], shards)  # replaced
 
 

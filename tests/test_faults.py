@@ -289,10 +289,7 @@ def test_dead_worker_message_names_the_file_that_worker_was_reading(tmp_path, de
     wait_for(str(out / STATE / "plan.json"), p)  # units are being tokenized
     victim = reading = None
     while victim is None and p.poll() is None:
-        for k in _children(p.pid):
-            with contextlib.suppress(OSError):
-                if "helixtok-worker" not in open(f"/proc/{k}/cmdline").read():
-                    continue
+        for k in _workers_of(p.pid):
             os.kill(k, signal.SIGSTOP)  # frozen: it cannot move on to another file
             reading = _open_input(k, corpus)
             if reading:
@@ -317,10 +314,7 @@ def test_hung_worker_fails_promptly_with_location(tmp_path, dev_corpus, tokenize
     # Each worker stopped while it reads a unit (one still starting would be named as starting).
     stopped = set()
     while len(stopped) < 2 and p.poll() is None:
-        for k in set(_children(p.pid)) - stopped:
-            with contextlib.suppress(OSError):
-                if "helixtok-worker" not in open(f"/proc/{k}/cmdline").read():
-                    continue
+        for k in set(_workers_of(p.pid)) - stopped:
             os.kill(k, signal.SIGSTOP)  # a worker that neither works nor dies
             if _open_input(k, corpus):
                 stopped.add(k)
@@ -517,6 +511,7 @@ def test_a_pool_that_breaks_while_starting_is_one_line_and_leaves_no_worker(tmp_
         real_init(self, *a, **k)
         made.extend(self.procs)
     monkeypatch.setattr(hp, "_SERVE", "import os\nos._exit(3)\n")
+    monkeypatch.setattr(hp, "_FORK_SERVER", "import os\nos._exit(3)\n")  # (form: workers are forked from it)
     monkeypatch.setattr(hb.UnitPool, "__init__", init)
     with pytest.raises(HelixtokError, match="a worker process died while starting"):
         build([str(small_corpus)], str(tmp_path / "out"), small_tok, BuildConfig(seq_len=16, workers=2, unit_bytes=1))
@@ -572,10 +567,12 @@ hu.plan_units(files, unit_bytes=1 << 16, text_field="text")
 
 
 def _workers_of(pid) -> list[int]:
+    """The build's tokenizing processes: forked by its fork server, named helixtok-worker (form
+    changed with the fork server: they were the build's own children, found by command line)."""
     found = []
-    for k in _children(pid):
+    for k in _descendants(pid):
         with contextlib.suppress(OSError):
-            if "helixtok-worker" in open(f"/proc/{k}/cmdline").read():
+            if open(f"/proc/{k}/comm").read().strip() == "helixtok-worker":
                 found.append(k)
     return found
 
@@ -783,3 +780,74 @@ def test_a_stopped_helper_process_fails_its_phase_within_the_stall_timeout(tmp_p
         build([str(small_corpus)], str(tmp_path / "o"), small_tok,
               BuildConfig(seq_len=16, workers=1, backend="fastokens", stall_seconds=1))
     assert time.monotonic() - t < 10
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_tokenizer_replaced_while_the_build_runs_changes_nothing_the_build_writes(
+        tmp_path, small_corpus, small_tok, tokenizer_path, monkeypatch, workers):
+    """The tokenizer file is read once, at the start; the backend check, every worker (forked from
+    the fork server or not) and OUT's copy use those bytes.  Replaced the moment the build has
+    inspected it -- while the workers start, the check runs and units tokenize -- the file's new
+    content changes nothing: the same shards, OUT/tokenizer.json the bytes read, and one note
+    saying the path now holds another file.  (Issue 39: shards held the other tokenizer's ids
+    while the manifest named the first, exit 0.)"""
+    cfg = BuildConfig(seq_len=16, workers=workers, unit_bytes=1)
+    ref = tmp_path / "ref"
+    build([str(small_corpus)], str(ref), small_tok, cfg)
+    tok = tmp_path / "tok.json"
+    shutil.copyfile(small_tok, tok)
+    real = hb.inspect_tokenizer
+
+    def replaced_after_inspection(*a, **k):
+        info = real(*a, **k)
+        shutil.copyfile(tokenizer_path, tok)  # another tokenizer (another vocabulary) at the path from now on
+        return info
+    monkeypatch.setattr(hb, "inspect_tokenizer", replaced_after_inspection)
+    out = tmp_path / "out"
+    m = build([str(small_corpus)], str(out), str(tok), cfg)
+    shards = sorted(n for n in os.listdir(ref) if n.endswith((".bin", ".docs")))
+    assert shards and sorted(n for n in os.listdir(out) if n.endswith((".bin", ".docs"))) == shards
+    assert all((out / n).read_bytes() == (ref / n).read_bytes() for n in shards)
+    assert (out / "tokenizer.json").read_bytes() == open(small_tok, "rb").read()
+    assert m["tokenizer"] == json.loads((ref / "manifest.json").read_text())["tokenizer"]
+    assert len(m.notes) == 1 and m.notes[0].startswith(f"{tok} changed while the build ran")
+
+
+@pytest.mark.parametrize("packing", ["packed", "bestfit"])
+@pytest.mark.parametrize("damage", ["zeros", "another unit's bytes", "docs offsets + 1"])
+def test_a_resumed_build_rehashes_the_shards_it_trusts_and_redoes_a_damaged_unit(
+        tmp_path, small_corpus, small_tok, monkeypatch, damage, packing):
+    """A journaled unit is trusted only if its files hold the sha256 its worker recorded while
+    writing them: a shard replaced by other bytes of the same size before the rerun is not
+    published; that unit is tokenized again and the dataset is the uninterrupted build's.
+    (Issue 39: the sizes alone were checked, and such a build published the damage, exit 0.)"""
+    import numpy as np
+
+    cfg = BuildConfig(seq_len=16, workers=1, unit_bytes=1, packing=packing)
+    ref = tmp_path / "ref"
+    build([str(small_corpus)], str(ref), small_tok, cfg)
+
+    def stop(*a, **kw):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(hb, "publish", stop)
+    out = tmp_path / "out"
+    with pytest.raises(KeyboardInterrupt):
+        build([str(small_corpus)], str(out), small_tok, cfg)
+    monkeypatch.undo()
+    state = out / STATE
+    bins = sorted(state.glob("u*.train.*.bin"))
+    victim = bins[2]
+    if damage == "zeros":
+        victim.write_bytes(bytes(victim.stat().st_size))
+    elif damage == "another unit's bytes":
+        other = next(b for b in bins if b != victim and b.stat().st_size != victim.stat().st_size)
+        victim.write_bytes((other.read_bytes() * 64)[:victim.stat().st_size])
+    else:
+        victim = sorted(state.glob("u*.train.*.docs"))[2]
+        offsets = np.fromfile(victim, dtype="<u8")
+        (offsets + 1).astype("<u8").tofile(victim)
+    assert victim.stat().st_size > 0
+    m = build([str(small_corpus)], str(out), small_tok, cfg)
+    assert (m.reused_units, m.units) == (6, 7)
+    for n in sorted(os.listdir(ref)):
+        assert (out / n).read_bytes() == (ref / n).read_bytes(), n

@@ -14,6 +14,7 @@ from helixtok.builder import build
 from helixtok.cli import main
 from helixtok.config import BuildConfig
 from helixtok.errors import ConfigError, DatasetError
+from helixtok.manifest import write_json_atomic
 from helixtok.merge import merge, task_from_env
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -258,3 +259,60 @@ def test_any_partitioning_merged_is_the_single_build(tmp_path_factory, mixed_sma
     a, b = MemmapChunkDataset(single), MemmapChunkDataset(str(root))
     idx = sorted({0, len(a) // 3, len(a) // 2, len(a) - 1})
     assert len(a) == len(b) and all(np.array_equal(a[i]["input_ids"], b[i]["input_ids"]) for i in idx)
+
+
+def _two_parts(tmp_path, corpus, tok, out):
+    base = ["-t", tok, "-L", "16", "-j", "1", "-q", "--unit-size", "8KiB", "--num-tasks", "2"]
+    for k in range(2):
+        r = cli("build", corpus, out, *base, "--task-index", k)
+        assert r.exit_code == 0, r.output
+    return [out / "part-00000", out / "part-00001"]
+
+
+@pytest.mark.parametrize("damage", ["a sibling's build-plan.json", "another tokenizer.json", "a shard shortened"])
+def test_merge_checks_what_lies_beside_each_part(tmp_path, small_corpus, small_tok, tokenizer_path, damage):
+    """merge reads only manifests and stats files, but checks each part's build-plan.json against
+    the plan_sha256 its manifest records, the tokenizer copy it ships against the manifest's
+    sha256, and every shard's size.  (Issue 39: a part from another corpus with its sibling's
+    plan copied in, a swapped tokenizer copy, a shortened shard: each merged with exit 0.)"""
+    other = tmp_path / "other"
+    shutil.copytree(small_corpus, other)
+    (other / "h.txt").write_text("another corpus " * 400)
+    parts = _two_parts(tmp_path, small_corpus, small_tok, tmp_path / "a")
+    theirs = _two_parts(tmp_path, other, small_tok, tmp_path / "b")
+    if damage == "a sibling's build-plan.json":
+        shutil.copyfile(parts[0] / "build-plan.json", theirs[1] / "build-plan.json")
+        parts = [parts[0], theirs[1]]
+        want = "part-00001: its build-plan.json is not the plan its manifest was built from"
+    elif damage == "another tokenizer.json":
+        shutil.copyfile(tokenizer_path, parts[0] / "tokenizer.json")
+        want = "tokenizer.json: not the tokenizer the part was built with"
+    else:
+        shard = sorted(parts[1].glob("train-*.bin"))[0]
+        shard.write_bytes(shard.read_bytes()[:-2])
+        want = f"{shard.name}: {shard.stat().st_size} bytes, its manifest says {shard.stat().st_size + 2}"
+    r = cli("merge", *parts, tmp_path / "m")
+    assert r.exit_code == 1 and want in r.output and "Traceback" not in r.output, r.output
+    assert not (tmp_path / "m" / "manifest.json").exists()
+
+
+def test_a_merge_killed_before_its_manifest_is_finished_by_the_rerun(tmp_path, small_corpus, small_tok, monkeypatch):
+    """merge records what it is about to write before writing it: one stopped after its tokenizer
+    copy and before its manifest leaves files a rerun knows as its own (issue 39: every later
+    merge refused them as 'not written by helixtok', --overwrite included)."""
+    import helixtok.merge as hm
+
+    parts = _two_parts(tmp_path, small_corpus, small_tok, tmp_path / "a")
+    out = tmp_path / "m"
+
+    def killed(*a, **k):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(hm, "write_json_atomic", lambda path, obj, **k: killed() if path.endswith("manifest.json")
+                        else write_json_atomic(path, obj, **k))
+    with pytest.raises(KeyboardInterrupt):
+        merge([str(p) for p in parts], str(out))
+    assert (out / "tokenizer.json").exists() and not (out / "manifest.json").exists()
+    monkeypatch.undo()
+    m = merge([str(p) for p in parts], str(out))
+    assert m["totals"]["documents"] == 7 and sorted(os.listdir(out)) == ["manifest.json", "tokenizer.json"]
+    assert verify(str(out)).ok

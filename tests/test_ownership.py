@@ -276,6 +276,13 @@ BAD_MANIFESTS = {
     "shards null": (lambda m: m["splits"]["train"].update(shards=None), "splits.train.shards: None is not a list"),
     "absolute path": (lambda m: m["splits"]["train"]["shards"][0].update(path="/etc/passwd"),
                       "shards[0].path: '/etc/passwd' is not a relative path"),
+    # Outside the dataset by '..' (issue 39: verify read it), unless under a part it was merged from.
+    "dotdot path": (lambda m: m["splits"]["train"]["shards"][0].update(path="../../etc/passwd"),
+                    "shards[0].path: '../../etc/passwd' is not a relative path inside the dataset"),
+    "dotdot beside merged_from": (lambda m: m.update(merged_from=["../p/part-00000"]) or m["splits"]["train"][
+        "shards"][0].update(path="../p/secret.bin"), "shards[0].path: '../p/secret.bin' is not a relative path inside"),
+    "tokenizer file in a folder": (lambda m: m["tokenizer"].update(file="../tokenizer.json"),
+                                   "tokenizer.file: '../tokenizer.json' is not a relative path inside the dataset"),
 }
 
 
