@@ -39,7 +39,7 @@ def _log2_buckets(x: np.ndarray) -> tuple[list[str], list[int]]:
 
 def render(out: str, m: dict, *, chunks: int = 3) -> str:
     """The page for the dataset in `out` (its manifest `m`)."""
-    from tokenizers import Tokenizer
+    from .tokenizer import load_tokenizer
 
     from .show import chunk_segments
 
@@ -64,7 +64,7 @@ def render(out: str, m: dict, *, chunks: int = 3) -> str:
         L = int(m["seq_len"])
         counts = np.bincount(np.minimum(fill * 10 // L, 10), minlength=11).tolist()
         parts.append(_bars("Chunk fill (real tokens per chunk)", [f"{10 * i}%" for i in range(11)], counts, "chunks"))
-    tok = Tokenizer.from_file(os.path.join(out, m["tokenizer"]["file"]))
+    tok = load_tokenizer(os.path.join(out, m["tokenizer"]["file"]))
     n = m["splits"][split]["num_chunks"]
     parts.append("<h2>Chunks</h2>")
     for i in sorted({0, n // 2, n - 1})[:chunks] if n else []:

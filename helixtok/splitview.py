@@ -7,7 +7,7 @@ import os
 
 import numpy as np
 
-from .errors import ConfigError
+from .errors import ConfigError, DatasetError
 from .manifest import DTYPES, shard_tokens, split_entry
 from .shards import DOCS_DTYPE, VALID_DTYPE
 
@@ -30,20 +30,39 @@ class SplitView:
         self.num_chunks = int(self.s["num_chunks"])
         self._maps: dict[tuple[int, str], np.ndarray] = {}
 
+    def _want(self, k: int, side: str) -> int:
+        """The bytes shard k's file `side` holds by the manifest (the checks MemmapChunkDataset makes)."""
+        e, n = self.shards[k], shard_tokens(self.shards[k], self.L)
+        if side == "bin":
+            return n * self.dtype.itemsize
+        if side == "docs":
+            return int(e["docs"]["count"]) * DOCS_DTYPE.itemsize
+        return n // self.L * VALID_DTYPE.itemsize
+
     def _map(self, k: int, side: str = "bin") -> np.ndarray:
         if (k, side) not in self._maps:
             e = self.shards[k]
             path = os.path.join(self.root, e["path"] if side == "bin" else e[side]["path"])
             dtype = {"bin": self.dtype, "docs": DOCS_DTYPE, "valid": VALID_DTYPE}[side]
-            self._maps[(k, side)] = (np.memmap(path, dtype=dtype, mode="r") if os.path.getsize(path)
-                                     else np.empty(0, dtype))
+            # A file of another size (truncated, a link to /dev/zero, a wrong num_tokens) is named,
+            # never read past or short.
+            size = os.path.getsize(path) if os.path.isfile(path) else None
+            if size != self._want(k, side):
+                raise DatasetError(f"{path}: {'missing or not a file' if size is None else f'{size} bytes'}, the "
+                                   f"manifest says {self._want(k, side)}; copy the dataset again or rebuild it "
+                                   "(helixtok verify says more)")
+            self._maps[(k, side)] = np.memmap(path, dtype=dtype, mode="r") if size else np.empty(0, dtype)
         return self._maps[(k, side)]
 
     def _slice(self, k: int, a: int, b: int) -> np.ndarray:
         if self.folder is not None and self.folder.fs is not None:
             with self.folder.open(self.shards[k]["path"]) as fh:
                 fh.seek(a * self.dtype.itemsize)
-                return np.frombuffer(fh.read((b - a) * self.dtype.itemsize), dtype=self.dtype)
+                got = np.frombuffer(fh.read((b - a) * self.dtype.itemsize), dtype=self.dtype)
+            if len(got) != b - a:
+                raise DatasetError(f"{self.shards[k]['path']}: shorter than the manifest says; copy the dataset "
+                                   "again or rebuild it")
+            return got
         return np.asarray(self._map(k)[a:b])
 
     def _check(self, i: int) -> None:

@@ -141,8 +141,13 @@ class TokenizerInfo:
 
 def load_tokenizer(path: str):
     """A tokenizers Tokenizer from a file (a dataset's own copy: readers, not the build)."""
-    with open(path, "rb") as fh:
-        return tokenizer_from_bytes(fh.read(), path)
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read()
+    except OSError as e:
+        raise TokenizerError(f"{path}: cannot read it ({e.strerror}); copy the dataset's tokenizer.json again, "
+                             "or show ids alone with --raw") from None
+    return tokenizer_from_bytes(data, path)
 
 
 def tokenizer_from_bytes(data: bytes, where: str):

@@ -426,3 +426,62 @@ def test_show_of_a_bestfit_chunk_marks_each_document_and_the_padding(dev_bestfit
     assert [int(x.split(", ")[1].split()[0].replace(",", "")) for x in marks] == \
         [b - a for a, b in zip(cuts, cuts[1:] + [v.valid(i)])]
     assert f"--- {512 - v.valid(i):,} pad" in r.output
+
+
+def test_ctrl_c_while_the_command_line_is_imported_is_one_line_and_exit_130():
+    """The console command handles Ctrl-C from its first instruction: one arriving while click and
+    the commands are imported used to print a KeyboardInterrupt traceback (issue 39, 2 of 30 trials)."""
+    code = """
+import builtins, os, signal, sys
+import helixtok.entry as entry
+real = builtins.__import__
+def interrupted(name, *a, **k):
+    if name == "click":
+        os.kill(os.getpid(), signal.SIGINT)
+    return real(name, *a, **k)
+builtins.__import__ = interrupted
+sys.argv = ["helixtok", "--help"]
+entry.main()
+"""
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 130 and p.stderr.strip() == "interrupted before anything started", p.stderr
+
+
+@pytest.mark.parametrize("damage", ["num_tokens", "no tokenizer", "truncated", "/dev/zero"])
+def test_every_reader_names_a_damaged_dataset_in_one_line(tmp_path, small_corpus, small_tok, damage):
+    """show, info --html and the exports check each shard's size as MemmapChunkDataset does (issue
+    39: an IndexError traceback for a wrong num_tokens, a tokenizers traceback for a missing
+    tokenizer.json, an empty chunk printed with exit 0 for a truncated last shard or a link to
+    /dev/zero)."""
+    from helixtok.builder import build
+    from helixtok.config import BuildConfig
+
+    out = tmp_path / "out"
+    build([str(small_corpus)], str(out), small_tok, BuildConfig(seq_len=16, workers=1, shard_bytes=8 << 10))
+    m = json.loads((out / "manifest.json").read_text())
+    shards = m["splits"]["train"]["shards"]
+    last = out / shards[-1]["path"]
+    n = m["splits"]["train"]["num_chunks"]
+    if damage == "num_tokens":
+        shards[-1]["num_tokens"] += 1000
+        (out / "manifest.json").write_text(json.dumps(m))
+        want = f"{last}: {last.stat().st_size} bytes, the manifest says {last.stat().st_size + 2000}"
+    elif damage == "no tokenizer":
+        (out / "tokenizer.json").unlink()
+        want = f"{out / 'tokenizer.json'}: cannot read it (No such file or directory)"
+    elif damage == "truncated":
+        size = last.stat().st_size
+        last.write_bytes(b"")
+        want = f"{last}: 0 bytes, the manifest says {size}"
+    else:
+        size = last.stat().st_size
+        last.unlink()
+        os.symlink("/dev/zero", last)
+        want = f"{last}: missing or not a file, the manifest says {size}"
+    runs = [["show", str(out), str(n - 1)], ["info", str(out), "--html", str(tmp_path / "r.html")]]
+    if damage != "no tokenizer":  # (the exports need no tokenizer)
+        runs += [["export", "llmc", str(out), str(tmp_path / "x.bin")],
+                 ["export", "megatron", str(out), str(tmp_path / "meg")]]
+    for args in runs:
+        r = CliRunner().invoke(main, args)
+        assert r.exit_code == 1 and want in r.output and "Traceback" not in r.output, (args, r.output)

@@ -34,9 +34,9 @@ def show(out, index, split, raw, corpus):
     m = load_manifest(out)
     tok = None
     if not raw:
-        from tokenizers import Tokenizer
+        from ..tokenizer import load_tokenizer
 
-        tok = Tokenizer.from_file(os.path.join(out, m["tokenizer"]["file"]))
+        tok = load_tokenizer(os.path.join(out, m["tokenizer"]["file"]))
     n = m["splits"][split]["num_chunks"] if split in m["splits"] else 0
     for i in index or (0,):
         click.echo(f"=== chunk {i} of {n:,} ({split}, {m['packing']}, seq_len {m['seq_len']}) ===")
