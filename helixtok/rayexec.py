@@ -10,10 +10,13 @@ so a retry writes them afresh, and the bytes are those of a local build.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
 import tempfile
+import threading
+import time
 from concurrent.futures import Future
 
 from . import errors
@@ -24,12 +27,37 @@ from .tokenizer import hold_bytes, release_bytes
 from .unit import _init_worker, done_path, run_unit, state_files
 
 RETRIES = 3  # a task is retried this many times when its worker process or node dies
+BEAT_SECONDS = 1.0  # a running task tells the driver's watch it lives this often
 
 
-def _task(cwd: str, config, state: str, run_id: str, remote, tokenizer: bytes, unit, info):
+class _Watch:
+    """A Ray actor: when each running task last showed it lives, for the driver's stall bound (a
+    task's process stopped, or stuck in a read, sends nothing; Ray itself would wait for ever)."""
+
+    def __init__(self):
+        self._seen: dict[int, float] = {}
+
+    def beat(self, index: int) -> None:
+        self._seen[index] = time.monotonic()
+
+    def ages(self) -> dict[int, float]:
+        now = time.monotonic()
+        return {k: now - v for k, v in self._seen.items()}
+
+
+def _beating(watch, index: int, stop: threading.Event) -> None:
+    while True:
+        watch.beat.remote(index)
+        if stop.wait(BEAT_SECONDS):
+            return
+
+
+def _task(cwd: str, config, state: str, run_id: str, remote, tokenizer: bytes, watch, unit, info):
     """On a Ray worker: tokenize one unit as a pool worker would; with `remote` (URL, folder), in a
     staging folder of this node's own, then upload its shards there.  Errors come back as values
     (class name, message): the driver raises them as the one-line errors they are."""
+    stop = threading.Event()
+    threading.Thread(target=_beating, args=(watch, unit.index, stop), daemon=True).start()
     os.chdir(cwd)  # relative input paths, as the driver's command line gave them
     if remote is not None:
         state = tempfile.mkdtemp(prefix="helixtok-unit-")
@@ -47,6 +75,7 @@ def _task(cwd: str, config, state: str, run_id: str, remote, tokenizer: bytes, u
     except OSError as e:
         return "oserror", e.errno, e.strerror, e.filename
     finally:
+        stop.set()
         release_bytes(sha)
         if remote is not None:
             shutil.rmtree(state, ignore_errors=True)
@@ -82,6 +111,17 @@ def _reachable(address: str, timeout: float = 5.0) -> None:
                           "(ray start --head) or fix the address") from None
 
 
+def _unreachable(address: str | None, e: BaseException) -> str:
+    """The one line for a failed ray.init, naming token authentication where that is the cause."""
+    msg = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+    where = f"--executor ray{':' + address if address else ''}"
+    if "auth" in msg.lower() or "token" in msg.lower():
+        return (f"{where}: the Ray cluster refused this driver's token ({msg}); a cluster started with "
+                "RAY_AUTH_MODE=token needs the same token here: RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or "
+                "~/.ray/auth_token (`ray get-auth-token` on the head prints it); see docs/scale.md")
+    return f"{where}: cannot reach the Ray cluster ({msg}); start it (ray start --head) or fix the address"
+
+
 class RayExecutor:
     """submit(fn=run_unit, unit, info) -> Future of the journal entry, on a Ray cluster: the one at
     ADDRESS, the one $RAY_ADDRESS names, or a local one started for this build."""
@@ -95,13 +135,18 @@ class RayExecutor:
                 ray.init(address=address or None, logging_level=logging.ERROR, log_to_driver=False,
                          configure_logging=False, include_dashboard=False if not address else None)
             except (ConnectionError, ValueError, RuntimeError) as e:
-                raise ConfigError(f"--executor ray{':' + address if address else ''}: cannot reach the Ray cluster "
-                                  f"({str(e).splitlines()[0][:200]}); start it (ray start --head) or fix the address"
-                                  ) from None
+                raise ConfigError(_unreachable(address, e)) from None
         self.n = max(1, int(ray.cluster_resources().get("CPU", 1)))
         self.counters = [0, 0, 0]  # bytes, documents, tokens of the units finished
+        self.stall = config.stall_seconds
+        self._watch = ray.remote(num_cpus=0)(_Watch).remote()
+        self._since = time.monotonic()
         # The tokenizer's bytes go into the object store once; each task gets them from there.
-        self._args = (os.getcwd(), config, os.path.abspath(state), run_id, remote, ray.put(tokenizer))
+        self._args = (os.getcwd(), config, os.path.abspath(state), run_id, remote, ray.put(tokenizer), self._watch)
+        self._running: dict[int, tuple[Future, str, object]] = {}  # unit index -> (future, what, ref)
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        threading.Thread(target=self._monitor, daemon=True, name="helixtok-ray-watch").start()
         # The driver's object-storage settings (endpoint, credentials) travel with its tasks.
         env = {k: v for k, v in os.environ.items() if k.startswith(("AWS_", "HELIXTOK_"))}
         self._task = ray.remote(num_cpus=1, max_retries=RETRIES, retry_exceptions=False)(_task).options(
@@ -113,32 +158,79 @@ class RayExecutor:
         ref = self._task.remote(*self._args, unit, info)
         self._refs.append(ref)
         out: Future = Future()
+        with self._lock:
+            self._running[unit.index] = (out, what, ref)
 
         def done(f) -> None:
-            try:
-                kind, *rest = f.result()
-            except BaseException as e:  # noqa: BLE001 - Ray's own: the worker or node died past its retries
-                msg = (str(e).strip().splitlines() or [""])[-1][:200]
-                out.set_exception(HelixtokError(f"{what} failed on the Ray cluster: {type(e).__name__}: {msg}"))
-                return
-            try:
-                if kind == "oserror":
-                    raise OSError(*rest)
-                if kind != "ok":
-                    raise getattr(errors, rest[0], HelixtokError)(rest[1])
-                r = rest[0]
-                if self._uploads:  # for a resume
-                    write_json_atomic(done_path(self._args[2], r["index"]), r, durable=False)
-            except BaseException as e:  # noqa: BLE001 - this runs in Ray's thread: the build's waits on `out`
-                out.set_exception(e)
-                return
-            self.counters[0] += unit.est_bytes
-            self.counters[1] += sum(r["documents"].values())
-            self.counters[2] += sum(r["tokens"].values())
-            out.set_result(r)
+            with self._lock:
+                self._running.pop(unit.index, None)
+                if out.done():  # failed by the watch already
+                    return
+            self._done(f, out, unit, what)
 
         ref.future().add_done_callback(done)
         return out
+
+    def _monitor(self) -> None:
+        """Every second: a task that has started and not beaten for `stall` s fails its unit's
+        future (the build then stops, cancelling every task); so does a watch that does not answer."""
+        while not self._closed.wait(min(1.0, self.stall / 4)):
+            try:
+                ages = self.ray.get(self._watch.ages.remote(), timeout=self.stall)
+            except Exception as e:  # noqa: BLE001 - GetTimeoutError, the actor or the cluster gone
+                if self._closed.is_set():
+                    return
+                err = HelixtokError(f"no answer from the Ray cluster for {self.stall:g} s ({type(e).__name__}); "
+                                    "rerun the same command to resume")
+                with self._lock:
+                    stuck = list(self._running.values())
+                    self._running.clear()
+                for fut, _, _ in stuck:
+                    if not fut.done():
+                        fut.set_exception(err)
+                return
+            with self._lock:
+                stuck = [(i, v) for i, v in self._running.items() if ages.get(i, 0.0) > self.stall]
+                # A task stopped before its first beat has no age; nor has one still queued.  So also:
+                # no beat from any task for `stall` s while units are pending -- nothing moves.
+                newest = min(ages.values(), default=time.monotonic() - self._since)
+                why = "a Ray task seems hung while {what}"
+                if not stuck and self._running and newest > self.stall:
+                    stuck = [min(self._running.items())]
+                    why = (f"no Ray task shows it works ({len(self._running)} units pending, the first "
+                           "{what}): one is stopped or stuck, or the cluster has no free CPU")
+                for i, _ in stuck:
+                    del self._running[i]
+            for _, (fut, what, ref) in stuck:
+                with contextlib.suppress(Exception):
+                    self.ray.cancel(ref, force=True)
+                if not fut.done():
+                    fut.set_exception(HelixtokError(
+                        f"no progress for {self.stall:g} s: {why.format(what=what)}; rerun the same command to "
+                        "resume (or raise --stall-timeout)"))
+
+    def _done(self, f, out: Future, unit, what: str) -> None:
+        try:
+            kind, *rest = f.result()
+        except BaseException as e:  # noqa: BLE001 - Ray's own: the worker or node died past its retries
+            msg = (str(e).strip().splitlines() or [""])[-1][:200]
+            out.set_exception(HelixtokError(f"{what} failed on the Ray cluster: {type(e).__name__}: {msg}"))
+            return
+        try:
+            if kind == "oserror":
+                raise OSError(*rest)
+            if kind != "ok":
+                raise getattr(errors, rest[0], HelixtokError)(rest[1])
+            r = rest[0]
+            if self._uploads:  # for a resume
+                write_json_atomic(done_path(self._args[2], r["index"]), r, durable=False)
+        except BaseException as e:  # noqa: BLE001 - this runs in Ray's thread: the build's waits on `out`
+            out.set_exception(e)
+            return
+        self.counters[0] += unit.est_bytes
+        self.counters[1] += sum(r["documents"].values())
+        self.counters[2] += sum(r["tokens"].values())
+        out.set_result(r)
 
     def kill(self) -> None:
         for ref in self._refs:
@@ -149,5 +241,6 @@ class RayExecutor:
         self.close()
 
     def close(self) -> None:
+        self._closed.set()
         if self._started and self.ray.is_initialized():
             self.ray.shutdown()
