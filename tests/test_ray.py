@@ -30,15 +30,23 @@ def _free_port() -> int:
 MARK = "HELIXTOK_TEST_RAY_CLUSTER"  # in the environment of every process of the test's own cluster
 
 
-def _ours(mark: str) -> list[int]:
-    """The processes of the cluster this test started (they inherit its marked environment):
-    `ray stop --force` would end every Ray process on the machine, other users' too."""
-    want, pids = f"{MARK}={mark}".encode(), []
+def _ours(mark: str, home: str) -> list[int]:
+    """The processes of the cluster this test started: they inherit its marked environment, or (Ray's
+    agents, started with an environment of Ray's making) its HOME.  `ray stop --force` would end
+    every Ray process on the machine, other users' too."""
+    want, pids = {f"{MARK}={mark}".encode(), f"HOME={home}".encode()}, []
     for d in glob.glob("/proc/[0-9]*/environ"):
         with contextlib.suppress(OSError):
-            if want in open(d, "rb").read().split(b"\0"):
+            if want & set(open(d, "rb").read().split(b"\0")):
                 pids.append(int(d.split("/")[2]))
-    return pids
+    todo = list(pids)  # and their children: Ray's agents overwrite their environment with their title
+    while todo:
+        for f in glob.glob(f"/proc/{todo.pop()}/task/*/children"):
+            with contextlib.suppress(OSError):
+                kids = [int(k) for k in open(f).read().split()]
+                pids += kids
+                todo += kids
+    return sorted(set(pids))
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +70,7 @@ def cluster(tmp_path_factory):
                 pytest.skip(f"a local Ray cluster could not start here: {(r.stderr.strip().splitlines() or [''])[-1]}")
         yield f"127.0.0.1:{port}"
     finally:
-        for pid in _ours(mark):
+        for pid in _ours(mark, tmp):
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
 
