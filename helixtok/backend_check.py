@@ -37,11 +37,16 @@ def sample_texts(units: list[Unit], config: BuildConfig) -> list[str]:
     return sample
 
 
+class Stopped(Exception):
+    """The check was told to stop (the build it runs beside has ended)."""
+
+
 def choose_backend(info: TokenizerInfo, units: list[Unit], config: BuildConfig,
-                   executor=None) -> tuple[TokenizerInfo, dict]:
+                   executor=None, stop=None) -> tuple[TokenizerInfo, dict]:
     """Pick the backend: the fastest library that gives tokenizers' ids on a sample of this
     corpus and the hostile sets (checked here, recorded in the manifest); else tokenizers.
-    With an `executor` (the build's pool.WorkerPool), the fastest library's ids come from a worker."""
+    With an `executor` (the build's pool.WorkerPool), the fastest library's ids come from a worker.
+    `stop` (a threading.Event): set, the check ends at its next step with Stopped."""
     from concurrent.futures import ThreadPoolExecutor
 
     from .backends import (FAST, NO_LONG_VERDICT, answers, backend_version, cached_verdict, digests_apart,
@@ -74,6 +79,8 @@ def choose_backend(info: TokenizerInfo, units: list[Unit], config: BuildConfig,
     with ThreadPoolExecutor(1, thread_name_prefix="helixtok-check") as side:
         try:
             for name in names:
+                if stop is not None and stop.is_set():
+                    raise Stopped()
                 ver = versions[name]
                 known = cached_verdict(*verdict_key[name]) if ver is not None else None
                 if known is not None:
@@ -82,7 +89,7 @@ def choose_backend(info: TokenizerInfo, units: list[Unit], config: BuildConfig,
                     tried[name] = known[1]
                     continue
                 if want is None:
-                    want = side.submit(hf_answers, tok, texts)
+                    want = side.submit(hf_answers, tok, texts, stop)
                 # The workers have loaded the first library's tokenizer (_warm): spare this process
                 # loading it too (0.5 s for a 100k vocabulary).
                 in_worker = executor is not None and name == FAST[0] and ver is not None

@@ -188,20 +188,30 @@ def flat_encoder(name: str, sha: str, special: str, tok):
             # One thread: a build runs one worker process per core (--workers), and its own
             # thread pool would make each worker compete with the others for cores.
             os.environ.setdefault("FASTOKENS_BPE_THREADS", "1")
-            ft = _fast_tokenizer("fastokens", sha)
+            ft = _load_fast("fastokens", sha)
 
             def encode(texts):
                 ids, offs = ft.encode_batch_flat(texts, add_special_tokens=False,
                                                  split_special_tokens=special == "text")
                 return np.frombuffer(ids, dtype="<u4"), np.diff(np.frombuffer(offs, dtype="<u8")).astype(np.int64)
         else:
-            gt = _fast_tokenizer("gigatoken", sha)
+            gt = _load_fast("gigatoken", sha)
 
             def encode(texts):
                 return _flat(gt.encode_batch_list(texts, parallel=False))
     except Exception as e:  # noqa: BLE001 - any refusal to load means: not this backend
         return None, None, f"{lib} cannot load this tokenizer ({type(e).__name__}: {str(e)[:80]})"
     return encode, ver, None
+
+
+_LOADING = threading.Lock()
+
+
+def _load_fast(lib: str, sha: str):
+    """_fast_tokenizer, one caller at a time: the check's thread and an inline build's units ask
+    for the same tokenizer at once, and lru_cache would load it twice."""
+    with _LOADING:
+        return _fast_tokenizer(lib, sha)
 
 
 @lru_cache(maxsize=2)
@@ -467,10 +477,18 @@ def answers(encode, texts: list[str]):
         return f"failed on a text ({type(e).__name__}: {str(e)[:80]})"
 
 
-def hf_answers(tok, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+def hf_answers(tok, texts: list[str], stop=None) -> tuple[np.ndarray, np.ndarray]:
     """tokenizers' side of the check, as answers() gives a backend's: (flat ids, lengths) of
-    `texts`, made 64 at a time (their Encodings take ~100 bytes a character)."""
-    return _flat(hf_ids(tok, texts, 64))
+    `texts`, made 64 at a time (their Encodings take ~100 bytes a character).  `stop` (an Event)
+    set: ends between two groups with backend_check.Stopped."""
+    out = []
+    for i in range(0, len(texts), 64):
+        if stop is not None and stop.is_set():
+            from .backend_check import Stopped
+
+            raise Stopped()
+        out += hf_ids(tok, texts[i: i + 64], 64)
+    return _flat(out)
 
 
 NO_LONG_VERDICT = "no verdict on the long inputs"  # its cached verdict went meanwhile: not a verdict to keep

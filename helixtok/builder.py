@@ -17,6 +17,8 @@ import dataclasses
 import os
 import secrets
 import shutil
+import threading
+from concurrent.futures import Future
 from typing import Callable
 
 from . import __version__, preload
@@ -25,7 +27,7 @@ from .backends import FAST, backend_version, forget_fast_tokenizers
 from .catalog import build_manifest, join_split, published, unit_counts
 from .config import BuildConfig
 from .discover import discover
-from .dispatch import Progress, UnitPool, run_units, worker_count
+from .dispatch import BackendRejected, Progress, UnitPool, run_units, verdict_for, worker_count
 from .errors import ConfigError, InputError, resource_error
 from .manifest import FORMAT_VERSION, MANIFEST, write_json_atomic
 from .merge import check_sibling_parts, partition
@@ -39,7 +41,7 @@ from .tally import Tally
 from .tokenizer import (forget_handed, hold_bytes, inspect_tokenizer, read_tokenizer, release_bytes,
                         resolve_tokenizer_path, tokenizer_bytes)
 from .unit import THREAD_ENV, state_files
-from .units import plan_units
+from .units import Unit, plan_units
 
 
 def build(corpus, out: str, tokenizer: str, config: BuildConfig | None = None, *, overwrite: bool = False,
@@ -88,21 +90,21 @@ def _build_local(inputs, out, path, data, sha, config, overwrite, on_progress, t
         raise InputError(f"{warnings.first} (--strict)")
     if not units:
         raise InputError(f"no documents to read in {' '.join(inputs)}")
-    run_id = f"r{os.getpid()}x{secrets.token_hex(3)}"
+    run = Run(out=out, config=config, overwrite=overwrite, on_progress=on_progress, files=files, units=units,
+              warnings=warnings, run_id=f"r{os.getpid()}x{secrets.token_hex(3)}", remote=remote)
     # Sized for the library the check most likely picks; if it picks a slower one, a pool that
-    # fits that one's speed starts after the check (_build_started).
+    # fits that one's speed starts after the check (_tokenize).
     likely = config.backend if config.backend != "auto" else FAST[0] if backend_version(FAST[0]) else "hf"
-    part, mine = None, units  # a task of a partitioned build tokenizes its share of the units
+    mine = units  # a task of a partitioned build tokenizes its share of the units
     if task is not None:
         k, n = task
         a, b = partition(units, n)[k]
-        part, mine = {"task_index": k, "num_tasks": n, "units": [a, b], "units_total": len(units)}, units[a:b]
+        run.part, mine = {"task_index": k, "num_tasks": n, "units": [a, b], "units_total": len(units)}, units[a:b]
     # A finished dataset in OUT (no --overwrite) is either this very build (up to date) or refused:
     # either way nothing is tokenized, so no worker starts.
     finished = not overwrite and os.path.isfile(os.path.join(out, MANIFEST))
     # On Ray the cluster's workers tokenize; nothing starts here before the backend check.
     n_workers = 1 if finished or config.ray_address is not None else worker_count(config, mine, likely)[0]
-    workers = None
     env = {k: os.environ.get(k) for k in THREAD_ENV}
     try:
         # What tokenizing needs starts first, so that it overlaps inspecting the tokenizer
@@ -110,17 +112,16 @@ def _build_local(inputs, out, path, data, sha, config, overwrite, on_progress, t
         # one that loads the likeliest library's tokenizer once), or that library's load here
         # (~1.2 s for 100k).
         if n_workers > 1:
-            workers = UnitPool(n_workers, config, os.path.join(out, STATE), run_id, data)
+            run.workers = UnitPool(n_workers, config, run.state, run.run_id, data)
         elif config.backend in ("auto", "fastokens") and not finished and config.ray_address is None:
             preload.start_bytes(data)  # unless the command line started it
         info = inspect_tokenizer(path, eos_token=config.eos_token, bos_token=config.bos_token,
                                  pad_token=config.pad_token, add_bos=config.add_bos,
                                  special_tokens=config.special_tokens, sha256=sha)
-        return _build_in(out, info, config, overwrite, on_progress, part, files, units, warnings, run_id, workers,
-                         remote)
+        return _build_in(run, info)
     except BaseException:
-        if workers is not None:
-            workers.kill()
+        if run.workers is not None:
+            run.workers.kill()
         raise
     finally:
         # A load ahead still under way ends before build() returns or raises, and the tokenizers
@@ -132,6 +133,29 @@ def _build_local(inputs, out, path, data, sha, config, overwrite, on_progress, t
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+@dataclasses.dataclass
+class Run:
+    """One local build from its planning on: what it reads, where and how it writes, who tokenizes."""
+
+    out: str
+    config: BuildConfig
+    overwrite: bool
+    on_progress: Callable[[Progress], None] | None
+    files: list  # discover's InputFiles: the whole corpus, then this task's share
+    units: list[Unit]  # likewise
+    warnings: Tally
+    run_id: str  # names this run's shard files in STATE: an orphan of another run never writes into them
+    part: dict | None = None  # a task of a partitioned build: {task_index, num_tasks, units: [a, b], units_total}
+    workers: object | None = None  # the UnitPool or RayExecutor; None: this process tokenizes
+    # An object-storage OUT the Ray tasks upload to: its URL, then (URL, folder) once the plan is known.
+    remote: str | tuple[str, str] | None = None
+    whole: bytes = b""  # the whole plan (build-plan.json)
+
+    @property
+    def state(self) -> str:
+        return os.path.join(self.out, STATE)
 
 
 def corpus_paths(corpus) -> list[str]:
@@ -147,22 +171,23 @@ def corpus_paths(corpus) -> list[str]:
     return [os.fspath(p) for p in corpus]
 
 
-def _build_in(out, info, config, overwrite, on_progress, part, files, units, warnings, run_id, workers,
-              remote: str | None = None) -> dict:
-    """build() from the moment its work is planned: holds the lock on `out` throughout."""
+def _build_in(run: Run, info) -> dict:
+    """build() from the moment its work is planned: holds the lock on OUT throughout."""
+    out, state = run.out, run.state
     created = not os.path.exists(out)
     os.makedirs(out, exist_ok=True)
     lock = OutLock(out)
-    state = os.path.join(out, STATE)
     # The whole plan (every input, unit, option and resolved tokenizer choice that changes bytes):
     # recorded beside the manifest, it tells a rerun that nothing changed and a merge that its
     # parts belong together.
-    plan = encode_plan(whole_plan(files, units, config.identity(), info.identity(), part and part["num_tasks"]))
+    run.whole = encode_plan(whole_plan(run.files, run.units, run.config.identity(), info.identity(),
+                                       run.part and run.part["num_tasks"]))
+    if run.remote is not None:
+        run.remote = (run.remote, plan_folder(run.whole))
     try:
-        if not overwrite and os.path.isfile(os.path.join(out, MANIFEST)):
-            return UpToDate(up_to_date(out, plan))
-        return _build_started(out, info, config, overwrite, on_progress, part, files, units, warnings, state,
-                              run_id, workers, plan, remote and (remote, plan_folder(plan)))
+        if not run.overwrite and os.path.isfile(os.path.join(out, MANIFEST)):
+            return UpToDate(up_to_date(out, run.whole))
+        return _build_started(run, info)
     except InputError:
         # Bad input: the corrected command has other inputs or options, so nothing here can be
         # resumed; leave OUT as it was before (or absent) so that command just works.
@@ -212,33 +237,88 @@ def _build_to_url(inputs, url, tokenizer, config, overwrite, on_progress, task, 
     return remote
 
 
-def _build_started(out, info, config, overwrite, on_progress, part, files, units, warnings, state, run_id,
-                   workers, whole: bytes, remote: tuple[str, str] | None = None) -> dict:
-    """_build_in once it holds the lock: check the backend, resume or start, tokenize, publish."""
-    info, backend_check = choose_backend(info, units, config, workers)
-    if workers is not None:  # the workers tokenize: the main process needs no fast tokenizer now
-        forget_fast_tokenizers()
-    if part is not None:
+class _Check:
+    """The backend check (backend_check.choose_backend) in a thread of its own, beside the units
+    that tokenize meanwhile with the library it most likely picks: nothing waits for it before
+    the first unit tokenizes.  end() stops it at its next step and waits for it."""
+
+    def __init__(self, info, units, config, workers):
+        self.stop = threading.Event()
+        self.verdict: Future = Future()
+        self._thread = threading.Thread(target=self._run, args=(info, units, config, workers),
+                                        name="helixtok-check")
+        self._thread.start()
+
+    def _run(self, *args) -> None:
+        try:
+            self.verdict.set_result(choose_backend(*args, stop=self.stop))
+        except BaseException as e:  # noqa: BLE001 - the build raises it where it waits for the verdict
+            self.verdict.set_exception(e)
+
+    def end(self) -> None:
+        self.stop.set()
+        self._thread.join()
+
+
+def _build_started(run: Run, info) -> dict:
+    """_build_in once it holds the lock: check the backend (beside tokenizing where it can), resume
+    or start, tokenize, publish."""
+    config, out, state = run.config, run.out, run.state
+    check = backend_check = None
+    if config.backend == "auto" and config.ray_address is None and backend_version(FAST[0]) is not None:
+        # Tokenize with the likeliest library while the check runs; if it picks another, the units
+        # tokenized meanwhile are discarded and tokenized again with that one.
+        check = _Check(info, run.units, config, run.workers)
+        run_info = dataclasses.replace(info, backend=FAST[0], backend_version=backend_version(FAST[0]))
+    else:
+        run_info, backend_check = choose_backend(info, run.units, config, run.workers)
+        if run.workers is not None:  # the workers tokenize: the main process needs no fast tokenizer now
+            forget_fast_tokenizers()
+    if run.part is not None:
         # Every task lists the corpus afresh: a file that lands between two tasks would shift the
         # unit ranges.  Each part records the whole plan; merge compares them.
-        check_sibling_parts(out, whole)
-        a, b = part["units"]
-        names = {nm for u in units[a:b] for nm in u.names}
-        units = units[a:b]
-        files = [f for f in files if f.name in names]
+        check_sibling_parts(out, run.whole)
+        a, b = run.part["units"]
+        names = {nm for u in run.units[a:b] for nm in u.names}
+        run.units = run.units[a:b]
+        run.files = [f for f in run.files if f.name in names]
+    verdict = check.verdict if check is not None else None
+    try:
+        while True:
+            try:
+                trusted, results, refs = _tokenize(run, run_info, verdict)
+                if verdict is not None:
+                    run_info, backend_check = verdict_for(run_info, verdict)
+                break
+            except BackendRejected as e:  # rare: the likeliest library is not exact here
+                (run_info, backend_check), verdict = e.verdict, None
+                run.overwrite = True  # this run's units (and a resumed one's) are of that library: discarded
+                if run.workers is not None:
+                    run.workers.kill()
+                    run.workers = None
+    finally:
+        if check is not None:
+            check.end()
+    return _publish(run, run_info, backend_check, trusted, results, refs)
+
+
+def _tokenize(run: Run, info, verdict: Future | None) -> tuple[dict, list[dict], LineRefs]:
+    """Resume or start in OUT, then tokenize the units not journaled yet: (trusted entries, every
+    unit's entry in unit order, the line references).  `verdict`: the check's, still coming."""
+    config, out, state, units = run.config, run.out, run.state, run.units
     plan = {
-        "partition": part,
+        "partition": run.part,
         "helixtok": __version__, "format_version": FORMAT_VERSION, "config": config.identity(),
         # Every resolved choice that changes bytes: special ids, vocabulary, backend and its version.
         "tokenizer": info.to_json(),
-        "files": [[f.name, f.size, f.stamp] for f in files],
+        "files": [[f.name, f.size, f.stamp] for f in run.files],
         "units": [u.to_json() for u in units],
     }
-    resume = prepare_out(out, plan, overwrite, protect=[f.path for f in files] + [info.path])
+    resume = prepare_out(out, plan, run.overwrite, protect=[f.path for f in run.files] + [info.path])
     os.makedirs(state, exist_ok=True)
     if not resume:
         write_json_atomic(os.path.join(state, "plan.json"), plan)
-
+    remote = run.remote  # (URL, folder) by now: see _build_in
     trusted = trusted_results(out, state, units, remote and remote_sizes(*remote, config.stall_seconds)) \
         if resume else {}
     pending = [u for u in units if u.index not in trusted]
@@ -250,46 +330,50 @@ def _build_started(out, info, config, overwrite, on_progress, part, files, units
     if config.ray_address is not None and pending:
         from .rayexec import RayExecutor
 
-        workers = RayExecutor(config.ray_address, config, state, run_id, tokenizer_bytes(info.sha256), remote)
-    elif (n := worker_count(config, pending, info.backend)[0]) > (workers.n if workers else 1):
+        run.workers = RayExecutor(config.ray_address, config, state, run.run_id, tokenizer_bytes(info.sha256), remote)
+    elif (n := worker_count(config, pending, info.backend)[0]) > (run.workers.n if run.workers else 1):
         # Sized for a faster library than the check found exact: this one needs more processes.
-        if workers is not None:
-            workers.kill()
-        workers = UnitPool(n, config, state, run_id, tokenizer_bytes(info.sha256), load_likely=False)
+        if run.workers is not None:
+            run.workers.kill()
+        run.workers = UnitPool(n, config, state, run.run_id, tokenizer_bytes(info.sha256), load_likely=False)
     try:
-        fresh = run_units(units, pending, info, config, state, run_id, on_progress, done_bytes,
-                           lambda r: refs.record(r["index"], r["lines"]), workers)
+        fresh = run_units(units, pending, info, config, state, run.run_id, run.on_progress, done_bytes,
+                          lambda r: refs.record(r["index"], r["lines"]), run.workers, verdict)
     except InputError as e:  # a worker names a .jsonl line by its place in the unit
         raise InputError(refs.resolve(str(e))) from None
     by_index = {**trusted, **{r["index"]: r for r in fresh}}
-    results = [by_index[u.index] for u in units]
-    if on_progress:
-        on_progress(Progress(sum(u.est_bytes for u in units), sum(u.est_bytes for u in units),
-                             sum(sum(r["documents"].values()) for r in results),
-                             sum(sum(r["tokens"].values()) for r in results), len(units), len(units), "write"))
+    return trusted, [by_index[u.index] for u in units], refs
+
+
+def _publish(run: Run, info, backend_check: dict, trusted: dict, results: list[dict], refs: LineRefs) -> "Built":
+    """The manifest from the units' journal entries; the shards, tokenizer and plan moved into OUT, the manifest last."""
+    config, units, state = run.config, run.units, run.state
+    if run.on_progress:
+        total = sum(u.est_bytes for u in units)
+        run.on_progress(Progress(total, total, sum(sum(r["documents"].values()) for r in results),
+                                 sum(sum(r["tokens"].values()) for r in results), len(units), len(units), "write"))
     names = ("train", "val") if config.val_fraction > 0 else ("train",)
     splits = {s: join_split([unit_counts(r, s) for r in results], [published(e) for r in results for e in r["shards"][s]],
                             config.seq_len, config.packing) for s in names}
-
     tally = Tally()
     for r in results:
         tally.merge(Tally.from_json(r["skipped"]))
     tally = refs.resolve_tally(tally)
-    if splits["train"]["num_chunks"] == 0 and part is None:
+    if splits["train"]["num_chunks"] == 0 and run.part is None:
         raise InputError(f"the corpus gave {splits['train']['tokens']} tokens, not one chunk of "
                          f"--seq-len {config.seq_len}; lower --seq-len or add text")
-    _check_unchanged(files)
+    _check_unchanged(run.files)
     with open(os.path.join(state, "tokenizer.json"), "wb") as fh:  # the bytes the build used, not the file now
         fh.write(tokenizer_bytes(info.sha256))
     with open(os.path.join(state, PLAN_FILE), "wb") as fh:
-        fh.write(whole)
-
-    manifest = build_manifest(config, info, backend_check, files, units, part, splits, results, tally, warnings)
-    if part is not None:  # merge checks the part's build-plan.json by it
-        manifest["plan_sha256"] = hashlib.sha256(whole).hexdigest()
+        fh.write(run.whole)
+    manifest = build_manifest(config, info, backend_check, run.files, units, run.part, splits, results, tally,
+                              run.warnings)
+    if run.part is not None:  # merge checks the part's build-plan.json by it
+        manifest["plan_sha256"] = hashlib.sha256(run.whole).hexdigest()
     # The units' shards (unless uploaded), the tokenizer and the plan move into OUT; the manifest last.
-    moves = [] if remote is not None else [(n, p) for r in results for n, p, _ in state_files(r)]
-    publish(out, moves + [("tokenizer.json",) * 2, (PLAN_FILE,) * 2], manifest)
+    moves = [] if run.remote is not None else [(n, p) for r in results for n, p, _ in state_files(r)]
+    publish(run.out, moves + [("tokenizer.json",) * 2, (PLAN_FILE,) * 2], manifest)
     built = Built(manifest)
     built.reused_units, built.units = len(trusted), len(units)
     built.notes = _tokenizer_moved(info)

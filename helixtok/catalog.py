@@ -70,7 +70,10 @@ def build_manifest(config, info, backend_check: dict, files, units, part: dict |
         "options": {"text_field": config.text_field, "val_fraction": config.val_fraction,
                     "split_seed": config.split_seed, "shard_bytes": config.shard_bytes,
                     "unit_bytes": config.unit_bytes, "max_piece_chars": config.max_piece_chars,
-                    "strip": config.strip},
+                    "strip": config.strip,
+                    # bestfit writes a document larger than this (input bytes) as it reads it, outside
+                    # any window: there it decides the bytes (elsewhere it changes only memory use)
+                    **({"long_doc_bytes": config.long_doc_bytes} if config.packing == "bestfit" else {})},
         "inputs": {"files": len(files), "bytes": sum(f.size for f in files), "units": len(units),
                    "list": [{"name": f.name, "bytes": f.size} for f in files]},
         **({"partition": part} if part else {}),

@@ -7,6 +7,7 @@ import queue
 import signal
 import threading
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Callable
 
@@ -57,6 +58,24 @@ class Interrupt:
             signal.signal(s, old)
 
 
+class BackendRejected(Exception):
+    """The backend check, run beside tokenizing, picked another library than the units used: they
+    are tokenized again with it.  `verdict`: choose_backend's (TokenizerInfo, check record)."""
+
+    def __init__(self, verdict: tuple):
+        super().__init__(f"the backend check picked {verdict[0].backend}")
+        self.verdict = verdict
+
+
+def verdict_for(info: TokenizerInfo, verdict: Future) -> tuple:
+    """The check's (TokenizerInfo, record), once it is in, if it picked the library `info` names;
+    else BackendRejected (or the check's own error)."""
+    got = verdict.result()
+    if (got[0].backend, got[0].backend_version) != (info.backend, info.backend_version):
+        raise BackendRejected(got)
+    return got
+
+
 class UnitPool(WorkerPool):
     """The worker processes, started before the backend check so that their start-up (and the
     load of the likeliest library's tokenizer) overlaps it."""
@@ -70,8 +89,11 @@ class UnitPool(WorkerPool):
 
 def run_units(units: list[Unit], pending: list[Unit], info: TokenizerInfo, config: BuildConfig, state: str,
                run_id: str, on_progress: Callable[[Progress], None] | None, done_bytes: int,
-               on_result: Callable[[dict], None], workers: UnitPool | None) -> list[dict]:
-    """Tokenize the pending units; each journal entry goes to `on_result` as soon as it is in."""
+               on_result: Callable[[dict], None], workers: UnitPool | None, verdict: Future | None = None
+               ) -> list[dict]:
+    """Tokenize the pending units; each journal entry goes to `on_result` as soon as it is in.
+    `verdict`: the backend check's, coming while they tokenize; one that picks another library than
+    `info` names stops them (BackendRejected)."""
     total_bytes = sum(u.est_bytes for u in units)
     # One process: corpus order (a bad input is found where a reader expects it, and nothing is gained
     # by another order).
@@ -94,10 +116,15 @@ def run_units(units: list[Unit], pending: list[Unit], info: TokenizerInfo, confi
         _init_worker(config, state, run_id, counters)
         try:
             for u in order:
+                if verdict is not None and verdict.done():
+                    verdict_for(info, verdict)
                 results.append(run_unit(u, info))
                 on_result(results[-1])
                 units_done += 1
                 report(counters, units_done, force=True)
+        except Exception:
+            _judged_by(verdict, info)
+            raise
         finally:
             _W.clear()  # this process's encoder (its tokenizer: ~100 MB for a 100k vocabulary) goes
         return results
@@ -122,6 +149,8 @@ def run_units(units: list[Unit], pending: list[Unit], info: TokenizerInfo, confi
                 remaining -= finished
                 if interrupt.hit:
                     raise Interrupted(interrupt.hit)
+                if verdict is not None and verdict.done():
+                    verdict_for(info, verdict)
                 for f in sorted(finished, key=lambda f: futures[f].index):
                     try:
                         results.append(_result(f, futures[f]))
@@ -137,11 +166,29 @@ def run_units(units: list[Unit], pending: list[Unit], info: TokenizerInfo, confi
                     if not remaining:
                         raise bad[1]
                 report(counters, units_done, force=bool(finished))
-    except BaseException:
+            if verdict is not None:  # the check may still need a worker: the pool closes after it
+                verdict_for(info, verdict)
+    except BaseException as e:
+        if isinstance(e, Exception):
+            _judged_by(verdict, info)  # before the kill: the check may need a worker
         workers.kill()
         raise
     workers.close()
     return results
+
+
+def _judged_by(verdict: Future | None, info: TokenizerInfo) -> None:
+    """A unit failed while the check still judges the library it used (a library that cannot
+    even load the tokenizer fails at once): wait for the verdict; if it picks another library,
+    that is what happened (BackendRejected), else the failure stands.  Interrupts never wait."""
+    if verdict is None:
+        return
+    try:
+        verdict_for(info, verdict)
+    except BackendRejected:
+        raise
+    except Exception:  # noqa: BLE001 - the check failed too: the unit's own error says more
+        pass
 
 
 def take_done(q: queue.SimpleQueue, timeout: float) -> set:

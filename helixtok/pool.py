@@ -521,6 +521,10 @@ class WorkerPool:
             self._stopped = True
             for w in self._workers:
                 w.outbox.put(None)
+            while self._pending:  # submitted and never to run: failed, not left waiting for ever
+                f = self._pending.popleft()[0]
+                if f.set_running_or_notify_cancel():
+                    f.set_exception(HelixtokError("the worker processes were stopped"))
         deadline = time.monotonic() + timeout
         for w in self._workers:
             try:

@@ -403,9 +403,9 @@ def test_a_rebuild_of_the_same_corpus_takes_the_cached_verdict_and_writes_the_sa
     monkeypatch.setenv("HELIXTOK_CACHE", cache_knowing_the_tokenizers(tmp_path / "cache"))
     checked, real = [], backends.hf_answers
 
-    def hf_answers(tok, texts):  # tokenizers' side of the check: computed only when checking
+    def hf_answers(tok, texts, stop=None):  # tokenizers' side of the check: computed only when checking
         checked.append("hf_answers")
-        return real(tok, texts)
+        return real(tok, texts, stop)
     monkeypatch.setattr(backends, "hf_answers", hf_answers)
     corpus = [str(dev_corpus / "jsonl" / "plain.jsonl")]
     cfg = BuildConfig(seq_len=64, workers=1, unit_bytes=1 << 18, val_fraction=0.1)

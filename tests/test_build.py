@@ -200,8 +200,8 @@ def test_workers_are_what_j_says_or_as_many_as_the_input_keeps_busy(tmp_path, sm
     m, pools, got = run("hf", backend="hf")
     assert (m["tokenizer"]["backend"], pools, got) == ("hf", [(2, True)], shards)  # sized for tokenizers at once
     real = hb.choose_backend
-    monkeypatch.setattr(hb, "choose_backend", lambda info, units, config, ex: real(
-        info, units, dataclasses.replace(config, backend="hf"), ex))  # the check finds only tokenizers exact
+    monkeypatch.setattr(hb, "choose_backend", lambda info, units, config, ex, **kw: real(
+        info, units, dataclasses.replace(config, backend="hf"), ex, **kw))  # the check finds only tokenizers exact
     m, pools, got = run("late")
     assert (m["tokenizer"]["backend"], pools, got) == ("hf", [(2, False)], shards)  # started after the check
     monkeypatch.setattr(helixtok.config, "WORKER_BYTES", {"fastokens": -(-total // 2)})  # two workers for fastokens,
@@ -478,3 +478,36 @@ def test_a_workers_progress_is_sent_coalesced_and_complete():
     assert [sum(m[k] for m in msgs) for k in (1, 2, 3)] == [50000, 5000, sum(i % 7 for i in range(5000))]
     beat.flush()  # nothing held: nothing sent
     assert buf.read() == b""
+
+
+@pytest.mark.parametrize("picked", ["fastokens", "hf"])
+@pytest.mark.parametrize("workers", [1, 2])
+def test_units_tokenize_while_the_backend_check_runs_and_a_rejected_librarys_units_are_redone(
+        tmp_path, small_corpus, small_tok, monkeypatch, picked, workers):
+    """Nothing waits for the backend check: units tokenize with the likeliest library meanwhile
+    (here the check returns only once a unit is journaled).  If the check picks that library the
+    build goes on; if it picks another, every unit is tokenized again with it, and the bytes are
+    that library's build's (issue 38: the check ran alone first, ~half of a first 16-core build)."""
+    import dataclasses
+    import threading
+
+    import helixtok.builder as hb
+
+    cfg = BuildConfig(seq_len=16, workers=workers, unit_bytes=1)
+    ref = tmp_path / "ref"
+    build([str(small_corpus)], str(ref), small_tok, dataclasses.replace(cfg, backend=picked))
+    journaled, real = threading.Event(), hb.choose_backend
+
+    def slow_check(info, units, config, ex, **kw):
+        got = real(info, units, dataclasses.replace(config, backend=picked), ex, **kw)
+        journaled.wait(60)
+        return got
+    monkeypatch.setattr(hb, "choose_backend", slow_check)
+    out = tmp_path / "out"
+    m = build([str(small_corpus)], str(out), small_tok, cfg,
+              on_progress=lambda p: journaled.set() if p.units_done else None)
+    assert journaled.is_set() and m["tokenizer"]["backend"] == picked
+    shards = sorted(n for n in os.listdir(ref) if n.endswith((".bin", ".docs")))
+    assert sorted(n for n in os.listdir(out) if n.endswith((".bin", ".docs"))) == shards
+    assert all((out / n).read_bytes() == (ref / n).read_bytes() for n in shards)
+    assert not os.path.exists(out / ".helixtok-partial")
