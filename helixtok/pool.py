@@ -185,6 +185,11 @@ def fork_server() -> None:
         os.close(w)
     while _recv(ctrl) is not _EOF:
         pass
+    # The build has let its workers go: reap them (their CPU time then counts as the build's), or
+    # die trying -- the build kills a server still here after a second.
+    with contextlib.suppress(ChildProcessError):
+        while True:
+            os.wait()
 
 
 def _serve(rfd: int, wfd: int, forked: bool = False) -> None:
