@@ -104,7 +104,11 @@ def _build_local(inputs, out, path, data, sha, config, overwrite, on_progress, t
     # either way nothing is tokenized, so no worker starts.
     finished = not overwrite and os.path.isfile(os.path.join(out, MANIFEST))
     # On Ray the cluster's workers tokenize; nothing starts here before the backend check.
-    n_workers = 1 if finished or config.ray_address is not None else worker_count(config, mine, likely)[0]
+    if finished or config.ray_address is not None:
+        run.processes = (1, "nothing to tokenize here")
+    else:
+        run.processes = worker_count(config, mine, likely)
+    n_workers = run.processes[0]
     env = {k: os.environ.get(k) for k in THREAD_ENV}
     try:
         # What tokenizing needs starts first, so that it overlaps inspecting the tokenizer
@@ -152,6 +156,7 @@ class Run:
     # An object-storage OUT the Ray tasks upload to: its URL, then (URL, folder) once the plan is known.
     remote: str | tuple[str, str] | None = None
     whole: bytes = b""  # the whole plan (build-plan.json)
+    processes: tuple[int, str] | None = None  # worker_count's answer: how many tokenize, and why
 
     @property
     def state(self) -> str:
@@ -211,6 +216,7 @@ class Built(dict):
     reused_units = 0  # work units an interrupted run had finished, taken as they were
     units = 0
     notes: list[str] = []  # what the user should know of the run (one line each, on stderr)
+    processes: tuple[int, str] | None = None  # how many processes tokenized, and why that many
 
 
 class UpToDate(Built):
@@ -331,11 +337,15 @@ def _tokenize(run: Run, info, verdict: Future | None) -> tuple[dict, list[dict],
         from .rayexec import RayExecutor
 
         run.workers = RayExecutor(config.ray_address, config, state, run.run_id, tokenizer_bytes(info.sha256), remote)
-    elif (n := worker_count(config, pending, info.backend)[0]) > (run.workers.n if run.workers else 1):
+        run.processes = (run.workers.n, f"Ray: the cluster's {run.workers.n} CPUs")
+    elif (want := worker_count(config, pending, info.backend))[0] > (run.workers.n if run.workers else 1):
         # Sized for a faster library than the check found exact: this one needs more processes.
         if run.workers is not None:
             run.workers.kill()
-        run.workers = UnitPool(n, config, state, run.run_id, tokenizer_bytes(info.sha256), load_likely=False)
+        run.processes = want
+        run.workers = UnitPool(want[0], config, state, run.run_id, tokenizer_bytes(info.sha256), load_likely=False)
+    elif run.workers is None:
+        run.processes = want
     try:
         fresh = run_units(units, pending, info, config, state, run.run_id, run.on_progress, done_bytes,
                           lambda r: refs.record(r["index"], r["lines"]), run.workers, verdict)
@@ -377,6 +387,7 @@ def _publish(run: Run, info, backend_check: dict, trusted: dict, results: list[d
     built = Built(manifest)
     built.reused_units, built.units = len(trusted), len(units)
     built.notes = _tokenizer_moved(info)
+    built.processes = run.processes
     return built
 
 

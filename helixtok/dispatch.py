@@ -239,8 +239,11 @@ def worker_count(config: BuildConfig, units: list[Unit], backend: str) -> tuple[
     milliseconds), up to all cores.  One means none: the build's own process tokenizes."""
     if config.workers:
         n = max(1, min(config.workers, len(units)))
-        return n, f"--workers {config.workers}" + (f", {len(units)} work units" if n < config.workers else "")
+        return n, f"--workers {config.workers}" + (f", {_units(units)}" if n < config.workers else "")
     per, cores = worker_bytes(backend), config.num_workers
     n = max(1, min(cores, len(units), -(-sum(u.est_bytes for u in units) // per)))
-    return n, (f"auto: {cores} cores, {len(units)} work units, one process per {per / (1 << 20):g} MiB of "
-               f"input with {backend}")
+    return n, f"auto: {cores} cores, {_units(units)}, one process per {per / (1 << 20):g} MiB of input with {backend}"
+
+
+def _units(units: list[Unit]) -> str:
+    return f"{len(units)} work unit" + ("s" if len(units) != 1 else "")

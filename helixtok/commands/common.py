@@ -77,7 +77,8 @@ def console(quiet=False):
     return Console(stderr=True, quiet=quiet)
 
 
-def print_summary(m, out, as_json, con, up_to_date=None, elapsed=None, reused=0, units=0):
+def print_summary(m, out, as_json, con, up_to_date=None, elapsed=None, reused=0, units=0, processes=None,
+                  notes=()):
     """The table of splits, every term of the token arithmetic, what the build did, and warnings."""
     from ..summary import lines, summarize
 
@@ -89,7 +90,11 @@ def print_summary(m, out, as_json, con, up_to_date=None, elapsed=None, reused=0,
                                                        for k, v in m["splits"].items()},
                                "skipped": m["skipped"], "warnings": m["warnings"], **summ,
                                **({"elapsed_s": round(elapsed, 3), "reused_units": reused}
-                                  if elapsed is not None else {})}))
+                                  if elapsed is not None else {}),
+                               **({"processes": {"count": processes[0], "why": processes[1]}} if processes else {}),
+                               **({"notes": list(notes)} if notes else {})}))
+        for n in notes:
+            con.print("[yellow]note[/]: " + n)
         return
     from rich.console import Console
     from rich.markup import escape
@@ -109,9 +114,13 @@ def print_summary(m, out, as_json, con, up_to_date=None, elapsed=None, reused=0,
                f"= stored {t['chunks'] * m['seq_len']:,} = {t['chunks']:,} chunks x {m['seq_len']}")
     for line in lines(summ, elapsed=elapsed, reused=reused, units=units):
         click.echo(line)
+    if processes:
+        click.echo(f"tokenizing processes: {processes[0]} ({processes[1]})")
     for kind in ("skipped", "warnings"):
         for reason, v in m[kind].items():
             con.print(f"[yellow]warning[/]: {v['count']:,} x {reason.replace('_', ' ')}, e.g. "
                       + escape("; ".join(v["examples"][:3])))
     for a in summ["alerts"]:
         con.print("[yellow]warning[/]: " + escape(a))
+    for n in notes:
+        con.print("[yellow]note[/]: " + escape(n))
