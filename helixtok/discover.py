@@ -19,6 +19,12 @@ SUFFIXES = {
     ".jsonl.gz": "jsonl.gz",
     ".jsonl.zst": "jsonl.zst",
     ".jsonl.zstd": "jsonl.zst",
+    # C4, Dolma and others name their JSON Lines files .json.gz: read as JSON Lines, and refused
+    # with one line when one holds a single JSON document instead (units.py).
+    ".json": "jsonl",
+    ".json.gz": "jsonl.gz",
+    ".json.zst": "jsonl.zst",
+    ".json.zstd": "jsonl.zst",
     ".parquet": "parquet",
     ".arrow": "arrow",  # Arrow IPC (stream or file): HF datasets' save_to_disk folders and cache
 }
@@ -31,6 +37,20 @@ def _hf_metadata(path: str) -> bool:
     name = posixpath.basename(path)
     return name in HF_DATASETS_METADATA or name.endswith(".lock")
 SUPPORTED = ", ".join(SUFFIXES)
+
+
+def _hint(path: str) -> str:
+    """How to turn a file of a kind helixtok does not read into one it does."""
+    low = path.lower()
+    if low.endswith((".csv", ".tsv")):
+        sep = "\\t" if low.endswith(".tsv") else ","
+        return (f" Convert it to JSON Lines, e.g. python -c \"import pandas as p; p.read_csv('{path}', "
+                f"sep='{sep}').to_json('{path.rsplit('.', 1)[0]}.jsonl', orient='records', lines=True)\" "
+                "(then --text-field names its text column)")
+    if low.endswith((".jsonl.bz2", ".jsonl.xz", ".json.bz2", ".json.xz")):
+        tool = "bzip2" if low.endswith(".bz2") else "xz"
+        return f" Recompress it: {tool} -dc {path} | zstd -q -o {path.rsplit('.', 1)[0]}.zst"
+    return ""
 _GLOB_CHARS = set("*?[")
 
 
@@ -85,11 +105,7 @@ def discover(paths: list[str], *, exclude: str | None = None) -> tuple[list[Inpu
             return
         if kind is None:
             if explicit:
-                hint = ""
-                if p.lower().endswith((".json", ".json.gz")):
-                    hint = (" If it holds JSON Lines, rename it to .jsonl; if it is one JSON array,"
-                            f" convert it with: jq -c '.[]' {p} > {p}l")
-                raise InputError(f"{p}: unsupported file type; supported: {SUPPORTED}.{hint}")
+                raise InputError(f"{p}: unsupported file type; supported: {SUPPORTED}.{_hint(p)}")
             warnings.add("unsupported_file", os.path.abspath(p))
             return
         key = (st.st_dev, st.st_ino)

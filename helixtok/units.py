@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -162,17 +163,32 @@ def _line_aligned_cuts(path: str, size: int, unit_bytes: int) -> Iterator[tuple[
 
 
 def _check_jsonl_head(f: InputFile, text_field: str) -> None:
-    """Fail fast when the first record lacks the text field: that is a wrong --text-field, not bad data."""
+    """Fail fast when the first record lacks the text field: that is a wrong --text-field, not bad
+    data.  A file named .json* (C4 and Dolma name JSON Lines so) whose first line is not one JSON
+    object holds a single JSON document: refused, with how to convert it."""
     first = None
+    named_json = re.search(r"\.json(\.gz|\.zst|\.zstd)?$", f.path.lower()) is not None
     try:
         with open_input(f.path) as raw:
             for lineno, line in enumerate(open_stream(f.path, f.kind, raw), 1):
                 if line.strip():
                     if len(line) > LONG_DOC_BYTES:  # its field names suffice: do not parse a huge text
                         line = skeleton(line)[0]
-                    first = (lineno, json.loads(line))
+                    try:
+                        first = (lineno, json.loads(line))
+                    except ValueError:
+                        first = (lineno, None)
                     break
-    except Exception:  # noqa: BLE001 - bad JSON or a corrupt stream is reported, with its line, by the reader
+    except Exception:  # noqa: BLE001 - a corrupt stream is reported, with its line, by the reader
+        return
+    if named_json and first is not None and not isinstance(first[1], dict):
+        cat = {"jsonl": "", "jsonl.gz": "gzip -dc", "jsonl.zst": "zstd -dc"}[f.kind]
+        src = f"{cat} {f.path} | jq -c '.[]'" if cat else f"jq -c '.[]' {f.path}"
+        stem = re.sub(r"\.json(\.gz|\.zst|\.zstd)?$", "", f.path, flags=re.I)
+        raise InputError(f"{f.path}:{first[0]}: not JSON Lines (its first line is not one JSON object): a file "
+                         f"named .json is read as one JSON object per line; if it holds one JSON array, convert "
+                         f"it: {src} > {stem}.jsonl")
+    if first is None or first[1] is None:  # bad JSON is reported, with its line, by the reader
         return
     if first and isinstance(first[1], dict) and text_field not in first[1]:
         keys = ", ".join(sorted(first[1])[:10]) or "none"

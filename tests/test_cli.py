@@ -81,7 +81,8 @@ def test_unsupported_file_type_and_json(tmp_path, small_tok):
     assert r.exit_code == 1 and "data.csv: unsupported file type; supported: .txt" in r.output
     (tmp_path / "data.json").write_text('[{"text": "x"}]')
     r = run("build", tmp_path / "data.json", tmp_path / "out", "-t", small_tok)
-    assert r.exit_code == 1 and "rename it to .jsonl" in r.output and "jq -c" in r.output
+    # (issue 41: .json is read as JSON Lines now; one JSON array is refused with the conversion)
+    assert r.exit_code == 1 and "not JSON Lines" in r.output and "jq -c '.[]'" in r.output
 
 
 def test_unknown_tokenizer(tmp_path, corpus):
@@ -485,3 +486,19 @@ def test_every_reader_names_a_damaged_dataset_in_one_line(tmp_path, small_corpus
     for args in runs:
         r = CliRunner().invoke(main, args)
         assert r.exit_code == 1 and want in r.output and "Traceback" not in r.output, (args, r.output)
+
+
+def test_no_eta_before_a_rate_is_known_and_none_counting_start_up():
+    """The ETA comes from tokenizing alone, after a second of it: start-up is not throughput
+    (issue 41: 'ETA 20:42:52' for an 8 s build, the first progress line counting the start)."""
+    from helixtok.commands.build import eta
+    from helixtok.dispatch import Progress
+
+    def p(done):
+        return Progress(done, 100_000_000, 0, 0, 0, 10, "tokenize")
+
+    assert eta(p(0), 5.0, None) == (None, None)  # tokenizing has not reported yet
+    assert eta(p(10_000_000), 5.5, (5.0, 0)) == (None, None)  # half a second: no rate yet
+    assert eta(p(10_000_000), 30.0, (30.0, 10_000_000)) == (None, None)  # no bytes since
+    # 20 MB in the 2 s since tokenizing began (30 s of start-up before it do not count): 70 MB left, 7 s.
+    assert eta(p(30_000_000), 32.0, (30.0, 10_000_000)) == ("00:00:07", 10_000_000.0)

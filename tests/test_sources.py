@@ -766,3 +766,48 @@ def test_one_huge_json_line_under_a_memory_limit_is_one_line(tmp_path, small_tok
     (c / "a.jsonl").unlink()
     assert p.returncode == 1 and len(p.stderr.splitlines()) == 1, p.stderr[-2000:]
     assert "out of memory while tokenizing" in p.stderr and "a.jsonl" in p.stderr
+
+
+def test_c4_and_dolma_json_gz_files_are_read_as_json_lines(tmp_path, small_tok):
+    """allenai/c4 and Dolma name their JSON Lines files .json.gz: a file and a folder of them build,
+    the same bytes as the same records named .jsonl.gz; a .json holding one JSON array (or one
+    document over several lines) is refused in one line naming it and the jq command that converts
+    it (issue 41: refused as unsupported, with a fix that wrote X.json.gzl)."""
+    import gzip
+
+    from click.testing import CliRunner
+
+    from helixtok.cli import main
+
+    records = [{"text": f"Document {i}: " + "the quick brown fox jumps over the lazy dog. " * (i % 7 + 1),
+                "timestamp": "2019-04-25T12:57:54Z", "url": f"https://example.com/{i}"} for i in range(200)]
+    body = "".join(json.dumps(r) + "\n" for r in records).encode()
+    c4, ref = tmp_path / "c4", tmp_path / "ref"
+    c4.mkdir()
+    ref.mkdir()
+    for k in range(2):
+        (c4 / f"c4-train.0000{k}-of-01024.json.gz").write_bytes(gzip.compress(body))
+        (ref / f"c4-train.0000{k}-of-01024.jsonl.gz").write_bytes(gzip.compress(body))
+    (c4 / "c4-validation.00000-of-00008.json").write_bytes(body)
+    (ref / "c4-validation.00000-of-00008.jsonl").write_bytes(body)
+    base = ["-t", small_tok, "-L", "32", "-q"]
+    for corpus, out in ((c4, "a"), (ref, "b"), (c4 / "c4-train.00000-of-01024.json.gz", "one")):
+        r = CliRunner().invoke(main, ["build", str(corpus), str(tmp_path / out), *base])
+        assert r.exit_code == 0, r.output
+    a, b = (json.loads((tmp_path / x / "manifest.json").read_text()) for x in ("a", "b"))
+    assert a["totals"] == b["totals"] and a["totals"]["documents"] == 600
+    assert [e["sha256"] for e in a["splits"]["train"]["shards"]] == [e["sha256"] for e in b["splits"]["train"]["shards"]]
+    assert json.loads((tmp_path / "one" / "manifest.json").read_text())["totals"]["documents"] == 200
+
+    (tmp_path / "array.json").write_text(json.dumps(records[:3]))
+    (tmp_path / "pretty.json.gz").write_bytes(gzip.compress(json.dumps(records[0], indent=2).encode()))
+    for name, cat in (("array.json", f"jq -c '.[]' {tmp_path / 'array.json'} > {tmp_path / 'array'}.jsonl"),
+                      ("pretty.json.gz", f"gzip -dc {tmp_path / 'pretty.json.gz'} | jq -c '.[]' > "
+                                         f"{tmp_path / 'pretty'}.jsonl")):
+        r = CliRunner().invoke(main, ["build", str(tmp_path / name), str(tmp_path / "x"), *base])
+        assert r.exit_code == 1 and "Traceback" not in r.output, r.output
+        assert f"{tmp_path / name}:1: not JSON Lines (its first line is not one JSON object)" in r.output, r.output
+        assert cat in r.output, r.output
+    (tmp_path / "t.csv").write_text("text\nhello\n")
+    r = CliRunner().invoke(main, ["build", str(tmp_path / "t.csv"), str(tmp_path / "x"), *base])
+    assert r.exit_code == 1 and "Convert it to JSON Lines" in r.output and "to_json(" in r.output, r.output

@@ -158,23 +158,38 @@ def _build_with_log_lines(run_build, con, corpus, out, tokenizer, cfg, overwrite
     """Progress where stderr is not a terminal: one plain line at each phase's start and every
     `every` seconds (a bar would print nothing until the end in a log)."""
     t0, last = time.monotonic(), {"phase": None, "at": 0.0}
+    since = {}  # the first progress of tokenizing: (time, bytes done then), where the rate is measured from
 
     def on_progress(p):
         now = time.monotonic()
+        if p.phase == "tokenize":
+            since.setdefault("at", (now, p.bytes_done))
         if p.phase == last["phase"] and now - last["at"] < every:
             return
         last.update(phase=p.phase, at=now)
         dt = max(now - t0, 1e-9)
-        rate = p.bytes_done / dt
         pct = f" ({100 * p.bytes_done / p.bytes_total:.0f}%)" if p.bytes_total else ""
-        eta = (p.bytes_total - p.bytes_done) / rate if rate > 0 and p.bytes_total else None
-        eta_s = "-" if eta is None else time.strftime("%H:%M:%S", time.gmtime(eta))
+        eta_s, rate = eta(p, now, since.get("at"))
+        eta_s = eta_s or "-"
         phase = f"tokenize x{p.processes}" if p.phase == "tokenize" else p.phase
         click.echo(f"helixtok: {phase}: {p.bytes_done / 1e6:,.1f} of {p.bytes_total / 1e6:,.1f} MB{pct}, "
-                   f"{p.documents:,} documents, {p.tokens:,} tokens, {rate / 1e6:.1f} MB/s, "
+                   f"{p.documents:,} documents, {p.tokens:,} tokens, {(rate or p.bytes_done / dt) / 1e6:.1f} MB/s, "
                    f"{dt:.0f} s elapsed, ETA {eta_s}", err=True)
 
     return run_build(corpus, out, tokenizer, cfg, overwrite=overwrite, on_progress=on_progress, task=part)
+
+
+RATE_AFTER_SECONDS = 1.0  # of tokenizing before a rate, and so an ETA, is given
+
+
+def eta(p, now: float, since: tuple[float, int] | None) -> tuple[str | None, float | None]:
+    """(ETA as H:MM:SS, bytes/s), measured from the first progress of tokenizing: start-up (planning,
+    the tokenizer's load) is not throughput.  None until a second of tokenizing has moved bytes."""
+    if since is None or now - since[0] < RATE_AFTER_SECONDS or p.bytes_done <= since[1] or not p.bytes_total:
+        return None, None
+    rate = (p.bytes_done - since[1]) / (now - since[0])
+    left = max(0, p.bytes_total - p.bytes_done) / rate
+    return time.strftime("%H:%M:%S", time.gmtime(left)), rate
 
 
 @click.command("train-tokenizer")
