@@ -100,9 +100,9 @@ def discover(paths: list[str], *, exclude: str | None = None) -> tuple[list[Inpu
                 raise InputError(f"{p}: {what}, not a regular file; name the corpus files themselves")
             warnings.add("not_a_regular_file", f"{os.path.abspath(p)} ({what})")
             return
-        kind = file_kind(p)
-        if kind is None and not explicit and _hf_metadata(p):
+        if not explicit and _hf_metadata(p):  # (state.json, dataset_info.json: not text, though named .json)
             return
+        kind = file_kind(p)
         if kind is None:
             if explicit:
                 raise InputError(f"{p}: unsupported file type; supported: {SUPPORTED}.{_hint(p)}")
