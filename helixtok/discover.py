@@ -238,12 +238,13 @@ def _discover_urls(urls: list[str]) -> tuple[list[InputFile], Tally]:
         for p, info in sorted(entries.items()):
             if info.get("type") == "directory":
                 continue
+            if not explicit and _hf_metadata(p):
+                continue
             kind = file_kind(p)
             if kind is None:
                 if explicit:
                     raise InputError(f"{redact(url)}: unsupported file type; supported: {SUPPORTED}")
-                if not _hf_metadata(p):
-                    warnings.add("unsupported_file", p)
+                warnings.add("unsupported_file", p)
                 continue
             found[p] = info
     if not found:
