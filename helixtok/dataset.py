@@ -50,12 +50,21 @@ class ChunkBatch(Sequence):
 
 
 def collate(samples):
-    """collate_fn for DataLoader: a ChunkBatch's batch as is; anything else via default_collate."""
+    """collate_fn for DataLoader: a ChunkBatch's batch as is; anything else via default_collate,
+    and samples with document masks (ds[i] of document_masking=True) get the batch's
+    `cu_seqlens`/`max_seqlen` as the DataLoader path has them (from where position_ids restart)."""
     if isinstance(samples, ChunkBatch):
         return samples.batch
     from torch.utils.data import default_collate
 
-    return default_collate(samples)
+    out = default_collate(samples)
+    if isinstance(out, dict) and "document_ids" in out and "position_ids" in out:
+        from .masking import boundaries
+
+        pos = out["position_ids"].numpy()
+        bd = boundaries([np.flatnonzero(row == 0) for row in pos], pos.shape[1])
+        out["cu_seqlens"], out["max_seqlen"] = bd["cu_seqlens"], bd["max_seqlen"]
+    return out
 
 
 class MemmapChunkDataset(Dataset):

@@ -182,3 +182,17 @@ def test_hf_transformers_packed_path_keeps_documents_apart(dev_packed, dev_bestf
             for (a, z), lone in zip(zip(cu[:-1], cu[1:]), alone):
                 assert torch.allclose(packed[a:z], lone, atol=1e-9), (name, impl, a, z)
             assert not torch.allclose(plain[cu[1]:cu[2]], packed[cu[1]:cu[2]], atol=1e-6)  # the mask mattered
+
+
+@pytest.mark.parametrize("packing", ["packed", "bestfit"])
+def test_collating_single_samples_gives_the_batchs_cu_seqlens_as_the_dataloader_does(dev_packed, dev_bestfit, packing):
+    """ds.collate([ds[i], ds[j]]) carries cu_seqlens and max_seqlen equal to those of the same
+    batch through __getitems__ (the DataLoader path); issue 41: the first dropped them."""
+    import torch
+
+    ds = MemmapChunkDataset(dev_packed if packing == "packed" else dev_bestfit, document_masking=True)
+    idx = [0, 5, len(ds) - 1]
+    one_by_one, batched = ds.collate([ds[i] for i in idx]), ds.collate(ds.__getitems__(idx))
+    assert sorted(one_by_one) == sorted(batched) and "cu_seqlens" in one_by_one
+    for k in batched:
+        assert torch.equal(torch.as_tensor(one_by_one[k]), torch.as_tensor(batched[k])), k
