@@ -61,6 +61,14 @@ def build(corpus, out: str, tokenizer: str, config: BuildConfig | None = None, *
 
     Example: helixtok.build("corpus/", "out/", "tokenizer.json", seq_len=2048, val_fraction=0.01)
     """
+    unknown = sorted(set(options) - set(BuildConfig.__dataclass_fields__))
+    if unknown:
+        import difflib
+
+        near = difflib.get_close_matches(unknown[0], list(BuildConfig.__dataclass_fields__), n=1, cutoff=0.5)
+        raise ConfigError(f"helixtok.build got an unknown keyword {unknown[0]!r}"
+                          + (f" (did you mean {near[0]!r}?)" if near else "")
+                          + f"; its options: {', '.join(sorted(BuildConfig.__dataclass_fields__))}")
     config = dataclasses.replace(config, **options) if config is not None else BuildConfig(**options)
     if config.ray_address is not None:
         from .rayexec import check_cluster

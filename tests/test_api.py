@@ -69,3 +69,12 @@ def test_the_readme_api_snippet_runs_as_written(tmp_path, small_corpus, small_to
     exec(compile(code.replace("seq_len=2048", "seq_len=16"), "<readme>", "exec"), ns)
     out = capsys.readouterr().out.splitlines()
     assert out[-1] == f"{ns['m']['totals']['chunks']} 0" and any(ln.startswith("tokenize ") for ln in out)
+
+
+def test_an_unknown_keyword_is_named_with_the_nearest_option_and_the_list(tmp_path, small_corpus, small_tok):
+    """helixtok.build(..., pack="bestfit") was a bare TypeError from the dataclass (issue 41)."""
+    from helixtok.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"unknown keyword 'pack' \(did you mean 'packing'\?\); its options: add_bos, "):
+        helixtok.build([str(small_corpus)], str(tmp_path / "o"), small_tok, pack="bestfit")
+    assert not (tmp_path / "o").exists()
