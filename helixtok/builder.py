@@ -378,6 +378,10 @@ def _publish(run: Run, info, backend_check: dict, trusted: dict, results: list[d
         tally.merge(Tally.from_json(r["skipped"]))
     tally = refs.resolve_tally(tally)
     if splits["train"]["num_chunks"] == 0 and run.part is None:
+        val = splits.get("val", {}).get("documents", 0)
+        if splits["train"]["documents"] == 0 and val:
+            raise InputError(f"--val-fraction {config.val_fraction:g} put every one of the {val:,} documents in the "
+                             "val split, leaving none to train on; lower --val-fraction or add documents")
         raise InputError(f"the corpus gave {splits['train']['tokens']} tokens, not one chunk of "
                          f"--seq-len {config.seq_len}; lower --seq-len or add text")
     _check_unchanged(run.files)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -23,8 +24,18 @@ def resolve_tokenizer_path(spec: str) -> str:
         with open(spec, "rb") as fh:
             head = fh.read(64).lstrip(b"\xef\xbb\xbf \t\r\n")
         if not head.startswith(b"{"):
-            kind = "a SentencePiece model" if spec.endswith(".model") else "not JSON"
-            raise TokenizerError(f"{spec}: {kind}, not a tokenizer.json; pass the tokenizer.json that ships beside "
+            if re.match(rb"[A-Za-z0-9+/]+=* \d+\r?\n", head):  # Llama 3's original tokenizer.model
+                raise TokenizerError(
+                    f"{spec}: a tiktoken BPE file (lines of base64 token and rank, as Llama 3 ships its "
+                    "original/tokenizer.model), not a tokenizer.json; pass the tokenizer.json from the model's HF "
+                    "repo (hf download REPO tokenizer.json), or convert the model folder: pip install transformers "
+                    "tiktoken blobfile, then AutoTokenizer.from_pretrained(folder).save_pretrained(folder)")
+            if spec.endswith(".model"):
+                raise TokenizerError(
+                    f"{spec}: a SentencePiece model, not a tokenizer.json; pass the tokenizer.json that ships "
+                    "beside it, or write one: pip install transformers sentencepiece, then "
+                    "AutoTokenizer.from_pretrained(folder).save_pretrained(folder)")
+            raise TokenizerError(f"{spec}: not JSON, not a tokenizer.json; pass the tokenizer.json that ships beside "
                                  "it (or write one: transformers' AutoTokenizer.from_pretrained(folder)"
                                  ".save_pretrained(folder))")
         return spec
@@ -44,7 +55,8 @@ def resolve_tokenizer_path(spec: str) -> str:
     raise TokenizerError(
         f"tokenizer {spec!r}: not a file or folder here, and not a repo in the local HF cache (looked in "
         f"{tried}); pass the path of a tokenizer.json, or on a machine with network run "
-        f"`huggingface-cli download {spec} tokenizer.json` and copy the cache")
+        f"`hf download {spec} tokenizer.json` (huggingface_hub < 0.34: `huggingface-cli download {spec} "
+        "tokenizer.json`) and copy the cache")
 
 
 def _hf_cache_dir() -> str:

@@ -40,7 +40,7 @@ def main(out: str) -> None:
                 n += 1
     with open(os.path.join(out, "readme.txt"), "w", encoding="utf-8") as fh:
         fh.write("Docstrings of the Python standard library, as a tiny corpus for helixtok's quickstart.\n")
-    print(f"{out}: {n} documents", file=sys.stderr)
+    print(f"{out}: {n + 1} documents ({n} module docstrings in stdlib_docs.jsonl, readme.txt)", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -502,3 +502,26 @@ def test_no_eta_before_a_rate_is_known_and_none_counting_start_up():
     assert eta(p(10_000_000), 30.0, (30.0, 10_000_000)) == (None, None)  # no bytes since
     # 20 MB in the 2 s since tokenizing began (30 s of start-up before it do not count): 70 MB left, 7 s.
     assert eta(p(30_000_000), 32.0, (30.0, 10_000_000)) == ("00:00:07", 10_000_000.0)
+
+
+def test_hints_that_run(tmp_path, corpus, small_tok, monkeypatch):
+    """Llama 3's tiktoken-format tokenizer.model is named as such with where its tokenizer.json is; a
+    SentencePiece model's conversion names the packages it needs; --val-fraction that takes every
+    document says so; $SLURM_ARRAY_TASK_ID without --num-tasks and a tiny --seq-len get a note
+    (issue 41: each was misnamed or silent)."""
+    (tmp_path / "tokenizer.model").write_bytes(b"IQ== 0\nIg== 1\nIw== 2\n")
+    r = CliRunner().invoke(main, ["build", str(corpus), str(tmp_path / "o"), "-t", str(tmp_path / "tokenizer.model")])
+    assert r.exit_code == 1 and "a tiktoken BPE file" in r.output and "hf download REPO tokenizer.json" in r.output
+    (tmp_path / "sp.model").write_bytes(b"\n\t\x08\x01sentencepiece")
+    r = CliRunner().invoke(main, ["build", str(corpus), str(tmp_path / "o"), "-t", str(tmp_path / "sp.model")])
+    assert r.exit_code == 1 and "pip install transformers sentencepiece" in r.output
+    one = tmp_path / "one"
+    one.mkdir()
+    (one / "a.txt").write_text("a single document " * 50)
+    r = CliRunner().invoke(main, ["build", str(one), str(tmp_path / "v"), "-t", small_tok, "-L", "8",
+                                  "--val-fraction", "0.999999"])
+    assert r.exit_code == 1 and "--val-fraction 0.999999 put every one of the 1 documents in the val split" in r.output
+    monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "3")
+    r = CliRunner().invoke(main, ["build", str(one), str(tmp_path / "s"), "-t", small_tok, "-L", "4", "-q"])
+    assert r.exit_code == 0, r.output
+    assert "$SLURM_ARRAY_TASK_ID is 3 but --num-tasks is not given" in r.output and "--seq-len 4 holds" in r.output

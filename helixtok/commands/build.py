@@ -98,6 +98,12 @@ def build(corpus, out, tokenizer, seq_len, packing, min_tail_len, text_field, bo
     from ..merge import task_from_env
 
     task = task_from_env(num_tasks, task_index)
+    if task is None and os.environ.get("SLURM_ARRAY_TASK_ID", "").strip():
+        click.echo(f"note: $SLURM_ARRAY_TASK_ID is {os.environ['SLURM_ARRAY_TASK_ID']} but --num-tasks is not given: "
+                   "this task builds the whole corpus (pass --num-tasks N to build one partition per task)", err=True)
+    if seq_len < 8:
+        click.echo(f"note: --seq-len {seq_len} holds very few tokens per chunk (EOS included); a language model's "
+                   "context is usually 512-8192", err=True)
     if task:
         out = os.path.join(out, f"part-{task[0]:05d}")
     con = console(quiet)
