@@ -99,12 +99,12 @@ def test_readme_quick_example_and_training_loop(workdir, recipe_out, tokenizer_p
     totals, real = [], tqdm.tqdm
 
     def counted(it, **kw):
-        totals.append((len(it), kw.get("total")))
+        totals.append((len(it), kw.get("initial"), kw.get("total")))
         return real(it, **kw)
     monkeypatch.setattr(tqdm, "tqdm", counted)
     whole = run(script, tmp_path / "whole", monkeypatch)
     st = whole["st"]
-    assert totals == [(st.batches_per_epoch, None)]  # tqdm takes len(dl): the exact total
+    assert totals == [(st.batches_per_epoch, 0, st.batches_per_epoch)]  # the exact total
     assert whole["sched"].last_epoch == st.total_optimizer_steps == -(-st.batches_per_epoch // whole["G"])
     assert whole["opt"].param_groups[0]["lr"] == pytest.approx(0.0, abs=1e-12)  # the schedule ended on the last step
 
@@ -122,7 +122,8 @@ def test_readme_quick_example_and_training_loop(workdir, recipe_out, tokenizer_p
     monkeypatch.setattr(tqdm, "tqdm", counted)
     totals.clear()
     resumed = run(script, tmp_path / "stopped", monkeypatch)
-    assert totals == [(st.batches_per_epoch - 2 * whole["G"], None)]  # the rest of the epoch, exactly
+    # The rest of the epoch, exactly, shown from where it resumed (issue 41: the bar said 0/25, not 16/41).
+    assert totals == [(st.batches_per_epoch - 2 * whole["G"], 2 * whole["G"], st.batches_per_epoch)]
     assert resumed["sched"].last_epoch == st.total_optimizer_steps
     for k, v in whole["model"].state_dict().items():
         assert torch.equal(v, resumed["model"].state_dict()[k]), k
