@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
 import shutil
 import tempfile
 import threading
@@ -122,6 +123,52 @@ def _unreachable(address: str | None, e: BaseException) -> str:
     return f"{where}: cannot reach the Ray cluster ({msg}); start it (ray start --head) or fix the address"
 
 
+def _connect(ray, address: str | None, stall: float, log: str) -> None:
+    """ray.init, bounded by `stall`: a head that dies while the driver connects left Ray's own
+    connect retrying in C++ for many minutes.  It runs in a thread of its own (a daemon: one that
+    never returns is left behind when the build fails), which also keeps Ray's SIGTERM handler
+    (sys.exit) off the build's main thread.  Meanwhile the process's stderr goes to `log`: Ray's
+    C++ client writes a warning there every few seconds it cannot connect ($HELIXTOK_RAY_LOGS=1:
+    to the terminal)."""
+    box: list = []
+
+    def connect() -> None:
+        try:
+            ray.init(address=address or None, logging_level=logging.ERROR, log_to_driver=False,
+                     configure_logging=False, include_dashboard=False if not address else None)
+            box.append(None)
+        except BaseException as e:  # noqa: BLE001 - said below, in one line
+            box.append(e)
+    quiet = logging.getLogger("ray._private.worker")  # "SIGTERM handler is not set ...": ours, on purpose
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    keep = os.environ.get("HELIXTOK_RAY_LOGS") == "1"
+    saved = None if keep else os.dup(2)
+    try:
+        if saved is not None:
+            sys.stderr.flush()
+            fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            os.dup2(fd, 2)
+            os.close(fd)
+        t = threading.Thread(target=connect, daemon=True, name="helixtok-ray-connect")
+        t.start()
+        t.join(stall)
+    finally:
+        if saved is not None:
+            os.dup2(saved, 2)
+            os.close(saved)
+        quiet.setLevel(level)
+    where = f"--executor ray{':' + address if address else ''}"
+    if not box:
+        raise ConfigError(f"{where}: no answer from the Ray cluster within {stall:g} s while connecting (its head "
+                          "stopped or is unreachable?); check `ray status` on the head, or raise --stall-timeout"
+                          + ("" if keep else f" (Ray's own messages: {log})"))
+    if box[0] is not None:
+        if isinstance(box[0], (ConnectionError, ValueError, RuntimeError)) or "auth" in str(box[0]).lower():
+            raise ConfigError(_unreachable(address, box[0])) from None
+        raise box[0]
+
+
 class RayExecutor:
     """submit(fn=run_unit, unit, info) -> Future of the journal entry, on a Ray cluster: the one at
     ADDRESS, the one $RAY_ADDRESS names, or a local one started for this build."""
@@ -131,11 +178,7 @@ class RayExecutor:
         self.ray = ray = require_ray()
         self._started = not ray.is_initialized()
         if self._started:
-            try:
-                ray.init(address=address or None, logging_level=logging.ERROR, log_to_driver=False,
-                         configure_logging=False, include_dashboard=False if not address else None)
-            except (ConnectionError, ValueError, RuntimeError) as e:
-                raise ConfigError(_unreachable(address, e)) from None
+            _connect(ray, address, config.stall_seconds, os.path.join(state, "ray-driver.log"))
         self.n = max(1, int(ray.cluster_resources().get("CPU", 1)))
         self.counters = [0, 0, 0]  # bytes, documents, tokens of the units finished
         self.stall = config.stall_seconds

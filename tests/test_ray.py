@@ -242,3 +242,22 @@ def test_a_stopped_ray_task_ends_the_build_within_the_stall_timeout(tmp_path, de
     assert time.time() - t < 60 and re.search(r"no progress for 5 s: (a Ray task seems hung while tokenizing|no Ray "
                                               r"task shows it works \(\d+ units pending, the first tokenizing)", err), err
     assert "Traceback" not in err and not (tmp_path / "o" / "manifest.json").exists()
+
+
+def test_a_cluster_that_never_answers_the_connect_fails_within_the_stall_timeout(tmp_path, small_corpus, small_tok):
+    """A head that accepts the connection and never answers (it died while the driver connected, a
+    hung GCS): the build fails within --stall-timeout, one line (issue 39: ray.init waited more
+    than 6.5 minutes, printing Ray's C++ warnings)."""
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(16)  # accepts (the kernel does), never speaks
+    try:
+        t = time.time()
+        r = subprocess.run([sys.executable, "-m", "helixtok.cli", "build", str(small_corpus), str(tmp_path / "o"),
+                            "-t", small_tok, "--executor", f"ray:127.0.0.1:{silent.getsockname()[1]}",
+                            "--stall-timeout", "4", "-q"],
+                           capture_output=True, text=True, timeout=120, env={**os.environ, "RAY_AUTH_MODE": "disabled"})
+    finally:
+        silent.close()
+    assert r.returncode == 1 and time.time() - t < 60, r.stderr
+    assert "no answer from the Ray cluster within 4 s while connecting" in r.stderr and "Traceback" not in r.stderr
