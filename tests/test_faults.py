@@ -855,43 +855,48 @@ def test_a_resumed_build_rehashes_the_shards_it_trusts_and_redoes_a_damaged_unit
 
 def test_stress_a_tokenizer_replaced_at_random_moments_never_gives_a_wrong_dataset(
         tmp_path, small_corpus, small_tok, tokenizer_path):
-    """Ten builds (-j 2, 7 units) while another thread replaces the tokenizer file at a random
-    moment and puts another back at another: each dataset is exactly the build of the tokenizer
-    its manifest names (the one its single read found), and OUT's copy is that tokenizer."""
+    """Ten builds (-j 2, 7 units; three at a time, in threads of one program) while another thread
+    replaces the tokenizer file at a random moment and puts another back at another: each dataset
+    is exactly the build of the tokenizer its manifest names (the one its single read found), and
+    OUT's copy is that tokenizer."""
     import hashlib
     import random
     import threading
+    from concurrent.futures import ThreadPoolExecutor
 
     cfg = BuildConfig(seq_len=16, workers=2, unit_bytes=1)
     refs = {}
     for name, src in (("a", small_tok), ("b", tokenizer_path)):
         build([str(small_corpus)], str(tmp_path / f"ref-{name}"), src, cfg)
         refs[hashlib.sha256(open(src, "rb").read()).hexdigest()] = tmp_path / f"ref-{name}"
-    tok = tmp_path / "tok.json"
     rng = random.Random(39)
-    seen = []
-    for trial in range(10):
+    delays = [(rng.uniform(0, 0.4), rng.uniform(0, 0.4)) for _ in range(10)]
+
+    def trial(k: int) -> str:
+        tok = tmp_path / f"tok{k}.json"
         # One trial in three finds the replacement already there; the others see it land meanwhile.
-        shutil.copyfile(tokenizer_path if trial % 3 == 0 else small_tok, tok)
-        swap_at, back_at = rng.uniform(0, 0.4), rng.uniform(0, 0.4)
+        shutil.copyfile(tokenizer_path if k % 3 == 0 else small_tok, tok)
 
         def swapper():
-            time.sleep(swap_at)
-            shutil.copyfile(tokenizer_path if trial % 3 else small_tok, str(tok) + ".new")
+            time.sleep(delays[k][0])
+            shutil.copyfile(tokenizer_path if k % 3 else small_tok, str(tok) + ".new")
             os.replace(str(tok) + ".new", tok)
-            time.sleep(back_at)
+            time.sleep(delays[k][1])
             shutil.copyfile(small_tok, str(tok) + ".new")
             os.replace(str(tok) + ".new", tok)
         t = threading.Thread(target=swapper)
         t.start()
-        out = tmp_path / f"o{trial}"
+        out = tmp_path / f"o{k}"
         m = build([str(small_corpus)], str(out), str(tok), cfg)
         t.join()
         ref = refs[m["tokenizer"]["sha256"]]
-        seen.append(ref.name)
         shards = sorted(n for n in os.listdir(ref) if n.endswith((".bin", ".docs")))
         assert sorted(n for n in os.listdir(out) if n.endswith((".bin", ".docs"))) == shards
-        assert all((out / n).read_bytes() == (ref / n).read_bytes() for n in shards), (trial, ref)
+        assert all((out / n).read_bytes() == (ref / n).read_bytes() for n in shards), (k, ref)
         assert hashlib.sha256((out / "tokenizer.json").read_bytes()).hexdigest() == m["tokenizer"]["sha256"]
+        return ref.name
+
+    with ThreadPoolExecutor(3) as ex:
+        seen = list(ex.map(trial, range(10)))
     print(f"stress: 10 builds with the tokenizer replaced at random moments, each its manifest's tokenizer's "
           f"dataset ({seen.count('ref-a')} built with the first tokenizer, {seen.count('ref-b')} with the other)")
