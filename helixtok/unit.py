@@ -205,7 +205,7 @@ def _run_unit(unit: Unit, info: TokenizerInfo) -> dict:
         c[1] += t
         c[2] += b
 
-    def flush() -> None:
+    def flush(report_bytes: bool = True) -> None:
         nonlocal chars, last_consumed
         ntok = ndoc = 0
         for s in splits:
@@ -224,8 +224,11 @@ def _run_unit(unit: Unit, info: TokenizerInfo) -> dict:
             ntok += len(ids)
             ndoc += len(lens)
             batch[s].clear()
-        _bump(counters, reader.consumed - last_consumed, ndoc, ntok)
-        last_consumed = reader.consumed
+        if report_bytes:
+            _bump(counters, reader.consumed - last_consumed, ndoc, ntok)
+            last_consumed = reader.consumed
+        else:
+            _bump(counters, 0, ndoc, ntok)
         chars = 0
 
     def read_all() -> None:
@@ -234,22 +237,33 @@ def _run_unit(unit: Unit, info: TokenizerInfo) -> dict:
             if isinstance(text, LongText):  # read, hashed and encoded in pieces: memory stays flat
                 pieces, s = kept_long(text, cfg)
                 s = splits[s]
-                flush()  # the documents before it go first
+                flush(report_bytes=False)  # the documents before it go first; the bytes read go below
                 nbytes = [0]
+                read = reader.consumed - last_consumed  # its record (and the few batched before it)
+                told = [0, 0]  # bytes and tokens reported while it is encoded
 
                 def counted(ps):  # the text's UTF-8 size, taken in the encoding pass, not a third read
                     for p in ps:
-                        nbytes[0] += utf8_len(p)
+                        b = utf8_len(p)
+                        nbytes[0] += b
+                        step = min(b, read - told[0])  # progress (and proof of life) piece by piece
+                        told[0] += step
+                        _bump(counters, step, 0, 0)
                         yield p
 
+                def write(ids) -> None:
+                    outs[s].write_long(ids)
+                    told[1] += len(ids)
+                    _bump(counters, 0, 0, len(ids))
+
                 outs[s].start_long()
-                n = enc.encode_stream(counted(pieces()), outs[s].write_long)
+                n = enc.encode_stream(counted(pieces()), write)
                 outs[s].end_long(n)
                 docs[s] += 1
                 tokens[s] += n
                 text_bytes[s] += nbytes[0]
                 count(reader.source(), 1, n, nbytes[0])
-                _bump(counters, reader.consumed - last_consumed, 1, n)
+                _bump(counters, read - told[0], 1, n - told[1])
                 last_consumed = reader.consumed
                 continue
             text, s = kept(text, cfg)

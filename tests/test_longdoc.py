@@ -159,3 +159,34 @@ def test_fifty_megabyte_documents_build_in_flat_memory(tmp_path, tokenizer_path,
     want = tok.encode(head[: head.rfind(" ", 0, 200_000)], add_special_tokens=False).ids
     got = np.fromfile(tmp_path / "o2" / shards[0][0], dtype="<u2")[: len(want) - 1].tolist()
     assert got == want[:-1]
+
+
+def test_a_long_document_reports_progress_piece_by_piece(tmp_path, small_tok):
+    """A document read in pieces reports its bytes and tokens as it is encoded, not all at once
+    when it ends (issue 41: a 2 GB line showed 100% and 0 tokens, then tokenized on for 34 s; a
+    worker silent that long would also pass for hung); the sums are the unit's exact counts."""
+    import dataclasses
+
+    from helixtok import unit as hu
+    from helixtok.discover import discover
+    from helixtok.tokenizer import inspect_tokenizer
+    from helixtok.units import plan_units
+
+    text = "the quick brown fox jumps over the lazy dog " * 60_000  # 2.6 MB
+    (tmp_path / "c.jsonl").write_text(json.dumps({"text": "short one"}) + "\n" + json.dumps({"text": text}) + "\n")
+    cfg = BuildConfig(seq_len=64, long_doc_bytes=1 << 20)
+    (units, _), info = plan_units(discover([str(tmp_path / "c.jsonl")])[0], unit_bytes=1 << 30, text_field="text"), \
+        inspect_tokenizer(small_tok)
+    info = dataclasses.replace(info, backend="fastokens", backend_version="x")
+    bumps = []
+    counters = hu._LocalCounters([0, 0, 0])
+    counters.hook = lambda: bumps.append(tuple(counters))
+    (tmp_path / "state").mkdir()
+    hu._init_worker(cfg, str(tmp_path / "state"), "r", counters)
+    try:
+        r = hu.run_unit(units[0], info)
+    finally:
+        hu._W.clear()  # this thread's tokenizing state, as an inline build leaves it
+    during = [b for b in bumps if b[1] == 1]  # the short document flushed, the long one under way
+    assert len(during) >= 3 and during[0][2] < during[-1][2] and during[0][0] < during[-1][0]
+    assert counters == [units[0].est_bytes, 2, sum(r["tokens"].values())]
