@@ -3,9 +3,10 @@
 On Linux the workers are forked from a fork server: one interpreter that imports helixtok and
 loads the tokenizer once (WorkerPool's `prepare`), single-threaded, then forks every worker from
 that state, so a worker's start costs a fork (milliseconds), not an interpreter, the imports and
-a 100k-vocabulary load (1-3 s of CPU each).  Elsewhere each worker is its own interpreter and
-prepares itself.  No wait on a worker is unbounded: a task's future fails once its worker dies, or sends nothing
-for `stall_seconds` (a stopped process, a stuck read), naming what the worker was doing.  No
+a 100k-vocabulary load (1-3 s of CPU each).  Elsewhere ($HELIXTOK_FORK=0 too) each worker is its
+own interpreter and prepares itself.  No wait on a worker is unbounded: a task's future fails
+once its worker dies, or sends nothing for `stall_seconds` (a stopped process, a stuck read),
+naming what the worker was doing.  No
 multiprocessing: its queues' named semaphores need the resource tracker, whose death (an OOM
 killer, `kill` of "the python processes") printed tracebacks, and its spawn bootstrap ran before
 a worker could ignore Ctrl-C.
@@ -149,7 +150,8 @@ def fork_server() -> None:
     """The fork server: prepare once -- (fn, args) from the control pipe: imports, the tokenizer's
     bytes held and loaded into the likeliest library -- then fork one worker per pair of pipe
     fds in argv.  It keeps its workers unreaped (their pids cannot be reused while the build may
-    signal them) until the build closes the control pipe, then exits; a worker dies with it."""
+    signal them) until the build closes the control pipe, then reaps them and exits; a worker
+    still alive dies with it (PR_SET_PDEATHSIG)."""
     _ignore_terminal_signals()
     _name_process(b"helixtok-fork")
     ctrl_fd, fds = int(sys.argv[2]), [int(x) for x in sys.argv[3:]]
