@@ -10,23 +10,57 @@ import numpy as np
 from .splitview import SplitView
 from .summary import lines, summarize
 
-_BAR_W, _BAR_H = 560, 160
+_BAR_W, _BAR_H, _AXIS = 560, 160, 56  # plot area and the room left of it for the y axis's values
 
 
 def _bars(title: str, labels: list[str], values: list[int], unit: str) -> str:
-    """An inline SVG bar chart: no script, no file beside the page."""
+    """An inline SVG bar chart (no script, no file beside the page): a y axis with its values,
+    each bar's value above it where there is room, labels below."""
     if not values or max(values) == 0:
         return f"<h2>{html.escape(title)}</h2><p>nothing to show</p>"
     top, n = max(values), len(values)
     w = _BAR_W / n
+    x0, y0 = _AXIS, 14  # the plot's left edge; room above the tallest bar for its value
+    axis = "".join(
+        f'<line x1="{x0 - 4}" x2="{x0 + _BAR_W}" y1="{y0 + _BAR_H * (1 - f):.1f}" y2="{y0 + _BAR_H * (1 - f):.1f}" '
+        f'stroke="#ccc" stroke-width="1"/><text x="{x0 - 6}" y="{y0 + _BAR_H * (1 - f) + 3:.1f}" font-size="10" '
+        f'text-anchor="end">{round(top * f):,}</text>' for f in (0, 0.5, 1))
     bars = "".join(
-        f'<rect x="{i * w + 1:.1f}" y="{_BAR_H - v / top * _BAR_H:.1f}" width="{max(w - 2, 1):.1f}" '
+        f'<rect x="{x0 + i * w + 1:.1f}" y="{y0 + _BAR_H - v / top * _BAR_H:.1f}" width="{max(w - 2, 1):.1f}" '
         f'height="{v / top * _BAR_H:.1f}" fill="#3b6ea5"><title>{html.escape(lab)}: {v:,} {unit}</title></rect>'
+        + (f'<text x="{x0 + i * w + w / 2:.1f}" y="{y0 + _BAR_H - v / top * _BAR_H - 3:.1f}" font-size="9" '
+           f'text-anchor="middle">{v:,}</text>' if n <= 16 and v else "")
         for i, (lab, v) in enumerate(zip(labels, values)))
-    ticks = "".join(f'<text x="{i * w + w / 2:.1f}" y="{_BAR_H + 14}" font-size="10" text-anchor="middle">'
+    ticks = "".join(f'<text x="{x0 + i * w + w / 2:.1f}" y="{y0 + _BAR_H + 14}" font-size="10" text-anchor="middle">'
                     f"{html.escape(lab)}</text>" for i, lab in enumerate(labels) if n <= 12 or i % (n // 12 + 1) == 0)
-    return (f"<h2>{html.escape(title)}</h2><svg width='{_BAR_W}' height='{_BAR_H + 20}' role='img' "
-            f"aria-label='{html.escape(title)}'>{bars}{ticks}</svg><p class='top'>tallest bar: {top:,} {unit}</p>")
+    return (f"<h2>{html.escape(title)}</h2><svg width='{x0 + _BAR_W + 4}' height='{y0 + _BAR_H + 34}' role='img' "
+            f"aria-label='{html.escape(title)}'>{axis}{bars}{ticks}<text x='{x0 + _BAR_W / 2}' "
+            f"y='{y0 + _BAR_H + 30}' font-size='10' text-anchor='middle' fill='#666'>{html.escape(unit)} per bar"
+            f"</text></svg>")
+
+
+def _split_table(m: dict) -> str:
+    """Every split's counts, side by side."""
+    cols = {"documents": "documents", "num_chunks": "chunks", "num_tokens": "stored tokens",
+            "tokens": "produced tokens", "pad_tokens": "pad", "dropped_tokens": "dropped"}
+    head = "".join(f"<th>{label}</th>" for label in cols.values())
+    rows = "".join(f"<tr><th>{html.escape(name)}</th>" + "".join(f"<td>{s.get(c, 0):,}</td>" for c in cols) + "</tr>"
+                   for name, s in m["splits"].items())
+    return f"<h2>Splits</h2><table><tr><th>split</th>{head}</tr>{rows}</table>"
+
+
+def _item_lengths(view: SplitView) -> np.ndarray:
+    """Tokens of each item of a bestfit split (a document, or a seq_len piece of a longer one): from
+    its start to the next start in its chunk, or to the chunk's padding."""
+    L = view.L
+    starts = view.starts_in(0, view.num_chunks * L).astype(np.int64)
+    if not len(starts):
+        return starts
+    valid = view.all_valid().astype(np.int64)
+    chunk = starts // L
+    nxt = np.append(starts[1:], np.iinfo(np.int64).max)
+    end = np.where(nxt // L == chunk, nxt, chunk * L + valid[chunk])
+    return end - starts
 
 
 def _log2_buckets(x: np.ndarray) -> tuple[list[str], list[int]]:
@@ -53,17 +87,26 @@ def render(out: str, m: dict, *, chunks: int = 3) -> str:
     if summ["alerts"]:
         parts.append("<ul class='warn'>" + "".join(f"<li>warning: {html.escape(a)}</li>" for a in summ["alerts"])
                      + "</ul>")
+    parts.append(_split_table(m))
     src = summ["sources"]
     parts.append(_bars("Tokens per source", list(src), [v["tokens"] for v in src.values()], "tokens"))
+    view = SplitView(out, m, split)
+    # The charts that say something for each packing: packed chunks are all full (no fill chart);
+    # document packing keeps no document starts (no length chart).
     if m["packing"] == "packed":
-        labels, counts = _log2_buckets(SplitView(out, m, split).document_lengths())
-        parts.append(_bars("Document lengths (tokens, powers of two)", labels, counts, "documents"))
-        parts.append(_bars("Chunk fill", ["100%"], [m["splits"][split]["num_chunks"]], "chunks"))
-    else:
-        fill = SplitView(out, m, split).all_valid().astype(np.int64)
+        labels, counts = _log2_buckets(view.document_lengths())
+        parts.append(_bars(f"Document lengths in {split} (tokens, powers of two)", labels, counts, "documents"))
+        parts.append(f"<p>Every {split} chunk is full: packed data has no padding.</p>")
+    if m["packing"] == "bestfit":
+        labels, counts = _log2_buckets(_item_lengths(view))
+        parts.append(_bars(f"Document lengths in {split} (tokens, powers of two; longer than seq_len: its pieces)",
+                           labels, counts, "documents"))
+    if m["packing"] != "packed":
+        fill = view.all_valid().astype(np.int64)
         L = int(m["seq_len"])
         counts = np.bincount(np.minimum(fill * 10 // L, 10), minlength=11).tolist()
-        parts.append(_bars("Chunk fill (real tokens per chunk)", [f"{10 * i}%" for i in range(11)], counts, "chunks"))
+        parts.append(_bars(f"Chunk fill in {split} (real tokens per chunk)", [f"{10 * i}%" for i in range(11)],
+                           counts, "chunks"))
     tok = load_tokenizer(os.path.join(out, m["tokenizer"]["file"]))
     n = m["splits"][split]["num_chunks"]
     parts.append("<h2>Chunks</h2>")
@@ -77,6 +120,7 @@ def render(out: str, m: dict, *, chunks: int = 3) -> str:
     style = ("body{font-family:sans-serif;max-width:900px;margin:2em auto;color:#222}"
              "pre{white-space:pre-wrap;background:#f6f6f6;padding:.6em;font-size:12px}"
              ".doc0{background:#e3edf7}.doc1{background:#f7eee3}.pad{color:#999}.warn{color:#a0522d}"
-             ".top{font-size:11px;color:#666;margin-top:0}")
+             "table{border-collapse:collapse;font-size:13px}td,th{padding:.2em .7em;text-align:right}"
+             "tr:nth-child(even){background:#f3f3f3}")
     return (f"<!doctype html><html><head><meta charset='utf-8'><title>helixtok: {html.escape(out)}</title>"
             f"<style>{style}</style></head><body>{''.join(parts)}</body></html>\n")

@@ -401,7 +401,9 @@ def test_info_html_report_renders_in_a_browser(tmp_path, corpus, small_tok):
     assert r.exit_code == 0, r.output
     text = page.read_text()
     assert "<script" not in text and "src=" not in text and "Tokens per source" in text and "Document lengths" in text
-    assert "chunk 0" in text and text.count("<svg") == 3
+    # (issue 41: a y axis with values, a split table; packed data has no single-bar "chunk fill" chart)
+    assert "chunk 0" in text and text.count("<svg") == 2 and "Every train chunk is full" in text
+    assert "<h2>Splits</h2>" in text and "<th>stored tokens</th>" in text and ">0</text>" in text
     shot = tmp_path / "shot.png"
     p = subprocess.run(["chromium", "--headless", "--no-sandbox", "--disable-gpu", f"--screenshot={shot}",
                         "--window-size=900,1200", page.as_uri()], capture_output=True, text=True, timeout=120)
@@ -410,6 +412,27 @@ def test_info_html_report_renders_in_a_browser(tmp_path, corpus, small_tok):
     bar = (np.abs(px - np.array([0x3B, 0x6E, 0xA5])).sum(axis=2) < 12).mean()  # the charts' blue
     ink = (px.sum(axis=2) < 600).mean()  # text and bars, not page
     assert bar > 0.03 and ink > 0.05, (bar, ink)
+
+
+def test_the_html_report_shows_the_charts_each_packing_has(dev_bestfit, dev_document, tmp_path):
+    """bestfit: document (piece) lengths and chunk fill; document packing: chunk fill alone (it keeps
+    no document starts); every chart with its y axis's values."""
+    import re
+
+    for out, want in ((dev_bestfit, ["Document lengths in train", "Chunk fill in train"]),
+                      (dev_document, ["Chunk fill in train"])):
+        page = tmp_path / "r.html"
+        r = CliRunner().invoke(main, ["info", out, "--html", str(page)])
+        assert r.exit_code == 0, r.output
+        text = page.read_text()
+        assert [t.strip() for t in re.findall(r"<h2>([^<(]+)", text) if " in train" in t] == want
+        assert text.count("<svg") == 1 + len(want) and text.count('text-anchor="end"') == 3 * (1 + len(want))
+    m = json.load(open(os.path.join(dev_bestfit, "manifest.json")))
+    from helixtok.report import _item_lengths
+    from helixtok.splitview import SplitView
+
+    lengths = _item_lengths(SplitView(dev_bestfit, m))  # every item's tokens: with the padding, the stored tokens
+    assert lengths.min() > 0 and lengths.sum() + m["splits"]["train"]["pad_tokens"] == m["splits"]["train"]["num_tokens"]
 
 
 def test_show_of_a_bestfit_chunk_marks_each_document_and_the_padding(dev_bestfit):
