@@ -107,6 +107,19 @@ def nanochat(lengths: np.ndarray, L: int, repo: str) -> dict:
             "docs_dropped": None}
 
 
+def whole_split(lengths: np.ndarray, L: int) -> dict:
+    """What best-fit decreasing over every document of the split gives (helixtok's bestfit packs
+    within ~1 M-token windows): the same items -- documents, longer ones in seq_len pieces at fixed
+    positions -- and pack.best_fit, on lengths alone."""
+    from helixtok.pack import best_fit
+
+    items = [L] * int(sum(int(m) // L for m in lengths)) + [int(m) % L for m in lengths if int(m) % L]
+    t = time.perf_counter()
+    chunks = len(best_fit(items, L))
+    return {"pad": (chunks * L - int(lengths.sum())) / (chunks * L), "dropped": 0.0, "docs_dropped": 0, "cut": 0,
+            "time": time.perf_counter() - t}
+
+
 def helixtok_row(m: dict, dt: float) -> dict:
     t = m["totals"]
     return {"pad": t["pad_tokens"] / t["stored_tokens"], "dropped": t["dropped_tokens"] / t["tokens"],
@@ -142,6 +155,7 @@ def main() -> None:
                     else:
                         rows[packing]["cut"] = 0  # pieces at fixed positions: the minimum
                     shutil.rmtree(out)
+                rows["best-fit decreasing over the whole split (lengths only)"] = whole_split(lengths, L)
                 if a.olmo_core:
                     rows["OLMo-core best fit (load time)"] = olmo_core(lengths, L, a.olmo_core)
                 if a.nanochat:
