@@ -168,12 +168,22 @@ def _check_jsonl_head(f: InputFile, text_field: str) -> None:
     object holds a single JSON document: refused, with how to convert it."""
     first = None
     named_json = re.search(r"\.json(\.gz|\.zst|\.zstd)?$", f.path.lower()) is not None
+    key = re.compile(rb'"' + re.escape(json.dumps(text_field)[1:-1].encode()) + rb'"\s*:')
     try:
         with open_input(f.path) as raw:
-            for lineno, line in enumerate(open_stream(f.path, f.kind, raw), 1):
+            stream, lineno = open_stream(f.path, f.kind, raw), 0
+            # Lines read up to LONG_DOC_BYTES: a huge first line is not held whole (iterating the
+            # stream built it in a growing buffer, twice its size: a 200 MB line peaked at 400 MB).
+            while line := stream.readline(LONG_DOC_BYTES + 1):
+                lineno += 1
+                if len(line) > LONG_DOC_BYTES and not line.endswith(b"\n"):
+                    if not line.lstrip().startswith(b"{"):
+                        first = (lineno, None)  # not one object (an array?)
+                        break
+                    if key.search(line):
+                        return  # its field is there: the record is the reader's to judge
+                    line = skeleton(line + stream.readline())[0]  # rare: a huge other field before it
                 if line.strip():
-                    if len(line) > LONG_DOC_BYTES:  # its field names suffice: do not parse a huge text
-                        line = skeleton(line)[0]
                     try:
                         first = (lineno, json.loads(line))
                     except ValueError:

@@ -146,7 +146,10 @@ def test_fifty_megabyte_documents_build_in_flat_memory(tmp_path, tokenizer_path,
     as_jsonl, as_txt = peak("big.jsonl", "o1"), peak("big.txt", "o2")
     print(f"peak RSS: constant {base >> 20} MiB, 50 MB JSON line +{(as_jsonl - base) >> 20} MiB, "
           f"50 MB text file +{(as_txt - base) >> 20} MiB")
-    assert as_jsonl - base < 2.5 * size  # the line's bytes (and readline's buffer while it reads them)
+    # The line's bytes, grown in place, plus a constant (the encoder's and writers' buffers, ~50 MiB):
+    # a 200 MB line measured +204 MB over its build's constant (issue 41: iterating the stream built
+    # a long line in a buffer copied as it grew, twice its size; 2.5x the size was allowed before)
+    assert as_jsonl - base < size + (64 << 20)
     assert as_txt - base < size  # measured +18 MiB (+43 MiB with the buffers above at their defaults)
     shards = [sorted(f for f in os.listdir(tmp_path / o) if f.endswith(".bin")) for o in ("o1", "o2")]
     assert shards[0] == shards[1]
