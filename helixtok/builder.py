@@ -81,15 +81,15 @@ def build(corpus, out: str, tokenizer: str, config: BuildConfig | None = None, *
     path = resolve_tokenizer_path(tokenizer)
     check_out_path(out)
     # The one read of the tokenizer file: everything after loads these bytes (tokenizer._HELD).
-    data = read_tokenizer(path)
-    sha = hold_bytes(data)
+    sha = hold_bytes(read_tokenizer(path))
     try:
-        return _build_local(inputs, out, path, data, sha, config, overwrite, on_progress, task, remote)
+        return _build_local(inputs, out, path, sha, config, overwrite, on_progress, task, remote)
     finally:
         release_bytes(sha)
 
 
-def _build_local(inputs, out, path, data, sha, config, overwrite, on_progress, task, remote) -> "Built":
+def _build_local(inputs, out, path, sha, config, overwrite, on_progress, task, remote) -> "Built":
+    """build() for a local OUT, the tokenizer's bytes held as `sha`: plan, start what tokenizes, inspect."""
     files, warnings = discover(inputs, exclude=out)
     units, plan_warn = plan_units(files, unit_bytes=config.unit_bytes, text_field=config.text_field,
                                   stall=config.stall_seconds)
@@ -124,9 +124,9 @@ def _build_local(inputs, out, path, data, sha, config, overwrite, on_progress, t
         # one that loads the likeliest library's tokenizer once), or that library's load here
         # (~1.2 s for 100k).
         if n_workers > 1:
-            run.workers = UnitPool(n_workers, config, run.state, run.run_id, data)
+            run.workers = UnitPool(n_workers, config, run.state, run.run_id, tokenizer_bytes(sha))
         elif config.backend in ("auto", "fastokens") and not finished and config.ray_address is None:
-            preload.start_bytes(data)  # unless the command line started it
+            preload.start_bytes(tokenizer_bytes(sha))  # unless the command line started it
         info = inspect_tokenizer(path, eos_token=config.eos_token, bos_token=config.bos_token,
                                  pad_token=config.pad_token, add_bos=config.add_bos,
                                  special_tokens=config.special_tokens, sha256=sha)
