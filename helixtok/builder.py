@@ -28,7 +28,7 @@ from .catalog import build_manifest, join_split, published, unit_counts
 from .config import BuildConfig
 from .discover import discover
 from .dispatch import BackendRejected, Progress, UnitPool, run_units, verdict_for, worker_count
-from .errors import ConfigError, InputError, resource_error
+from .errors import ConfigError, HelixtokError, InputError, from_cli, python_terms, resource_error
 from .manifest import FORMAT_VERSION, MANIFEST, write_json_atomic
 from .merge import check_sibling_parts, partition
 from .objstore import current, is_url
@@ -61,6 +61,15 @@ def build(corpus, out: str, tokenizer: str, config: BuildConfig | None = None, *
 
     Example: helixtok.build("corpus/", "out/", "tokenizer.json", seq_len=2048, val_fraction=0.01)
     """
+    try:
+        return _build(corpus, out, tokenizer, config, overwrite, on_progress, task, staging, remote, options)
+    except HelixtokError as e:
+        if from_cli.get():
+            raise
+        raise python_terms(e) from e.__cause__
+
+
+def _build(corpus, out, tokenizer, config, overwrite, on_progress, task, staging, remote, options) -> "Built":
     unknown = sorted(set(options) - set(BuildConfig.__dataclass_fields__))
     if unknown:
         import difflib

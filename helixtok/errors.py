@@ -1,5 +1,11 @@
 """Typed errors: every failure a user can cause is a HelixtokError with a one-line message."""
 
+import contextvars
+
+# Set while the command line runs a command: its errors name options (--overwrite); a caller of
+# the Python API reads keywords (overwrite=True).
+from_cli: contextvars.ContextVar[bool] = contextvars.ContextVar("helixtok_from_cli", default=False)
+
 
 class HelixtokError(Exception):
     """Base class; the CLI prints the message (no traceback) and exits 1."""
@@ -45,3 +51,29 @@ def resource_error(e: OSError, where: str = "") -> HelixtokError | None:
         return HelixtokError(f"{name or 'a file'}: larger than this process may write (ulimit -f); raise the limit "
                              "(ulimit -f unlimited) or use a smaller --shard-size, then rerun the same command to resume")
     return None
+
+
+# Messages name command-line options; a caller of the Python API reads keywords instead
+# (python_terms, at the API's edge).  Longest first: --bos must not eat --bos-token.
+_KEYWORDS = {
+    "--overwrite": "overwrite=True", "--pack": "packing", "--seq-len": "seq_len", "--min-tail-len": "min_tail_len",
+    "--val-fraction": "val_fraction", "--split-seed": "split_seed", "--shard-size": "shard_bytes",
+    "--unit-size": "unit_bytes", "--workers": "workers", "--backend": "backend",
+    "--special-tokens": "special_tokens", "--stall-timeout": "stall_seconds", "--executor": "executor",
+    "--text-field": "text_field", "--strict": "strict=True", "--eos-token": "eos_token",
+    "--bos-token": "bos_token", "--pad-token": "pad_token", "--no-bos": "add_bos=False", "--bos": "add_bos=True",
+    "--staging": "staging", "--strip": "strip=True", "--num-tasks": "task=(k, n)", "--task-index": "task=(k, n)",
+}
+
+
+def python_terms(e: HelixtokError) -> HelixtokError:
+    """The same error for a caller of the Python API: its command-line options named as keywords."""
+    import re
+
+    pattern = "|".join(re.escape(k) for k in sorted(_KEYWORDS, key=len, reverse=True))
+    msg = re.sub(rf"(?<![\w-])({pattern})(?![\w-])", lambda m: _KEYWORDS[m.group(1)], str(e))
+    if msg == str(e):
+        return e
+    out = type(e)(msg)
+    out.__cause__ = e.__cause__
+    return out

@@ -9,7 +9,7 @@ import re
 import shutil
 
 from .catalog import join_split, split_totals
-from .errors import ConfigError, DatasetError
+from .errors import ConfigError, DatasetError, HelixtokError, from_cli, python_terms
 from .manifest import FORMAT_VERSION, MANIFEST, load_manifest, sum_sources, write_json_atomic
 from .outdir import PUBLISH, STATE, OutLock, check_out_path, refuse_foreign, remove_owned
 from .planid import PLAN_FILE, describe_change
@@ -150,6 +150,16 @@ def _check_parts(parts: list[str], ms: list[dict]) -> None:
 
 
 def merge(parts: list[str], out: str, *, overwrite: bool = False) -> dict:
+    """Join partitioned builds (or any parts of one plan) into `out`, copying no shard."""
+    try:
+        return _merge(parts, out, overwrite)
+    except HelixtokError as e:
+        if from_cli.get():
+            raise
+        raise python_terms(e) from e.__cause__
+
+
+def _merge(parts: list[str], out: str, overwrite: bool) -> dict:
     if not parts:
         raise ConfigError("give at least one part to merge")
     ms = [load_manifest(p) for p in parts]

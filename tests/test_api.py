@@ -28,7 +28,7 @@ def test_build_takes_keywords_and_gives_what_the_command_line_gives(tmp_path, sm
     # A BuildConfig and keywords together: the keywords win.
     cfg = helixtok.BuildConfig(seq_len=8, workers=1)
     assert helixtok.build([str(small_corpus)], tmp_path / "both", small_tok, cfg, seq_len=32)["seq_len"] == 32
-    with pytest.raises(ConfigError, match="--seq-len must be >= 1"):
+    with pytest.raises(ConfigError, match="seq_len must be >= 1"):
         helixtok.build(small_corpus, tmp_path / "bad", small_tok, seq_len=0)
 
 
@@ -78,3 +78,17 @@ def test_an_unknown_keyword_is_named_with_the_nearest_option_and_the_list(tmp_pa
     with pytest.raises(ConfigError, match=r"unknown keyword 'pack' \(did you mean 'packing'\?\); its options: add_bos, "):
         helixtok.build([str(small_corpus)], str(tmp_path / "o"), small_tok, pack="bestfit")
     assert not (tmp_path / "o").exists()
+
+
+def test_errors_name_keywords_in_python_and_options_on_the_command_line(tmp_path, small_corpus, small_tok):
+    """The same refusal says `pass overwrite=True` to a caller of helixtok.build and `pass
+    --overwrite` on the command line (issue 41: the Python API spoke CLI)."""
+    from helixtok.errors import ConfigError
+
+    helixtok.build([str(small_corpus)], str(tmp_path / "o"), small_tok, seq_len=16, workers=1)
+    with pytest.raises(ConfigError, match=r"\(seq_len: 16 -> 32\); pass overwrite=True to replace it$"):
+        helixtok.build([str(small_corpus)], str(tmp_path / "o"), small_tok, seq_len=32, workers=1)
+    with pytest.raises(ConfigError, match=r"^packing must be one of packed, document, bestfit, got 'best'$"):
+        helixtok.build([str(small_corpus)], str(tmp_path / "p"), small_tok, packing="best")
+    r = CliRunner().invoke(main, ["build", str(small_corpus), str(tmp_path / "o"), "-t", small_tok, "-L", "32", "-q"])
+    assert r.exit_code == 1 and "(seq_len: 16 -> 32); pass --overwrite to replace it" in r.output, r.output

@@ -145,7 +145,7 @@ def _assert_every_backend(got: dict, shapes: dict, special: str) -> None:
         for backend in ("fastokens", "gigatoken", "tiktoken", "auto"):
             m, shards = got[shape, backend]
             if isinstance(m, str):
-                assert backend != "auto" and f"--backend {backend} is not exact for this tokenizer" in m
+                assert backend != "auto" and f"backend {backend} is not exact for this tokenizer" in m
                 table[shape, backend] = "refused: " + m.split("(", 1)[1][:50]
                 continue
             assert shards == want, (special, shape, backend)  # byte-identical to tokenizers
@@ -365,7 +365,7 @@ def test_a_backend_wrong_only_on_a_long_input_is_refused_and_the_references_are_
     corpus.mkdir()
     (corpus / "a.txt").write_text("the quick brown fox jumps over the lazy dog " * 50)
     cfg = dict(seq_len=8, workers=1, special_tokens="extract")  # where gigatoken is exact too
-    with pytest.raises(TokenizerError, match=r"--backend fastokens is not exact for this tokenizer \(ids differ on 'xxxx"):
+    with pytest.raises(TokenizerError, match=r"backend fastokens is not exact for this tokenizer \(ids differ on 'xxxx"):
         build([str(corpus)], str(tmp_path / "o1"), small_tok, BuildConfig(backend="fastokens", **cfg))
     def made():
         d = tmp_path / "cache" / "hf-ids"
@@ -462,7 +462,7 @@ def test_the_long_input_processes_of_a_refused_backend_are_stopped(tmp_path, sma
     corpus.mkdir()
     (corpus / "a.txt").write_text("the quick brown fox <|endoftext|> jumps over the lazy dog " * 50)
     cfg = BuildConfig(seq_len=8, workers=1, special_tokens="text", backend="gigatoken")  # inexact there
-    with pytest.raises(TokenizerError, match="--backend gigatoken is not exact for this tokenizer"):
+    with pytest.raises(TokenizerError, match="backend gigatoken is not exact for this tokenizer"):
         build([str(corpus)], str(tmp_path / "o"), small_tok, cfg)
     assert len(started) == 2 and [p.returncode for p in started] == [-9, -9]  # tokenizers' and gigatoken's
 

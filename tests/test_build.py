@@ -221,7 +221,7 @@ def test_auto_backend_is_the_fastest_exact_one_and_says_why(tmp_path, tokenizer_
     assert m["tokenizer"]["backend"] == "fastokens" and m["tokenizer"]["backend_version"].startswith("fastokens ")
     assert m["tokenizer"]["backend_check"]["sample_documents"] == 1
     # gigatoken turns special-token text into control ids whatever it is asked: not exact under "text".
-    with pytest.raises(TokenizerError, match="--backend gigatoken is not exact for this tokenizer .ids differ on"):
+    with pytest.raises(TokenizerError, match="backend gigatoken is not exact for this tokenizer .ids differ on"):
         build([str(tmp_path / "c")], str(tmp_path / "o2"), tokenizer_path, BuildConfig(seq_len=4, workers=1,
                                                                                      backend="gigatoken"))
     # Without the faster ones, tiktoken is next; a normalizer (lowercasing) it cannot mirror: tokenizers.
@@ -235,7 +235,7 @@ def test_auto_backend_is_the_fastest_exact_one_and_says_why(tmp_path, tokenizer_
     m = build([str(tmp_path / "c")], str(tmp_path / "o4"), lower, BuildConfig(seq_len=4, workers=1))
     assert m["tokenizer"]["backend"] == "hf"
     assert m["tokenizer"]["backend_check"]["rejected"] == {"tiktoken": "tokenizer has a normalizer"}
-    with pytest.raises(TokenizerError, match="--backend tiktoken is not exact for this tokenizer"):
+    with pytest.raises(TokenizerError, match="backend tiktoken is not exact for this tokenizer"):
         build([str(tmp_path / "c")], str(tmp_path / "o5"), lower, BuildConfig(seq_len=4, workers=1, backend="tiktoken"))
 
 
@@ -338,7 +338,7 @@ def test_refuses_non_empty_out_and_finished_dataset(tmp_path, small_tok):
     build([str(tmp_path / "c")], str(out), small_tok, BuildConfig(seq_len=4, workers=1))
     # The same build again is up to date (#30: idempotent tasks); another option is refused.
     assert isinstance(build([str(tmp_path / "c")], str(out), small_tok, BuildConfig(seq_len=4, workers=1)), UpToDate)
-    with pytest.raises(ConfigError, match=r"other inputs or options \(seq_len: 4 -> 8\); pass --overwrite"):
+    with pytest.raises(ConfigError, match=r"other inputs or options \(seq_len: 4 -> 8\); pass overwrite=True"):
         build([str(tmp_path / "c")], str(out), small_tok, BuildConfig(seq_len=8, workers=1))
     build([str(tmp_path / "c")], str(out), small_tok, BuildConfig(seq_len=8, workers=1), overwrite=True)
     assert json.load(open(out / "manifest.json"))["seq_len"] == 8
@@ -346,7 +346,7 @@ def test_refuses_non_empty_out_and_finished_dataset(tmp_path, small_tok):
 
 def test_too_small_corpus_fails_clearly(tmp_path, small_tok):
     write(tmp_path / "c" / "a.txt", "fox")
-    with pytest.raises(InputError, match="lower --seq-len"):
+    with pytest.raises(InputError, match="lower seq_len"):
         build([str(tmp_path / "c")], str(tmp_path / "o"), small_tok, BuildConfig(seq_len=4096, workers=1))
     assert not os.path.exists(tmp_path / "o" / "manifest.json")
 

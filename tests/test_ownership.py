@@ -197,7 +197,7 @@ def test_kill_during_overwrite_leaves_the_rest_known_as_helixtoks(tmp_path, smal
 def test_failed_builds_leave_out_so_the_corrected_command_works(tmp_path, small_corpus, small_tok):
     out = tmp_path / "out"
     # No chunk at all: the message says lower --seq-len; doing so just works.
-    with pytest.raises(InputError, match="lower --seq-len"):
+    with pytest.raises(InputError, match="lower seq_len"):
         build([str(small_corpus)], str(out), small_tok, BuildConfig(seq_len=10**7, workers=1))
     assert not out.exists()
     # A corrupt file found mid-build: fix it and rerun the same command.
@@ -331,7 +331,7 @@ def test_strict_stops_at_the_first_bad_input_in_corpus_order(tmp_path, small_tok
     (c / "a.jsonl").write_text("\n".join(early) + "\n")
     (c / "b.jsonl").write_text("\n".join(late) + "\n")
     for workers in (1, 2):
-        with pytest.raises(InputError, match=r"a.jsonl:2501 \(int\): non string text \(--strict\)"):
+        with pytest.raises(InputError, match=r"a.jsonl:2501 \(int\): non string text \(strict=True\)"):
             build([str(c)], str(tmp_path / f"o{workers}"), small_tok,
                   BuildConfig(seq_len=4, workers=workers, strict=True, unit_bytes=8 << 10))
         assert not (tmp_path / f"o{workers}").exists()

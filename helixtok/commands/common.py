@@ -11,7 +11,7 @@ import threading
 
 import click
 
-from ..errors import HelixtokError, Interrupted, resource_error
+from ..errors import HelixtokError, Interrupted, from_cli, resource_error
 
 SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.I)
 UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
@@ -33,6 +33,7 @@ def handle_errors(fn):
     @functools.wraps(fn)
     def wrapper(*a, **kw):
         stops = _stop_on_signals()
+        speaking = from_cli.set(True)
         try:
             return fn(*a, **kw)
         except HelixtokError as e:
@@ -51,6 +52,7 @@ def handle_errors(fn):
             where = f"{e.filename}: " if e.filename else ""
             raise click.ClickException(f"{where}{e.strerror or e}") from e
         finally:
+            from_cli.reset(speaking)
             for s, old in stops.items():
                 signal.signal(s, old)
 
