@@ -286,7 +286,7 @@ class _Check:
 def _build_started(run: Run, info) -> dict:
     """_build_in once it holds the lock: check the backend (beside tokenizing where it can), resume
     or start, tokenize, publish."""
-    config, out, state = run.config, run.out, run.state
+    config, out = run.config, run.out
     check = backend_check = None
     if config.backend == "auto" and config.ray_address is None and backend_version(FAST[0]) is not None:
         # Tokenize with the likeliest library while the check runs; if it picks another, the units

@@ -83,37 +83,25 @@ def line_ref(unit: "Unit", n: int) -> str:
     return str(unit.first_line + n - 1) if unit.first_line else f"\x00L{unit.index}:{n}\x00"
 
 
-def _bounded_lines(stream, cap: int) -> Iterator[bytes | int]:
-    """The lines of `stream`, each longer than `cap` bytes given as its length, never held whole."""
+def _lines(stream, cap: int, whole: bool) -> Iterator[bytes | bytearray | int]:
+    """The lines of `stream`.  One longer than `cap` bytes is never built by the stream itself (it
+    copies a growing buffer: a 200 MB line peaked at twice its size): with `whole` it is gathered in
+    a bytearray grown in place; else only its length is given (a sample's reader passes it over)."""
     if not isinstance(stream, io.BufferedReader):  # an object store's file: its readline takes no size
         stream = io.BufferedReader(stream, 1 << 20)
     while line := stream.readline(cap + 1):
         if len(line) <= cap or line.endswith(b"\n"):
             yield line
             continue
-        n = len(line)
-        while (more := stream.readline(cap + 1)) and not more.endswith(b"\n"):
-            n += len(more)
-        yield n + len(more)
-
-
-def _whole_lines(stream, cap: int) -> Iterator[bytes | bytearray]:
-    """The lines of `stream`; one longer than `cap` bytes is built in a bytearray grown in place
-    (iterating the stream built it in a growing buffer, copied at each step: a 200 MB line peaked
-    at twice its size)."""
-    if not isinstance(stream, io.BufferedReader):  # an object store's file: its readline takes no size
-        stream = io.BufferedReader(stream, 1 << 20)
-    while line := stream.readline(cap + 1):
-        if len(line) <= cap or line.endswith(b"\n"):
-            yield line
-            continue
-        buf = bytearray(line)
+        n, buf = len(line), bytearray(line) if whole else None
         line = None
         while more := stream.readline(1 << 20):
-            buf += more
+            n += len(more)
+            if buf is not None:
+                buf += more
             if more.endswith(b"\n"):
                 break
-        yield buf
+        yield buf if buf is not None else n
 
 
 def source_of(name: str) -> str:
@@ -248,8 +236,8 @@ class UnitReader:
                     while (part := stream.readline(1 << 20)) and not part.endswith(b"\n"):
                         pos += len(part)
                     pos += len(part)
-                lines = (_bounded_lines(stream, self.skip_lines_over) if self.skip_lines_over is not None
-                         else _whole_lines(stream, self.long_bytes) if self.long_bytes is not None else stream)
+                lines = (_lines(stream, self.skip_lines_over, whole=False) if self.skip_lines_over is not None
+                         else _lines(stream, self.long_bytes, whole=True) if self.long_bytes is not None else stream)
                 for line in lines:
                     if isinstance(line, int):  # a line passed over (a sample's reader): its length
                         pos += line

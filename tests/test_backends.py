@@ -170,6 +170,9 @@ def test_the_tokenizer_inspect_loaded_is_handed_on_once_and_a_replaced_file_is_n
     from helixtok.errors import TokenizerError
     from helixtok.tokenizer import inspect_tokenizer, load_held, release_bytes
 
+    own = tmp_path / "own.json"  # bytes no other test holds (held bytes are shared by sha256)
+    own.write_bytes(open(small_tok, "rb").read() + b"\n  \n")  # trailing whitespace: the same tokenizer
+    small_tok = str(own)
     info = inspect_tokenizer(small_tok)
     a, b = load_held(info.sha256), load_held(info.sha256)
     assert a is not b and a.get_vocab() == b.get_vocab()

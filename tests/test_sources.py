@@ -732,20 +732,23 @@ def test_strict_reports_the_first_bad_input_in_corpus_order(tmp_path, small_tok,
 @given(lines=st.lists(st.binary(max_size=40).map(lambda b: b.replace(b"\n", b"")), max_size=12),
        cap=st.integers(1, 30), last_open=st.booleans())
 def test_a_samples_reader_passes_over_long_lines_without_holding_them(lines, cap, last_open):
-    """_bounded_lines: every line no longer than cap comes whole, each longer one as its length
-    (read cap + 1 bytes at a time), and together they are the stream."""
+    """_lines(whole=False): every line no longer than cap comes whole, each longer one as its length
+    (read cap + 1 bytes at a time), and together they are the stream; _lines(whole=True): every
+    line whole, a longer one gathered in a bytearray.  (Form: _bounded_lines became _lines with
+    its whole mode, what the reader uses for documents over long_doc_bytes.)"""
     import io
 
-    from helixtok.sources import _bounded_lines
+    from helixtok.sources import _lines
 
     raw = b"".join(x + b"\n" for x in lines)
     if last_open and lines:
         raw = raw[:-1]
-    got = list(_bounded_lines(io.BytesIO(raw), cap))
+    got = list(_lines(io.BytesIO(raw), cap, whole=False))
     want = re.findall(rb"[^\n]*\n|[^\n]+$", raw)
     assert len(got) == len(want)
     for g, w in zip(got, want):
         assert g == w if len(w) <= cap + 1 and (len(w) <= cap or w.endswith(b"\n")) else g == len(w)
+    assert [bytes(g) for g in _lines(io.BytesIO(raw), cap, whole=True)] == want
 
 
 def test_one_huge_json_line_under_a_memory_limit_is_one_line(tmp_path, small_tok):
