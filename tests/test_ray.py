@@ -91,10 +91,21 @@ def local(tmp_path_factory, dev_corpus, tokenizer_path):
     return out
 
 
-def _cli(corpus, out, tok, address):
+def _cli(corpus, out, tok, address, *extra):
     return subprocess.Popen([sys.executable, "-m", "helixtok.cli", "build", str(corpus), str(out), "-t", tok,
-                             "--executor", f"ray:{address}", *ARGS], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+                             "--executor", f"ray:{address}", *ARGS, *extra], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _signal_a_task(p, sig) -> list[int]:
+    """Send `sig` to the first Ray worker seen running a unit while build `p` runs: [its pid], or []."""
+    t = time.time()
+    while p.poll() is None and time.time() - t < 120:
+        for pid in _ray_tasks():
+            os.kill(pid, sig)
+            return [pid]
+        time.sleep(0.02)
+    return []
 
 
 def _ray_tasks() -> list[int]:
@@ -119,13 +130,7 @@ def test_ray_build_equals_the_local_build_and_survives_a_killed_worker_and_drive
     # 1. A worker killed mid-unit: retried by Ray.
     out = tmp_path / "a"
     p = _cli(corpus, out, tokenizer_path, cluster)
-    killed, t = [], time.time()
-    while not killed and p.poll() is None and time.time() - t < 120:
-        for pid in _ray_tasks():
-            os.kill(pid, signal.SIGKILL)
-            killed.append(pid)
-            break
-        time.sleep(0.02)
+    killed = _signal_a_task(p, signal.SIGKILL)
     _, err = p.communicate(timeout=300)
     assert killed and p.returncode == 0, err
     same_folder(out, local)
@@ -220,17 +225,9 @@ def test_a_stopped_ray_task_ends_the_build_within_the_stall_timeout(tmp_path, de
     """A Ray task's process stopped mid-unit (SIGSTOP: a stuck NFS read) sends no beat: the build
     fails within --stall-timeout naming the unit, and cancels its tasks (issue 39: it ran 90 s
     past a 5 s bound, Ray waiting for ever).  (A 3 s bound here.)"""
-    p = subprocess.Popen([sys.executable, "-m", "helixtok.cli", "build", str(dev_corpus / "txt"), str(tmp_path / "o"),
-                          "-t", tokenizer_path, "--executor", f"ray:{cluster}", "--stall-timeout", "3", *ARGS,
-                          "--unit-size", "1MiB"],  # units of ~0.5 s: a stop lands inside one
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    stopped, t = [], time.time()
-    while not stopped and p.poll() is None and time.time() - t < 120:
-        for pid in _ray_tasks():
-            os.kill(pid, signal.SIGSTOP)
-            stopped.append(pid)
-            break
-        time.sleep(0.02)
+    # Units of ~0.5 s: a stop lands inside one.
+    p = _cli(dev_corpus / "txt", tmp_path / "o", tokenizer_path, cluster, "--stall-timeout", "3", "--unit-size", "1MiB")
+    stopped = _signal_a_task(p, signal.SIGSTOP)
     try:
         t = time.time()
         _, err = p.communicate(timeout=120)
