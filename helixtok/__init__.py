@@ -1,6 +1,6 @@
 """helixtok: pre-tokenize corpora into memory-mappable shards with exact counts."""
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 __all__ = ["BuildConfig", "ChunkSampler", "MemmapChunkDataset", "MixtureDataset", "build", "__version__"]
 

@@ -21,20 +21,24 @@ import threading
 from concurrent.futures import Future
 from typing import Callable
 
+import numpy as np
+
 from . import __version__, preload
 from .backend_check import choose_backend
 from .backends import FAST, backend_version, forget_fast_tokenizers
+from .bestfit import build_index, doc_spans, write_index
 from .catalog import build_manifest, join_split, published, unit_counts
 from .config import BuildConfig
 from .discover import discover
 from .dispatch import BackendRejected, Progress, UnitPool, run_units, verdict_for, worker_count
-from .errors import ConfigError, HelixtokError, InputError, from_cli, python_terms, resource_error
+from .errors import ConfigError, DatasetError, HelixtokError, InputError, from_cli, python_terms, resource_error
 from .manifest import FORMAT_VERSION, MANIFEST, write_json_atomic
 from .merge import check_sibling_parts, partition
 from .objstore import current, is_url
 from .outdir import STATE, OutLock, check_out_path, publish
 from .planid import PLAN_FILE, encode_plan, plan_folder, whole_plan
-from .publish import remote_sizes
+from .publish import remote_bytes, remote_sizes
+from .shards import DOCS_DTYPE
 from .resume import prepare_out, trusted_results, up_to_date
 from .sources import LineRefs
 from .tally import Tally
@@ -380,8 +384,10 @@ def _publish(run: Run, info, backend_check: dict, trusted: dict, results: list[d
         run.on_progress(Progress(total, total, sum(sum(r["documents"].values()) for r in results),
                                  sum(sum(r["tokens"].values()) for r in results), len(units), len(units), "write"))
     names = ("train", "val") if config.val_fraction > 0 else ("train",)
+    indexes = {s: _bestfit_index(run, [e for r in results for e in r["shards"][s]], s) for s in names} \
+        if config.packing == "bestfit" else {}
     splits = {s: join_split([unit_counts(r, s) for r in results], [published(e) for r in results for e in r["shards"][s]],
-                            config.seq_len, config.packing) for s in names}
+                            config.seq_len, config.packing, indexes.get(s)) for s in names}
     tally = Tally()
     for r in results:
         tally.merge(Tally.from_json(r["skipped"]))
@@ -404,12 +410,35 @@ def _publish(run: Run, info, backend_check: dict, trusted: dict, results: list[d
         manifest["plan_sha256"] = hashlib.sha256(run.whole).hexdigest()
     # The units' shards (unless uploaded), the tokenizer and the plan move into OUT; the manifest last.
     moves = [] if run.remote is not None else [(n, p) for r in results for n, p, _ in state_files(r)]
+    moves += [(x["path"],) * 2 for i in indexes.values() for x in i.entry.values()]
     publish(run.out, moves + [("tokenizer.json",) * 2, (PLAN_FILE,) * 2], manifest)
     built = Built(manifest)
     built.reused_units, built.units = len(trusted), len(units)
     built.notes = _tokenizer_moved(info)
     built.processes = run.processes
     return built
+
+
+def _bestfit_index(run: Run, shards: list[dict], split: str):
+    """The split's bestfit index, placed from its documents' lengths (the .docs sidecars: 8 bytes a
+    document, no token read) and written into STATE."""
+    spans = doc_spans([(e["num_tokens"], _read_docs(run, e["docs"])) for e in shards])
+    idx = build_index(*spans, run.config.seq_len, run.config.tail_len)
+    idx.entry = write_index(run.state, split, idx)
+    return idx
+
+
+def _read_docs(run: Run, d: dict) -> np.ndarray:
+    """A unit's .docs sidecar: in STATE, in OUT (a build stopped while publishing), or uploaded by its task."""
+    if run.remote is not None:
+        data = remote_bytes(*run.remote, d["path"], run.config.stall_seconds)
+    else:
+        path = os.path.join(run.state, d["state"])
+        with open(path if os.path.exists(path) else os.path.join(run.out, d["path"]), "rb") as fh:
+            data = fh.read()
+    if len(data) != d["bytes"]:
+        raise DatasetError(f"{d['path']}: {len(data)} bytes, its unit wrote {d['bytes']}; rerun the same command")
+    return np.frombuffer(data, dtype=DOCS_DTYPE)
 
 
 def _tokenizer_moved(info) -> list[str]:

@@ -4,18 +4,19 @@ from __future__ import annotations
 
 from . import __version__
 from .manifest import DOC_SKIPS, FORMAT_VERSION, REPAIRS, sum_sources
-from .pack import BESTFIT_WINDOW
 
 COUNTED = ("documents", "tokens", "text_bytes", "pad_tokens", "dropped_tokens", "dropped_documents")
 
 
-def join_split(pieces: list[dict], shards: list[dict], seq_len: int, packing: str) -> dict:
+def join_split(pieces: list[dict], shards: list[dict], seq_len: int, packing: str, index=None) -> dict:
     """The entry of a split made of `pieces` (each with the COUNTED keys: one unit's counts, or a
     part's split entry), whose shards in order are `shards`.
 
     packed: the shards concatenated are the split's stream; its chunks are cut over all of it,
     so only the stream's last partial chunk is dropped, however the units were partitioned.
-    document, bestfit: every shard holds whole chunks; the pieces' counts add up.
+    bestfit: `index` (bestfit.Index, with its files' entry as `index.entry`) places the chunks
+    over the whole stream and says what was padded and dropped.
+    document: every shard holds whole chunks; the pieces' counts add up.
     """
     d = {k: sum(p[k] for p in pieces) for k in COUNTED}
     stored = sum(e["num_tokens"] for e in shards)
@@ -23,7 +24,13 @@ def join_split(pieces: list[dict], shards: list[dict], seq_len: int, packing: st
     if packing == "packed":
         d["pad_tokens"] = d["dropped_documents"] = 0
         d["dropped_tokens"] = stored - chunks * seq_len
-    return {"num_chunks": chunks, "num_tokens": chunks * seq_len, **d, "shards": shards}
+    extra = {}
+    if packing == "bestfit":
+        chunks = index.num_chunks
+        d.update(pad_tokens=index.pad_tokens, dropped_tokens=index.dropped_tokens,
+                 dropped_documents=index.dropped_documents)
+        extra = {"index": index.entry}
+    return {"num_chunks": chunks, "num_tokens": chunks * seq_len, **d, "shards": shards, **extra}
 
 
 def split_totals(splits: dict) -> dict:
@@ -65,15 +72,11 @@ def build_manifest(config, info, backend_check: dict, files, units, part: dict |
         "seq_len": config.seq_len,
         "packing": config.packing,
         "min_tail_len": config.tail_len if config.packing != "packed" else None,
-        **({"bestfit_window": BESTFIT_WINDOW} if config.packing == "bestfit" else {}),
         "tokenizer": {**info.to_json(), "file": "tokenizer.json", "backend_check": backend_check},
         "options": {"text_field": config.text_field, "val_fraction": config.val_fraction,
                     "split_seed": config.split_seed, "shard_bytes": config.shard_bytes,
                     "unit_bytes": config.unit_bytes, "max_piece_chars": config.max_piece_chars,
-                    "strip": config.strip,
-                    # bestfit writes a document larger than this (input bytes) as it reads it, outside
-                    # any window: there it decides the bytes (elsewhere it changes only memory use)
-                    **({"long_doc_bytes": config.long_doc_bytes} if config.packing == "bestfit" else {})},
+                    "strip": config.strip},
         "inputs": {"files": len(files), "bytes": sum(f.size for f in files), "units": len(units),
                    "list": [{"name": f.name, "bytes": f.size} for f in files]},
         **({"partition": part} if part else {}),

@@ -13,8 +13,10 @@ from . import require_torch
 torch = require_torch()
 from torch.utils.data import Dataset  # noqa: E402
 
+from .bestfit import CHUNK_DTYPE, ITEM_DTYPE, doc_spans, from_bytes
 from .errors import DatasetError
-from .manifest import DTYPES, MANIFEST, SIDES, load_manifest, shard_tokens, split_entry
+from .layout import Pieces, bestfit_pieces, shuffled_documents
+from .manifest import DTYPES, INDEX_FILES, MANIFEST, SIDES, load_manifest, shard_tokens, split_entry
 from .objstore import is_url, redact
 from .shards import DOCS_DTYPE, VALID_DTYPE
 
@@ -90,11 +92,17 @@ class MemmapChunkDataset(Dataset):
 
     fields: which of input_ids, labels, attention_mask to return (all three by default); a loop
     that shifts input_ids itself can take ("input_ids",) and skip building the other two.
+
+    repack=True (packed and bestfit data) gives every epoch its own packing, a function of (seed,
+    epoch): packed, the split's documents shuffled and cut every seq_len tokens (as many chunks
+    every epoch); bestfit, the items of every chunk in a new order.  The epoch is the one of
+    `set_epoch` (0 at first), or given with each index: `ds[(epoch, i)]`, which is what
+    ChunkSampler yields for a dataset that repacks (DataLoader workers then need no set_epoch).
     """
 
     def __init__(self, path: str, split: str = "train", *, tokenizer: str | None = None,
                  shifted: bool = False, position_ids: bool = False, document_masking: bool = False,
-                 fields: Sequence[str] = FIELDS):
+                 fields: Sequence[str] = FIELDS, repack: bool = False, seed: int = 0):
         self.path = os.fspath(path)
         self.split = split
         self.fields = tuple(fields)
@@ -127,7 +135,11 @@ class MemmapChunkDataset(Dataset):
         if (position_ids or document_masking) and self.packing == "document":
             raise DatasetError(f"{self.path}: position_ids/document_masking need packed or bestfit data; each "
                                "chunk of this document-packed dataset holds one document already")
-        self._padded = "valid" in SIDES[self.packing]  # chunks end in padding: .valid says where
+        if repack and self.packing == "document":
+            raise DatasetError(f"{self.path}: repack needs packed or bestfit data (a document-packed chunk holds "
+                               "one document: shuffle with ChunkSampler)")
+        self.repack, self.seed, self.epoch = repack, seed, 0
+        self._padded = self.packing != "packed"  # chunks end in padding (.valid or the bestfit index says where)
         if self._padded and self.fields == ("input_ids",):
             raise DatasetError(f"{self.path}: {self.packing}-packed chunks end in padding; keep labels or "
                                "attention_mask in fields to know where")
@@ -139,7 +151,10 @@ class MemmapChunkDataset(Dataset):
         if tokenizer is not None:
             self._check_tokenizer(tokenizer)
         self._shards = [(os.path.join(self.path, e["path"]), shard_tokens(e, self.seq_len), e) for e in s["shards"]]
-        self._check_files()
+        self._index_paths = {k: os.path.join(self.path, s["index"][k]["path"]) for k in INDEX_FILES} \
+            if self.packing == "bestfit" else {}
+        self._len = int(s["num_chunks"])
+        self._check_files(s)
         # What each file is now: a process that opens them later (a DataLoader worker, a pickled
         # copy after `build --overwrite`) must read these very files or fail, never others.
         self._identity = {p: _identity(os.stat(p)) for p in self._files()}
@@ -149,11 +164,11 @@ class MemmapChunkDataset(Dataset):
         # (a packed chunk may span shards; document and bestfit shards hold whole chunks).
         self._starts = np.concatenate(([0], np.cumsum([n for _, n, _ in self._shards]))).astype(np.int64)
         self._starts_list = self._starts.tolist()
-        self._len = int(s["num_chunks"])
-        if self._starts[-1] // self.seq_len != self._len:
+        if self.packing != "bestfit" and self._starts[-1] // self.seq_len != self._len:
             raise DatasetError(f"{self.path}: split {split!r} holds {self._starts[-1] // self.seq_len} chunks in its "
                                f"shards but num_chunks is {self._len}; the manifest is corrupt, rebuild")
         self._maps: list | None = None
+        self._layouts: dict = {}  # epoch -> layout.Pieces (bestfit, repack), built once per process
 
     # ---------------------------------------------------------------- checks
 
@@ -168,10 +183,16 @@ class MemmapChunkDataset(Dataset):
                                f"(a copy is in {os.path.join(self.path, 'tokenizer.json')})")
 
     def _sides(self) -> tuple[str, ...]:
-        """The sidecars this dataset reads."""
-        return tuple(x for x in SIDES[self.packing] if x == "valid" or self.position_ids)
+        """The sidecars this dataset reads per shard (a bestfit split's are read once, into its index)."""
+        return tuple(x for x in SIDES[self.packing]
+                     if x == "valid" or (self.position_ids or self.repack) and self.packing == "packed")
 
-    def _check_files(self) -> None:
+    def _check_files(self, s: dict) -> None:
+        for k, p in self._index_paths.items():
+            want = (s["index"]["items"]["count"] * 2 * ITEM_DTYPE.itemsize if k == "items" else
+                    (self._len + 1) * CHUNK_DTYPE.itemsize)
+            if not os.path.isfile(p) or os.path.getsize(p) != want or s["index"][k]["bytes"] != want:
+                raise DatasetError(f"{p}: missing or not {want} bytes as the manifest says; copy it again or rebuild")
         size_of = {"valid": lambda n, e: n // self.seq_len * VALID_DTYPE.itemsize,
                    "docs": lambda n, e: e["docs"]["count"] * DOCS_DTYPE.itemsize}
         for p, n, e in self._shards:
@@ -201,12 +222,14 @@ class MemmapChunkDataset(Dataset):
         # Pickling a memmap would copy its data into every DataLoader worker: send paths only.
         d = self.__dict__.copy()
         d["_maps"] = None
+        d["_layouts"] = {}
         d.pop("_manifest", None)
+        d.pop("_bestfit", None)
         return d
 
     def _files(self) -> list[str]:
-        return [os.path.join(self.path, MANIFEST)] + [q for p, _, e in self._shards for q in
-                                                      (p, *(os.path.join(self.path, e[x]["path"]) for x in SIDES[self.packing]))]
+        return [os.path.join(self.path, MANIFEST), *self._index_paths.values()] + [
+            q for p, _, e in self._shards for q in (p, *(os.path.join(self.path, e[x]["path"]) for x in SIDES[self.packing]))]
 
     def _checked(self, p: str):
         """Open p, refusing a file that is not the one this dataset was created over."""
@@ -237,10 +260,50 @@ class MemmapChunkDataset(Dataset):
                                np.empty(0, VALID_DTYPE))
             maps.append((mm, side))
         self._maps = maps
+        self._layouts = {}
+        if self._index_paths:
+            with self._checked(self._index_paths["items"]) as a, self._checked(self._index_paths["chunks"]) as b:
+                self._bestfit = from_bytes(a.read(), b.read())
+            why = self._bestfit.problem(self.seq_len, int(self._starts[-1]))
+            if why:
+                raise DatasetError(f"{self._index_paths['items']}: {why}; the index is damaged: rebuild the dataset "
+                                   "(helixtok verify says more)")
         return maps
+
+    def set_epoch(self, epoch: int) -> None:
+        """The epoch whose packing plain indices read (repack=True)."""
+        self.epoch = int(epoch)
+
+    def _layout(self, epoch: int) -> Pieces | None:
+        """Where epoch's chunks lie in the stream: None for a plain cut (packed, document)."""
+        if self.packing == "document" or (self.packing == "packed" and not self.repack):
+            return None
+        if not self.repack:
+            epoch = 0
+        lay = self._layouts.get(epoch)
+        if lay is None:
+            maps = self._maps or self._open()
+            if self.packing == "bestfit":
+                lay = bestfit_pieces(self._bestfit, self.seed if self.repack else None, epoch)
+            else:
+                pos, n = doc_spans([(len(mm), side["docs"]) for mm, side in maps])
+                lay = shuffled_documents(pos, n, self.seq_len, self.seed, epoch)
+            if len(self._layouts) >= 2:  # this epoch's and the one before (a batch may straddle them)
+                self._layouts.pop(next(iter(self._layouts)))
+            self._layouts[epoch] = lay
+        return lay
 
     def __len__(self) -> int:
         return self._len
+
+    def _keys(self, indices) -> tuple[int, list[int] | np.ndarray]:
+        """(epoch, indices) of a batch's keys: ints (the current epoch) or (epoch, i) pairs."""
+        if len(indices) and type(indices[0]) is tuple:
+            epochs = {e for e, _ in indices}
+            if len(epochs) != 1:
+                raise DatasetError(f"one batch holds indices of epochs {sorted(epochs)}; give a batch of one epoch")
+            return epochs.pop(), self._index([i for _, i in indices])
+        return self.epoch, self._index(indices)
 
     def _index(self, indices) -> list[int] | np.ndarray:
         """Indices with negatives counted from the end; IndexError names the first index out of
@@ -265,26 +328,42 @@ class MemmapChunkDataset(Dataset):
         """The shard holding stream position g."""
         return bisect.bisect_right(self._starts_list, g) - 1
 
-    def _rows(self, idx, out: np.ndarray) -> None:
+    def _copy(self, g: int, n: int, row: np.ndarray) -> None:
+        """row[:n] = stream tokens [g, g + n), across shards where they span them."""
+        maps, st = self._maps, self._starts_list
+        k = bisect.bisect_right(st, g) - 1
+        at = 0
+        while at < n:  # a shard may hold fewer tokens than the piece
+            take = min(n - at, st[k + 1] - g)
+            row[at: at + take] = maps[k][0][g - st[k]: g - st[k] + take]
+            at, g, k = at + take, g + take, k + 1
+
+    def _rows(self, idx, out: np.ndarray, lay: Pieces | None) -> None:
         """out[j] = chunk idx[j]: one copy when it lies in one shard (always, but for packed chunks
-        that span shards)."""
+        that span shards); gathered from its pieces where a layout places it (then padded)."""
         maps = self._maps or self._open()
         L, st = self.seq_len, self._starts_list
+        if lay is not None:
+            for j, i in enumerate(idx if type(idx) is list else idx.tolist()):
+                row, at = out[j], 0
+                for g, n in zip(*lay.pieces(i)):
+                    self._copy(g, n, row[at: at + n])
+                    at += n
+                row[at:] = self.pad_id
+            return
         for j, i in enumerate(idx if type(idx) is list else idx.tolist()):
             g = i * L
             k = bisect.bisect_right(st, g) - 1
             off = g - st[k]
             if off + L <= st[k + 1] - st[k]:
                 out[j] = maps[k][0][off: off + L]
-                continue
-            row, at = out[j], 0
-            while at < L:  # across shards (a shard may hold fewer than L tokens)
-                take = min(L - at, st[k + 1] - g)
-                row[at: at + take] = maps[k][0][g - st[k]: g - st[k] + take]
-                at, g, k = at + take, g + take, k + 1
+            else:
+                self._copy(g, L, out[j])
 
-    def _valid(self, idx) -> np.ndarray:
-        """Real tokens at the start of each chunk of idx (padded packings: the .valid sidecars)."""
+    def _valid(self, idx, lay: Pieces | None) -> np.ndarray:
+        """Real tokens at the start of each chunk of idx (padded packings)."""
+        if lay is not None:
+            return lay.filled[np.asarray(idx, dtype=np.int64)]
         maps = self._maps or self._open()
         L, st = self.seq_len, self._starts_list
         out = np.empty(len(idx), dtype=np.int64)
@@ -293,7 +372,7 @@ class MemmapChunkDataset(Dataset):
             out[j] = maps[k][1]["valid"][i - st[k] // L]
         return out
 
-    def _next_tokens(self, idx) -> np.ndarray:
+    def _next_tokens(self, idx, lay: Pieces | None) -> np.ndarray:
         """The first token of the chunk after each of idx; -100 after the last chunk."""
         maps = self._maps or self._open()
         out = np.empty(len(idx), dtype=np.int64)
@@ -301,18 +380,24 @@ class MemmapChunkDataset(Dataset):
             if i + 1 >= self._len:
                 out[j] = IGNORE_INDEX
                 continue
-            g = (i + 1) * self.seq_len
+            g = (i + 1) * self.seq_len if lay is None else int(lay.pos[lay.first[i + 1]])
             k = self._shard_of(g)
             out[j] = maps[k][0][g - self._starts_list[k]]
         return out
 
-    def document_starts(self, i: int) -> np.ndarray:
+    def document_starts(self, i, epoch: int | None = None) -> np.ndarray:
         """Offsets inside chunk i where a document begins (packed and bestfit data; needs
-        position_ids=True); bestfit pieces of one long document each begin one."""
+        position_ids=True); bestfit pieces of one long document each begin one.  `epoch`: of a
+        dataset that repacks (default: the current one; `i` may also be an (epoch, i) pair)."""
         if not self.position_ids:
             raise DatasetError("document_starts needs MemmapChunkDataset(..., position_ids=True)")
+        if type(i) is tuple:
+            epoch, i = i
+        i = int(self._index([int(i)])[0])
+        lay = self._layout(self.epoch if epoch is None else epoch)
+        if lay is not None:
+            return lay.document_starts(i)
         maps = self._maps or self._open()
-        i = int(self._index([i])[0])
         L, st = self.seq_len, self._starts_list
         lo, out = i * L, []
         k = self._shard_of(lo)
@@ -323,22 +408,23 @@ class MemmapChunkDataset(Dataset):
             k += 1
         return np.concatenate(out) if len(out) != 1 else out[0]
 
-    def _batch(self, idx) -> dict:
+    def _batch(self, epoch: int, idx) -> dict:
         L = self.seq_len
+        lay = self._layout(epoch)
         # One allocation for all fields: a DataLoader worker moves each storage it returns into
         # shared memory, one segment per storage (measured: 1.7 ms a batch for three, 0.8 for one).
         buf = np.empty((len(self.fields), len(idx), L), dtype=np.int64)
         # labels are their own rows: editing them leaves input_ids alone
         ids, labels, mask = (None if k is None else buf[k] for k in self._slots)
-        self._rows(idx, ids)
+        self._rows(idx, ids, lay)
         pad = valid = None
         if self._padded:
-            valid = self._valid(idx)
+            valid = self._valid(idx, lay)
             pad = np.arange(L)[None, :] >= valid[:, None]
         if labels is not None:
             if self.shifted:
                 labels[:, :-1] = ids[:, 1:]
-                labels[:, -1] = self._next_tokens(idx)
+                labels[:, -1] = self._next_tokens(idx, lay)
             else:
                 labels[:] = ids
                 if pad is not None:
@@ -352,7 +438,7 @@ class MemmapChunkDataset(Dataset):
         if self.position_ids:
             from .masking import boundaries
 
-            starts = [self.document_starts(i) for i in np.asarray(idx).tolist()]
+            starts = [self.document_starts(i, epoch) for i in np.asarray(idx).tolist()]
             if valid is not None:  # bestfit: a chunk's padding is a segment of its own
                 starts = [np.append(st, v) if v < L else st for st, v in zip(starts, valid.tolist())]
             bd = boundaries(starts, L)
@@ -361,16 +447,16 @@ class MemmapChunkDataset(Dataset):
                 b.update(document_ids=bd["document_ids"], cu_seqlens=bd["cu_seqlens"], max_seqlen=bd["max_seqlen"])
         return b
 
-    def __getitem__(self, i: int) -> dict:
-        b = self._batch(self._index([int(i)]))
+    def __getitem__(self, i) -> dict:
+        b = self._batch(*self._keys([i if type(i) is tuple else int(i)]))
         return {k: v[0] for k, v in b.items() if k not in BATCH_KEYS}
 
     collate = staticmethod(collate)
 
     def __getitems__(self, indices) -> ChunkBatch:
         # DataLoader calls this with a whole batch of indices: one fancy index per shard.
-        idx = self._index(indices)
-        return ChunkBatch(self._batch(idx), len(idx))
+        epoch, idx = self._keys(indices)
+        return ChunkBatch(self._batch(epoch, idx), len(idx))
 
     def __repr__(self) -> str:
         return (f"MemmapChunkDataset({self.path!r}, split={self.split!r}, chunks={self._len}, "

@@ -8,8 +8,8 @@ import os
 from .errors import DatasetError
 from .objstore import filesystem, is_url, redact, reports_storage_errors
 
-FORMAT_VERSION = 2  # what build writes; 1 (whole chunks in every shard) is still read
-READABLE = (1, 2)
+FORMAT_VERSION = 3  # what build writes; 1 and 2 are still read (but a version 2 bestfit build: docs/format.md)
+READABLE = (1, 2, 3)
 MANIFEST = "manifest.json"
 DTYPES = {"uint16": "<u2", "uint32": "<u4"}
 # Reasons a document is skipped (counted in totals.skipped_documents) or repaired (still used).
@@ -62,8 +62,12 @@ def load_manifest(out_dir: str) -> dict:
         raise DatasetError(f"{path}: not a helixtok manifest (a JSON {type(m).__name__}); rebuild the dataset")
     v = m.get("format_version")
     if v not in READABLE:
-        raise DatasetError(f"{path}: format_version {v!r}, this helixtok reads versions 1 and 2; "
+        raise DatasetError(f"{path}: format_version {v!r}, this helixtok reads versions 1 to 3; "
                            "upgrade helixtok or rebuild the dataset")
+    if v == 2 and m.get("packing") == "bestfit":
+        raise DatasetError(f"{path}: a version 2 bestfit dataset (chunks packed within windows of one work unit); "
+                           "this helixtok packs over the whole split: rebuild it with the same command and "
+                           "--overwrite, or read it with helixtok 0.2")
     problems = schema_problems(m)
     if problems:
         raise DatasetError(f"{path}: invalid manifest; rebuild the dataset:\n" + "\n".join(f"  {p}" for p in problems))
@@ -86,19 +90,38 @@ def sum_sources(parts) -> dict:
 
 
 def manifest_files(m: dict) -> dict[str, str]:
-    """Every file a (validated) manifest names, relative path -> sha256: tokenizer, shards, sidecars."""
+    """Every file a (validated) manifest names, relative path -> sha256: tokenizer, shards, sidecars, indexes."""
     files = {m["tokenizer"]["file"]: m["tokenizer"]["sha256"]}
     for s in m["splits"].values():
-        for e in s["shards"]:
-            files[e["path"]] = e["sha256"]
-            for side in ("docs", "valid"):
-                if side in e:
-                    files[e[side]["path"]] = e[side]["sha256"]
+        for x in split_files(s):
+            files[x["path"]] = x["sha256"]
     return files
 
 
-# The sidecars each packing stores beside a shard (docs/format.md).
-SIDES = {"packed": ("docs",), "document": ("valid",), "bestfit": ("docs", "valid")}
+def split_files(s: dict):
+    """Every file entry ({"path", "bytes", "sha256", ...}) of a split: its shards, their sidecars, its index."""
+    for e in s["shards"]:
+        yield e
+        for side in ("docs", "valid"):
+            if isinstance(e.get(side), dict):
+                yield e[side]
+    for x in (s.get("index") or {}).values():
+        yield x
+
+
+def with_paths(s: dict, move) -> dict:
+    """A split entry with every file path p replaced by move(p) (a merged or uploaded manifest's)."""
+    s = {**s, "shards": [{**e, "path": move(e["path"]),
+                          **{side: {**e[side], "path": move(e[side]["path"])} for side in ("docs", "valid") if side in e}}
+                         for e in s["shards"]]}
+    if "index" in s:
+        s["index"] = {k: {**x, "path": move(x["path"])} for k, x in s["index"].items()}
+    return s
+
+
+# The sidecars each packing stores beside a shard (docs/format.md); bestfit also has a split index.
+SIDES = {"packed": ("docs",), "document": ("valid",), "bestfit": ("docs",)}
+INDEX_FILES = ("items", "chunks")  # a bestfit split's index (bestfit.py)
 
 
 def shard_tokens(e: dict, seq_len: int) -> int:
@@ -170,6 +193,14 @@ def schema_problems(m: dict) -> list[str]:
                          f"{we}{side}.")
                     if side == "docs":
                         need(e[side], "count", _int, "a non-negative integer", f"{we}{side}.")
+        if m.get("packing") == "bestfit" and need(s, "index", lambda v: isinstance(v, dict), "an object", w):
+            for k in INDEX_FILES:
+                wi = f"{w}index.{k}."
+                if need(s["index"], k, lambda v: isinstance(v, dict), "an object", f"{w}index."):
+                    need(s["index"][k], "path", inside, "a relative path inside the dataset", wi)
+                    need(s["index"][k], "bytes", _int, "a non-negative integer", wi)
+                    need(s["index"][k], "sha256", lambda v: isinstance(v, str) and len(v) == 64,
+                         "a sha256 hex digest", wi)
     return out
 
 

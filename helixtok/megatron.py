@@ -83,16 +83,13 @@ def export_megatron(src: str, prefix: str, *, split: str = "train") -> dict:
 
 
 def _write_items(view: SplitView, path: str, dtype) -> np.ndarray:
-    """A bestfit split's items (the ids between one .docs start and the next, or the padding),
-    written back to back; returns their lengths."""
-    L, lengths = view.L, []
+    """A bestfit split's items in chunk order (each a document, or a seq_len piece of a longer
+    one), written back to back without padding; returns their lengths."""
+    lay = view.pieces()
     with open(path, "wb") as out:
-        for i in range(view.num_chunks):
-            v = view.valid(i)
-            starts = (view.starts_in(i * L, i * L + v) - i * L).tolist()
-            lengths += [b - a for a, b in zip(starts, starts[1:] + [v])]
-            out.write(view.chunk(i)[:v].astype(dtype).tobytes())
-    return np.array(lengths, dtype=np.int64)
+        for g, n in zip(lay.pos.tolist(), lay.size.tolist()):
+            out.write(view.tokens(g, g + n).astype(dtype).tobytes())
+    return lay.size.copy()
 
 
 def read_index(prefix: str) -> tuple[type, np.ndarray, np.ndarray, np.ndarray]:

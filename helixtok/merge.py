@@ -8,9 +8,13 @@ import os
 import re
 import shutil
 
+import numpy as np
+
+from .bestfit import build_index, doc_spans, index_files, write_index
 from .catalog import join_split, split_totals
 from .errors import ConfigError, DatasetError, HelixtokError, from_cli, python_terms
-from .manifest import FORMAT_VERSION, MANIFEST, load_manifest, sum_sources, write_json_atomic
+from .manifest import FORMAT_VERSION, MANIFEST, load_manifest, split_files, sum_sources, with_paths, write_json_atomic
+from .shards import DOCS_DTYPE
 from .outdir import PUBLISH, STATE, OutLock, check_out_path, refuse_foreign, remove_owned
 from .planid import PLAN_FILE, describe_change
 from .tally import Tally
@@ -61,7 +65,7 @@ def partition(units: list[Unit], num_tasks: int) -> list[tuple[int, int]]:
 
 
 # Manifest keys that must agree between parts (everything that changes what a chunk means).
-_SAME = ("format_version", "dtype", "seq_len", "packing", "min_tail_len", "bestfit_window")
+_SAME = ("format_version", "dtype", "seq_len", "packing", "min_tail_len")
 # Tokenizer fields that may differ between parts: which library produced the ids (each one was
 # checked against the same reference), where the check's verdict is recorded, the file's name.
 _TOKENIZER_FREE = ("backend", "backend_version", "backend_check", "file")
@@ -204,15 +208,12 @@ def _merge(parts: list[str], out: str, overwrite: bool) -> dict:
 def _check_files(part: str, m: dict) -> None:
     """Every file a part's manifest names is there with its size (stat only: no token is read)."""
     for sp in m["splits"].values():
-        for e in sp["shards"]:
-            for x in (e, e.get("docs"), e.get("valid")):
-                if not x:
-                    continue
-                p = os.path.join(part, x["path"])
-                size = os.path.getsize(p) if os.path.isfile(p) else None
-                if size != x["bytes"]:
-                    raise DatasetError(f"{p}: {'missing' if size is None else f'{size} bytes'}, its manifest says "
-                                       f"{x['bytes']}; rebuild the part (helixtok verify {part} says more)")
+        for x in split_files(sp):
+            p = os.path.join(part, x["path"])
+            size = os.path.getsize(p) if os.path.isfile(p) else None
+            if size != x["bytes"]:
+                raise DatasetError(f"{p}: {'missing' if size is None else f'{size} bytes'}, its manifest says "
+                                   f"{x['bytes']}; rebuild the part (helixtok verify {part} says more)")
 
 
 def _tokenizer_of(part: str, m: dict) -> bytes:
@@ -238,15 +239,25 @@ def _merge_locked(parts: list[str], ms: list[dict], out: str, tokenizer: bytes) 
         rel = os.path.relpath(os.path.abspath(p), os.path.abspath(out))
         for name, s in m["splits"].items():
             pieces.setdefault(name, []).append(s)
-            for e in s["shards"]:
-                e = {**e, "path": os.path.normpath(os.path.join(rel, e["path"]))}
-                for side in ("docs", "valid"):
-                    if side in e:
-                        e[side] = {**e[side], "path": os.path.normpath(os.path.join(rel, e[side]["path"]))}
-                shards.setdefault(name, []).append(e)
+            shards.setdefault(name, []).extend(with_paths(s, lambda q: os.path.normpath(os.path.join(rel, q)))["shards"])
+    state = os.path.join(out, STATE)
+    os.makedirs(state, exist_ok=True)
     # Packed: chunks are cut over the whole stream, so only its last partial chunk is dropped, as
-    # in a build that was never partitioned.
-    splits = {name: join_split(pieces[name], shards.get(name, []), first["seq_len"], first["packing"])
+    # in a build that was never partitioned; bestfit: placed from all the parts' document lengths.
+    indexes = {}
+    if first["packing"] == "bestfit":
+        for name in pieces:
+            spans = doc_spans([(e["num_tokens"], np.fromfile(os.path.join(out, e["docs"]["path"]), dtype=DOCS_DTYPE))
+                               for e in shards.get(name, [])])
+            indexes[name] = build_index(*spans, first["seq_len"], first["min_tail_len"])
+    # What is about to be written is recorded first (as a build's publish.json): a merge killed
+    # before its manifest leaves files a rerun knows as helixtok's, to replace or delete.
+    index_names = [n for s in indexes for n in index_files(s).values()]
+    write_json_atomic(os.path.join(state, PUBLISH), {"files": ["tokenizer.json", *index_names, MANIFEST]})
+    for name, idx in indexes.items():
+        idx.entry = write_index(out, name, idx)
+    splits = {name: join_split(pieces[name], shards.get(name, []), first["seq_len"], first["packing"],
+                               indexes.get(name))
               for name in pieces}
     totals = split_totals(splits)
     totals.update({k: sum(m["totals"][k] for m in ms) for k in ("skipped_documents", "repaired_documents")})
@@ -255,7 +266,7 @@ def _merge_locked(parts: list[str], ms: list[dict], out: str, tokenizer: bytes) 
         skipped.merge(Tally.from_json(m["skipped"]))
         warnings.merge(Tally.from_json(m["warnings"]))
     merged = {**{k: first[k] for k in ("format_version", "helixtok_version", "dtype", "seq_len", "packing",
-                                       "min_tail_len", "bestfit_window", "tokenizer", "options") if k in first},
+                                       "min_tail_len", "tokenizer", "options") if k in first},
               "inputs": _merged_inputs(ms),
               "merged_from": [os.path.relpath(os.path.abspath(p), os.path.abspath(out)) for p in parts],
               "splits": splits, "totals": totals, "sources": sum_sources(m.get("sources") or {} for m in ms),
@@ -263,11 +274,6 @@ def _merge_locked(parts: list[str], ms: list[dict], out: str, tokenizer: bytes) 
                                  for sp in splits},
               "skipped": skipped.to_json(),
               "warnings": warnings.to_json()}
-    # What is about to be written is recorded first (as a build's publish.json): a merge killed
-    # before its manifest leaves files a rerun knows as helixtok's, to replace or delete.
-    state = os.path.join(out, STATE)
-    os.makedirs(state, exist_ok=True)
-    write_json_atomic(os.path.join(state, PUBLISH), {"files": ["tokenizer.json", MANIFEST]})
     with open(os.path.join(out, ".tokenizer.json.tmp"), "wb") as fh:
         fh.write(tokenizer)
     os.replace(os.path.join(out, ".tokenizer.json.tmp"), os.path.join(out, "tokenizer.json"))

@@ -111,12 +111,13 @@ def _manifest_files(out: str) -> list[str]:
     names += [p for p in merged if isinstance(p, str)] if isinstance(merged, list) else []
     splits = m.get("splits")
     for s in splits.values() if isinstance(splits, dict) else []:
-        for e in s.get("shards") or [] if isinstance(s, dict) else []:
-            if not isinstance(e, dict):
-                continue
-            for p in [e.get("path")] + [e[k].get("path") for k in ("docs", "valid") if isinstance(e.get(k), dict)]:
-                if isinstance(p, str):  # only files directly in OUT (a merged dataset's are in its parts)
-                    names.append(p)
+        files = [e for e in s.get("shards") or [] if isinstance(e, dict)] if isinstance(s, dict) else []
+        files += [x for e in files for x in (e.get("docs"), e.get("valid")) if isinstance(x, dict)]
+        index = s.get("index") if isinstance(s, dict) else None
+        files += [x for x in index.values() if isinstance(x, dict)] if isinstance(index, dict) else []
+        for p in (x.get("path") for x in files):
+            if isinstance(p, str):  # only files directly in OUT (a merged dataset's are in its parts)
+                names.append(p)
     return [n for n in names if os.sep not in n and n not in ("", ".", "..")]
 
 

@@ -1,22 +1,18 @@
-"""A work unit's documents -> its shards, by the three packings, with exact pad/drop accounting.
+"""A work unit's documents -> its shards, with exact pad/drop accounting.
 
-Each packing is a function of one unit's documents alone, so every unit's output is final where
-its process writes it: `packed` stores the unit's stream (chunks are cut over the split's
-concatenated stream when it is read), `document` and `bestfit` store whole padded chunks.
+What a unit stores is a function of its documents alone, so every unit's output is final where
+its process writes it: `packed` and `bestfit` store the unit's stream with its document starts
+(packed chunks are cut over the split's concatenated stream, bestfit chunks are placed from all
+of the split's document lengths: bestfit.py), `document` stores whole padded chunks.
 """
 
 from __future__ import annotations
 
-import bisect
 from dataclasses import dataclass
 
 import numpy as np
 
 from .shards import ShardFiles
-
-# bestfit packs the documents of a window, consecutive documents of one unit holding at least
-# this many tokens (or the unit's rest); measured in docs/packing.md: padding against window size.
-BESTFIT_WINDOW = 1 << 20
 
 
 @dataclass
@@ -75,31 +71,6 @@ def document_chunks(ids: np.ndarray, lens: np.ndarray, seq_len: int, min_tail: i
     return out, valid, counts
 
 
-def best_fit(sizes: list[int], capacity: int) -> list[list[int]]:
-    """Best-fit decreasing: bins (lists of item numbers) of total size <= capacity.
-
-    Items go largest first (ties: lower number first), each into the bin it fills most tightly,
-    a new bin when none has room.  Deterministic: a function of `sizes` alone.
-
-    Example: sizes [3, 2, 2, 1], capacity 4 -> [[0, 3], [1, 2]].
-    """
-    bins: list[list[int]] = []
-    free: list[tuple[int, int]] = []  # (room left, bin number), sorted
-    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
-        s = sizes[i]
-        j = bisect.bisect_left(free, (s, -1))
-        if j == len(free):
-            bins.append([i])
-            b, room = len(bins) - 1, capacity - s
-        else:
-            room, b = free.pop(j)
-            bins[b].append(i)
-            room -= s
-        if room > 0:
-            bisect.insort(free, (room, b))
-    return bins
-
-
 class _Out:
     """What the three packings share: the unit's shards for one split and its counts."""
 
@@ -111,11 +82,7 @@ class _Out:
         self.counts = PackCounts()
 
     def close(self) -> list[dict]:
-        self.flush()
         return self.files.close()
-
-    def flush(self) -> None:
-        pass
 
     def abort(self) -> None:
         self.files.abort()
@@ -163,10 +130,9 @@ class DocumentOut(_Out):
         self._carry = c[full * self.L:]
 
     def _full_chunks(self, ids: np.ndarray) -> None:
-        # Each chunk is a piece of the document: where bestfit keeps .docs, each starts an item.
         k = len(ids) // self.L
         self.counts.chunks += k
-        self.files.write(ids, starts=np.arange(k, dtype=np.int64) * self.L, valid=np.full(k, self.L, np.uint32))
+        self.files.write(ids, valid=np.full(k, self.L, np.uint32))
 
     def end_long(self, n: int) -> None:
         c, self._carry = self._carry, None
@@ -189,88 +155,5 @@ class DocumentOut(_Out):
             self.counts.dropped_tokens += len(c)
 
 
-class BestFitOut(DocumentOut):
-    """bestfit: every document is an item (longer than seq_len: its seq_len pieces, each a chunk
-    of its own, then its last piece as an item); the items of each window are placed by
-    best_fit into padded chunks, written in the order of the last piece they hold, so that the
-    pieces of a document stay in order.  min_tail drops as document packing does (default 0:
-    nothing dropped)."""
-
-    sides = ("docs", "valid")
-
-    def __init__(self, *a, window: int = BESTFIT_WINDOW, **kw):
-        super().__init__(*a, **kw)
-        self.window = window
-        self._items: list[tuple[tuple[int, int], np.ndarray]] = []  # ((document, piece), ids), in order
-        self._held = 0  # tokens in _items
-        self._doc = 0  # documents of this split seen in the unit
-
-    def add(self, ids: np.ndarray, lens: np.ndarray) -> None:
-        ends = np.cumsum(lens).tolist()
-        for a, b in zip([0] + ends[:-1], ends):
-            self._add_doc(ids[a:b])
-
-    def _add_doc(self, d: np.ndarray) -> None:
-        m, L = len(d), self.L
-        if m - 1 < self.min_tail:
-            self.counts.dropped_documents += 1
-            self.counts.dropped_tokens += m
-        else:
-            full = m // L
-            for p in range(full):
-                self._item((self._doc, p), d[p * L: (p + 1) * L])
-            if m % L:
-                if m % L >= self.min_tail:
-                    self._item((self._doc, full), d[full * L:])
-                else:
-                    self.counts.dropped_tokens += m % L
-        self._doc += 1
-        if self._held >= self.window:
-            self.flush()
-
-    def _item(self, key: tuple[int, int], ids: np.ndarray) -> None:
-        self._items.append((key, ids))
-        self._held += len(ids)
-
-    def flush(self) -> None:
-        """Pack the window: best fit over its items, chunks in the order of their last piece."""
-        items, self._items, self._held = self._items, [], 0
-        if not items:
-            return
-        L = self.L
-        bins = [sorted(b) for b in best_fit([len(ids) for _, ids in items], L)]
-        bins.sort(key=lambda b: items[b[-1]][0])
-        out = np.full((len(bins), L), self.pad_id, self.dtype)
-        valid = np.empty(len(bins), np.uint32)
-        starts = []
-        for r, b in enumerate(bins):
-            at = 0
-            for i in b:
-                ids = items[i][1]
-                starts.append(r * L + at)
-                out[r, at: at + len(ids)] = ids
-                at += len(ids)
-            valid[r] = at
-        self.counts.chunks += len(bins)
-        self.counts.pad_tokens += len(bins) * L - int(valid.sum(dtype=np.int64))
-        self.files.write(out.reshape(-1), starts=np.array(starts, np.int64), valid=valid)
-
-    # A document read in pieces: the window so far goes first, then its full pieces as chunks
-    # (each its own item, in order); its last piece opens the next window.
-    def start_long(self) -> None:
-        self.flush()
-        super().start_long()
-
-    def end_long(self, n: int) -> None:
-        self._tail_piece = (self._doc, n // self.L)
-        super().end_long(n)
-        self._doc += 1
-
-    def _tail(self, c: np.ndarray) -> None:
-        if len(c) >= self.min_tail:
-            self._item(self._tail_piece, c)
-        else:
-            self.counts.dropped_tokens += len(c)
-
-
-PACKERS = {"packed": PackedOut, "document": DocumentOut, "bestfit": BestFitOut}
+# bestfit stores the stream as packed does; the chunks are placed over the whole split (bestfit.py).
+PACKERS = {"packed": PackedOut, "document": DocumentOut, "bestfit": PackedOut}

@@ -19,7 +19,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from .errors import ConfigError, DatasetError, HelixtokError
-from .manifest import MANIFEST, load_manifest, manifest_files, write_json_atomic
+from .manifest import MANIFEST, load_manifest, manifest_files, with_paths, write_json_atomic
 from .objstore import filesystem, redact, reports_storage_errors
 from .outdir import OutLock, fsync_dir
 from .planid import PLAN_FILE, plan_folder
@@ -166,6 +166,12 @@ def remote_sizes(url: str, folder: str, stall: float = 600.0) -> dict[str, int]:
     return {posixpath.relpath(k, base): int(v["size"]) for k, v in found.items()}
 
 
+def remote_bytes(url: str, folder: str, path: str, stall: float = 600.0) -> bytes:
+    """One object under URL/folder (a Ray task's upload): what the driver reads of it, a .docs sidecar."""
+    fs, root = _filesystem(url, stall)
+    return fs.cat_file(posixpath.join(root, folder, path))
+
+
 def upload_unit(state: str, files, url: str, folder: str, stall: float) -> None:
     """On a Ray task's node: its unit's shards (state name, final name, bytes) from its own staging
     folder into URL/folder, each checked for its size."""
@@ -197,8 +203,9 @@ def publish_uploaded(local: str, url: str, *, overwrite: bool, stall: float = 60
                 if x and there.get(x["path"]) != x["bytes"]:
                     raise DatasetError(f"{redact(url)}: {folder}/{x['path']} is missing or has another size than its "
                                        "task uploaded; rerun the same command")
-    tok = m["tokenizer"]["file"]
-    fs.put_file(os.path.join(local, tok), posixpath.join(root, folder, tok))
+    # What the driver wrote itself goes beside the tasks' shards: the tokenizer and any bestfit index.
+    for p in [m["tokenizer"]["file"], *(x["path"] for s in m["splits"].values() for x in (s.get("index") or {}).values())]:
+        fs.put_file(os.path.join(local, p), posixpath.join(root, folder, p))
     remote = _prefixed(m, folder)
     fs.pipe_file(posixpath.join(root, MANIFEST), (json.dumps(remote, indent=2) + "\n").encode())
     if old is not None:
@@ -210,12 +217,7 @@ def _prefixed(m: dict, folder: str) -> dict:
     """The manifest with every file path moved under `folder` (as a merged manifest's are under parts)."""
     r = json.loads(json.dumps(m))
     r["tokenizer"]["file"] = f"{folder}/{m['tokenizer']['file']}"
-    for s in r["splits"].values():
-        for e in s["shards"]:
-            e["path"] = f"{folder}/{e['path']}"
-            for side in ("docs", "valid"):
-                if side in e:
-                    e[side]["path"] = f"{folder}/{e[side]['path']}"
+    r["splits"] = {k: with_paths(s, lambda p: f"{folder}/{p}") for k, s in r["splits"].items()}
     return r
 
 

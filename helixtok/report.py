@@ -49,20 +49,6 @@ def _split_table(m: dict) -> str:
     return f"<h2>Splits</h2><table><tr><th>split</th>{head}</tr>{rows}</table>"
 
 
-def _item_lengths(view: SplitView) -> np.ndarray:
-    """Tokens of each item of a bestfit split (a document, or a seq_len piece of a longer one): from
-    its start to the next start in its chunk, or to the chunk's padding."""
-    L = view.L
-    starts = view.starts_in(0, view.num_chunks * L).astype(np.int64)
-    if not len(starts):
-        return starts
-    valid = view.all_valid().astype(np.int64)
-    chunk = starts // L
-    nxt = np.append(starts[1:], np.iinfo(np.int64).max)
-    end = np.where(nxt // L == chunk, nxt, chunk * L + valid[chunk])
-    return end - starts
-
-
 def _log2_buckets(x: np.ndarray) -> tuple[list[str], list[int]]:
     if not len(x):
         return [], []
@@ -98,7 +84,7 @@ def render(out: str, m: dict, *, chunks: int = 3) -> str:
         parts.append(_bars(f"Document lengths in {split} (tokens, powers of two)", labels, counts, "documents"))
         parts.append(f"<p>Every {split} chunk is full: packed data has no padding.</p>")
     if m["packing"] == "bestfit":
-        labels, counts = _log2_buckets(_item_lengths(view))
+        labels, counts = _log2_buckets(view.pieces().size)
         parts.append(_bars(f"Document lengths in {split} (tokens, powers of two; longer than seq_len: its pieces)",
                            labels, counts, "documents"))
     if m["packing"] != "packed":

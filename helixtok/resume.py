@@ -10,7 +10,7 @@ import os
 import shutil
 
 from .errors import ConfigError
-from .manifest import load_manifest, manifest_files
+from .manifest import load_manifest, manifest_files, split_files
 from .outdir import PUBLISH, STATE, read_list, refuse_foreign, remove_owned
 from .planid import PLAN_FILE, describe_change
 from .unit import done_path, state_files
@@ -34,8 +34,7 @@ def up_to_date(out: str, plan: bytes) -> dict:
             change = f"its {PLAN_FILE} is unreadable"
         raise ConfigError(f"{out}: already holds a finished dataset built from other inputs or options ({change}); "
                           "pass --overwrite to replace it")
-    sizes = {x["path"]: x["bytes"] for sp in m["splits"].values() for e in sp["shards"]
-             for x in (e, e.get("docs"), e.get("valid")) if x and "bytes" in x}
+    sizes = {x["path"]: x["bytes"] for sp in m["splits"].values() for x in split_files(sp) if "bytes" in x}
     for rel in manifest_files(m):
         p = os.path.join(out, rel)
         if not (os.path.isfile(p) and (rel not in sizes or os.path.getsize(p) == sizes[rel])):

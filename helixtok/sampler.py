@@ -79,6 +79,7 @@ class ChunkSampler:
             raise ConfigError(f"rank must be in [0, world_size), got rank={rank}, world_size={world_size}")
         self.seed, self.shuffle, self.rank, self.world_size, self.drop_last = seed, shuffle, rank, world_size, drop_last
         self.epoch = 0
+        self.pairs = bool(getattr(data_source, "repack", False))
         self._rebase(0)
 
     def _rebase(self, base: int) -> None:
@@ -107,9 +108,12 @@ class ChunkSampler:
             return pos
         return Permutation(self.n, seed=self.seed, epoch=self.epoch)(pos)
 
-    def __iter__(self) -> Iterator[int]:
+    def __iter__(self) -> Iterator[int | tuple[int, int]]:
         for a in range(self._offset, self.num_samples, BLOCK):
-            yield from self.indices(a, min(a + BLOCK, self.num_samples)).tolist()
+            got = self.indices(a, min(a + BLOCK, self.num_samples)).tolist()
+            # A dataset that repacks every epoch is told the epoch with each index: DataLoader
+            # workers (persistent ones too) then read the epoch's packing without set_epoch.
+            yield from ([(self.epoch, i) for i in got] if self.pairs else got)
         # A resumed position applies to one epoch only; len() stays right while the epoch runs.
         self._rebase(0)
 

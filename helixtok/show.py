@@ -24,8 +24,8 @@ class Segment:
 
 
 def chunk_segments(out: str, m: dict, split: str, index: int) -> list[Segment]:
-    """Chunk `index` of `split`, cut where documents start (the .docs sidecars: packed, bestfit)
-    and where padding begins (the .valid sidecars: document, bestfit)."""
+    """Chunk `index` of `split`, cut where documents start (packed: the .docs sidecars; bestfit: its
+    index's items) and where padding begins (document: the .valid sidecars; bestfit: its index)."""
     view = SplitView(out, m, split)
     L = view.L
     ids = view.chunk(index).tolist()
@@ -33,11 +33,11 @@ def chunk_segments(out: str, m: dict, split: str, index: int) -> list[Segment]:
     if m["packing"] == "document":
         return [Segment(ids[:valid], None, None, pad=L - valid)]
     lo = index * L
-    cuts = (view.starts_in(lo, lo + L) - lo).tolist()
+    cuts = view.chunk_starts(index).tolist()
     bounds = ([0] if not cuts or cuts[0] != 0 else []) + cuts + [valid]
     # Packed: documents are numbered by their starts (the first id may continue an earlier one);
     # a bestfit chunk's pieces are not numbered (pieces of long documents start too).
-    doc = view.starts_before(lo) - (not cuts or cuts[0] != 0)
+    doc = view.starts_before(lo) - (not cuts or cuts[0] != 0) if m["packing"] == "packed" else -1
     segs = []
     for a, b in zip(bounds, bounds[1:]):
         known = m["packing"] == "packed" and doc >= 0

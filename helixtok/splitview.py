@@ -7,16 +7,18 @@ import os
 
 import numpy as np
 
+from .bestfit import CHUNK_DTYPE, ITEM_DTYPE, Index, from_bytes
 from .errors import ConfigError, DatasetError
+from .layout import Pieces, bestfit_pieces
 from .manifest import DTYPES, shard_tokens, split_entry
 from .shards import DOCS_DTYPE, VALID_DTYPE
 
 
 class SplitView:
     """Chunk i of a split is tokens [i*L, (i+1)*L) of its shards concatenated (packed: a chunk may
-    span shards, and the stream's last partial chunk belongs to none; document and bestfit shards
-    hold whole chunks).  Local files are mapped when first read; `root` may also be an
-    objstore.Folder (a URL: tokens are read with seeks)."""
+    span shards, and the stream's last partial chunk belongs to none; document shards hold whole
+    chunks), or (bestfit) the pieces of the stream its index names, then padding.  Local files are
+    mapped when first read; `root` may also be an objstore.Folder (a URL: tokens are read with seeks)."""
 
     def __init__(self, root, m: dict, split: str = "train"):
         self.folder = root if not isinstance(root, (str, os.PathLike)) else None
@@ -28,7 +30,46 @@ class SplitView:
         self.starts = np.concatenate(([0], np.cumsum([shard_tokens(e, self.L) for e in self.shards]))).astype(np.int64)
         self._starts = self.starts.tolist()
         self.num_chunks = int(self.s["num_chunks"])
+        self.pad_id = int(m["tokenizer"]["pad_id"])
         self._maps: dict[tuple[int, str], np.ndarray] = {}
+        self._pieces: Pieces | None = None
+
+    def _read(self, path: str, want: int) -> bytes:
+        """A whole (small) file of the dataset, refused unless it has the manifest's size."""
+        if self.folder is not None:
+            size = self.folder.size(path)
+            data = None
+            if size == want:
+                with self.folder.open(path) as fh:
+                    data = fh.read()
+        else:
+            p = os.path.join(self.root, path)
+            size = os.path.getsize(p) if os.path.isfile(p) else None
+            data = None
+            if size == want:
+                with open(p, "rb") as fh:
+                    data = fh.read()
+        if data is None or len(data) != want:
+            raise DatasetError(f"{os.path.join(self.root, path)}: {'missing or not a file' if size is None else f'{size} bytes'}"
+                               f", the manifest says {want}; copy the dataset again or rebuild it "
+                               "(helixtok verify says more)")
+        return data
+
+    def bestfit_index(self) -> Index:
+        """A bestfit split's index (its two files, read whole)."""
+        x = self.s["index"]
+        idx = from_bytes(self._read(x["items"]["path"], x["items"]["count"] * 2 * ITEM_DTYPE.itemsize),
+                         self._read(x["chunks"]["path"], (self.num_chunks + 1) * CHUNK_DTYPE.itemsize))
+        why = idx.problem(self.L, self._starts[-1])
+        if why:
+            raise DatasetError(f"{os.path.join(self.root, x['items']['path'])}: {why}; rebuild the dataset")
+        return idx
+
+    def pieces(self) -> Pieces | None:
+        """Where a bestfit split's chunks lie (None: chunks are cut from the stream in order)."""
+        if self.m["packing"] == "bestfit" and self._pieces is None:
+            self._pieces = bestfit_pieces(self.bestfit_index())
+        return self._pieces
 
     def _want(self, k: int, side: str) -> int:
         """The bytes shard k's file `side` holds by the manifest (the checks MemmapChunkDataset makes)."""
@@ -84,7 +125,23 @@ class SplitView:
 
     def chunk(self, i: int) -> np.ndarray:
         self._check(i)
-        return self.tokens(i * self.L, (i + 1) * self.L)
+        lay = self.pieces()
+        if lay is None:
+            return self.tokens(i * self.L, (i + 1) * self.L)
+        row = np.full(self.L, self.pad_id, self.dtype)
+        at = 0
+        for g, n in zip(*lay.pieces(i)):
+            row[at: at + n] = self.tokens(g, g + n)
+            at += n
+        return row
+
+    def chunk_starts(self, i: int) -> np.ndarray:
+        """Offsets in chunk i where a document (bestfit: an item) starts."""
+        self._check(i)
+        lay = self.pieces()
+        if lay is not None:
+            return lay.document_starts(i)
+        return self.starts_in(i * self.L, (i + 1) * self.L) - i * self.L
 
     def starts_in(self, a: int, b: int) -> np.ndarray:
         """Stream positions in [a, b) where a document (bestfit: a piece) starts (the .docs sidecars)."""
@@ -109,10 +166,14 @@ class SplitView:
         self._check(i)
         if self.m["packing"] == "packed":
             return self.L
+        if self.pieces() is not None:
+            return int(self._pieces.filled[i])
         k = bisect.bisect_right(self._starts, i * self.L) - 1
         return int(self._map(k, "valid")[i - self._starts[k] // self.L])
 
     def all_valid(self) -> np.ndarray:
+        if self.pieces() is not None:
+            return self._pieces.filled
         return np.concatenate([np.asarray(self._map(k, "valid")) for k in range(len(self.shards))]
                               or [np.empty(0, VALID_DTYPE)])
 

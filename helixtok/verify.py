@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .bestfit import build_index, doc_spans
+from .errors import DatasetError
 from .manifest import DTYPES, load_manifest, shard_tokens
 from .shards import DOCS_DTYPE, VALID_DTYPE
 from .objstore import Folder, reports_storage_errors
@@ -73,7 +75,8 @@ def verify(out: str, *, sample: int = 0, seed: int = 0) -> VerifyReport:
                         "(replaced or modified)")
     for split, s in m["splits"].items():
         stream = sum(shard_tokens(e, L) for e in s["shards"])
-        if stream // L != s["num_chunks"] or (m["packing"] != "packed" and stream != s["num_chunks"] * L):
+        if m["packing"] != "bestfit" and (stream // L != s["num_chunks"] or
+                                          (m["packing"] != "packed" and stream != s["num_chunks"] * L)):
             problems.append(f"{split}: shards hold {stream} tokens, num_chunks says {s['num_chunks']} chunks of {L}")
         if s["num_tokens"] != s["num_chunks"] * L:
             problems.append(f"{split}: num_tokens {s['num_tokens']} != num_chunks x seq_len")
@@ -84,10 +87,10 @@ def verify(out: str, *, sample: int = 0, seed: int = 0) -> VerifyReport:
         # document, of >= 1 token, may lie wholly in the dropped remainder).  Bestfit: every kept
         # document starts at least one piece.
         slack = s["dropped_tokens"] if m["format_version"] == 1 else 0
-        if (m["packing"] == "packed" and not 0 <= s["documents"] - starts <= slack) or \
-                (m["packing"] == "bestfit" and starts < s["documents"] - s["dropped_documents"]):
+        if m["packing"] != "document" and not 0 <= s["documents"] - starts <= slack:
             problems.append(f"{split}: .docs sidecars hold {starts} document starts for {s['documents']} documents "
                             f"and {s['dropped_tokens']} dropped tokens")
+        doc_offsets = []  # bestfit: (tokens, .docs offsets) of each shard, for its index
         for e in s["shards"]:
             r = ShardReport(split, e["path"], True)
             reports.append(r)
@@ -127,13 +130,41 @@ def verify(out: str, *, sample: int = 0, seed: int = 0) -> VerifyReport:
                     if len(ds) != e[side]["count"] or (len(ds) and (np.any(np.diff(ds.astype(np.int64)) <= 0)
                                                                      or ds.max() >= n)):
                         r.problems.append(f"{e[side]['path']}: document offsets not sorted or out of range")
+                    doc_offsets.append((n, ds))
             r.ok = not r.problems
-    if m["packing"] != "packed" and all(x.ok for x in reports):
+        if m["packing"] == "bestfit" and all(x.ok for x in reports):
+            problems += _check_index(d, m, split, s, doc_offsets)
+    if m["packing"] == "document" and all(x.ok for x in reports):
         if pad_seen != m["totals"]["pad_tokens"]:
             problems.append(f"padding in .valid files sums to {pad_seen}, totals.pad_tokens is "
                             f"{m['totals']['pad_tokens']}")
     samples = _samples(d, m, dtype, sample, seed) if sample and all(x.ok for x in reports) else []
     return VerifyReport(reports, problems, samples)
+
+
+def _check_index(d: Folder, m: dict, split: str, s: dict, doc_offsets: list) -> list[str]:
+    """A bestfit split's index: its files' sha256, and the very index its documents' lengths give."""
+    out = []
+    for k, x in s["index"].items():
+        if d.size(x["path"]) is None:
+            return [f"{x['path']}: missing (the split's bestfit index)"]
+        with d.open(x["path"]) as fh:
+            if hashlib.sha256(fh.read()).hexdigest() != x["sha256"]:
+                out.append(f"{x['path']}: sha256 mismatch (corrupt or modified)")
+    if out:
+        return out
+    try:
+        got = SplitView(d, m, split).bestfit_index()
+    except DatasetError as e:
+        return [str(e)]
+    want = build_index(*doc_spans(doc_offsets), int(m["seq_len"]), int(m["min_tail_len"] or 0))
+    if not (np.array_equal(got.pos, want.pos) and np.array_equal(got.size, want.size)
+            and np.array_equal(got.first, want.first)):
+        out.append(f"{split}: its index is not the one its documents' lengths give (docs/format.md); rebuild")
+    for k in ("pad_tokens", "dropped_tokens", "dropped_documents"):
+        if s[k] != getattr(want, k):
+            out.append(f"{split}: {k} {s[k]}, the index gives {getattr(want, k)}")
+    return out
 
 
 def _samples(d: Folder, m: dict, dtype: np.dtype, n: int, seed: int) -> list[dict]:

@@ -1,7 +1,7 @@
 """Packings side by side: padding, cut documents, dropped tokens and build time, with OLMo-core's and nanochat's best fit.
 
 Usage: python scripts/bench_packing.py --corpus ../shared/corpus/dev --tokenizer tok.json
-           [--seq-lens 512 2048 8192] [--copies 1 10] [--workers 2] [--windows]
+           [--seq-lens 512 2048 8192] [--copies 1 10] [--workers 2]
            [--olmo-core SITE]     a folder holding ai2-olmo-core (pip install --target SITE ai2-olmo-core ...)
            [--nanochat REPO]      a nanochat checkout (git clone https://github.com/karpathy/nanochat)
 
@@ -9,7 +9,10 @@ helixtok's three packings are built (the --copies 10 corpus is ten symlinked cop
 OLMo-core's InstancePacker (best-fit decreasing over the whole corpus, long documents fragmented at
 seq_len) and nanochat's BOS-aligned best-fit loader (buffer of 1000 documents, rows of T + 1, crops
 when nothing fits) run on the same documents' token lengths, taken from the packed build.
-"cut" counts pieces beyond the minimum ceil(m / seq_len) a document of m tokens needs.
+"cut" counts pieces beyond the minimum ceil(m / seq_len) a document of m tokens needs. The
+"whole split" row is best-fit decreasing done here, apart from helixtok's code: helixtok's bestfit
+row should equal it. Each table ends with the time to build the bestfit index and an epoch's
+layout (repack) per 100 M tokens.
 """
 
 from __future__ import annotations
@@ -108,16 +111,46 @@ def nanochat(lengths: np.ndarray, L: int, repo: str) -> dict:
 
 
 def whole_split(lengths: np.ndarray, L: int) -> dict:
-    """What best-fit decreasing over every document of the split gives (helixtok's bestfit packs
-    within ~1 M-token windows): the same items -- documents, longer ones in seq_len pieces at fixed
-    positions -- and pack.best_fit, on lengths alone."""
-    from helixtok.pack import best_fit
+    """Best-fit decreasing over every document of the split, done independently of the build:
+    the same items -- documents, longer ones in seq_len pieces at fixed positions -- placed by a
+    plain best fit (bisect over the open bins' rooms), on lengths alone."""
+    import bisect
 
-    items = [L] * int(sum(int(m) // L for m in lengths)) + [int(m) % L for m in lengths if int(m) % L]
+    items = sorted([int(m) % L for m in lengths if int(m) % L], reverse=True)
     t = time.perf_counter()
-    chunks = len(best_fit(items, L))
+    rooms: list[int] = []  # sorted rooms of the open bins
+    chunks = int(sum(int(m) // L for m in lengths))
+    for s in items:
+        j = bisect.bisect_left(rooms, s)
+        if j == len(rooms):
+            chunks += 1
+            r = L - s
+        else:
+            r = rooms.pop(j) - s
+        if r:
+            bisect.insort(rooms, r)
     return {"pad": (chunks * L - int(lengths.sum())) / (chunks * L), "dropped": 0.0, "docs_dropped": 0, "cut": 0,
             "time": time.perf_counter() - t}
+
+
+def epoch_index_times(lengths: np.ndarray, L: int) -> str:
+    """One core's time to build the bestfit index and each epoch's layout, per 100 M tokens."""
+    from helixtok.bestfit import build_index
+    from helixtok.layout import bestfit_pieces, shuffled_documents
+
+    pos = np.concatenate(([0], np.cumsum(lengths)[:-1])).astype(np.int64)
+    per = 1e8 / float(lengths.sum())
+    t = time.perf_counter()
+    idx = build_index(pos, lengths, L, 0)
+    t_index = time.perf_counter() - t
+    t = time.perf_counter()
+    bestfit_pieces(idx, seed=0, epoch=1)
+    t_bf = time.perf_counter() - t
+    t = time.perf_counter()
+    shuffled_documents(pos, lengths, L, seed=0, epoch=1)
+    t_packed = time.perf_counter() - t
+    return (f"per 100 M tokens, one core: bestfit index {t_index * per:.2f} s (once, at build); an epoch's "
+            f"layout: bestfit {t_bf * per:.2f} s, packed {t_packed * per:.2f} s")
 
 
 def helixtok_row(m: dict, dt: float) -> dict:
@@ -135,7 +168,6 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--olmo-core")
     ap.add_argument("--nanochat")
-    ap.add_argument("--windows", action="store_true", help="also: bestfit padding against window size")
     a = ap.parse_args()
     tmp = tempfile.mkdtemp(prefix="bench-packing-")
     try:
@@ -150,7 +182,6 @@ def main() -> None:
                     rows[packing] = helixtok_row(m, time.perf_counter() - t)
                     if packing == "packed":
                         lengths = SplitView(out, m).document_lengths()
-                        per_unit = m["unit_documents"]["train"]
                         rows[packing]["cut"] = packed_cuts(lengths, L)
                     else:
                         rows[packing]["cut"] = 0  # pieces at fixed positions: the minimum
@@ -167,33 +198,10 @@ def main() -> None:
                     cut = "-" if r["cut"] is None else f"{r['cut']:,}"
                     dd = "-" if r["docs_dropped"] is None else f"{r['docs_dropped']:,}"
                     print(f"| {k} | {100 * r['pad']:.2f}% | {cut} | {100 * r['dropped']:.2f}% | {dd} | {r['time']:.2f} s |")
+                print(epoch_index_times(lengths, L))
                 sys.stdout.flush()
-                if a.windows and n == 1:
-                    windows(lengths, per_unit, L, tmp)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-
-
-def windows(lengths: np.ndarray, per_unit: list[int], L: int, tmp: str) -> None:
-    """bestfit's padding for other window sizes: the packer itself, on each unit's documents."""
-    from helixtok.pack import BestFitOut
-
-    print(f"\nbestfit at seq_len {L}: padding against window size (tokens; the build's is 2^20)")
-    print("| window | padding | chunks |")
-    print("|---:|---:|---:|")
-    ends = np.cumsum(per_unit)
-    for w in (1 << 12, 1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 22):
-        pad = chunks = 0
-        for k, (a, b) in enumerate(zip(np.concatenate(([0], ends[:-1])), ends)):
-            lens = lengths[a:b]
-            out = BestFitOut(os.path.join(tmp, "w"), "w", np.uint32, L, 1 << 40, 0, 0, window=w)
-            out.add(np.zeros(int(lens.sum()), np.uint32), lens)
-            for e in out.close():
-                for x in (e, e["docs"], e["valid"]):
-                    os.remove(os.path.join(tmp, x["state"]))
-            pad += out.counts.pad_tokens
-            chunks += out.counts.chunks
-        print(f"| 2^{w.bit_length() - 1} | {100 * pad / (chunks * L):.2f}% | {chunks:,} |")
 
 
 if __name__ == "__main__":

@@ -428,10 +428,9 @@ def test_the_html_report_shows_the_charts_each_packing_has(dev_bestfit, dev_docu
         assert [t.strip() for t in re.findall(r"<h2>([^<(]+)", text) if " in train" in t] == want
         assert text.count("<svg") == 1 + len(want) and text.count('text-anchor="end"') == 3 * (1 + len(want))
     m = json.load(open(os.path.join(dev_bestfit, "manifest.json")))
-    from helixtok.report import _item_lengths
     from helixtok.splitview import SplitView
 
-    lengths = _item_lengths(SplitView(dev_bestfit, m))  # every item's tokens: with the padding, the stored tokens
+    lengths = SplitView(dev_bestfit, m).pieces().size  # every item's tokens: with the padding, the stored tokens
     assert lengths.min() > 0 and lengths.sum() + m["splits"]["train"]["pad_tokens"] == m["splits"]["train"]["num_tokens"]
 
 
@@ -440,12 +439,12 @@ def test_show_of_a_bestfit_chunk_marks_each_document_and_the_padding(dev_bestfit
 
     m = json.load(open(os.path.join(dev_bestfit, "manifest.json")))
     v = SplitView(dev_bestfit, m)
-    i = next(i for i in range(v.num_chunks) if v.valid(i) < m["seq_len"] and len(v.starts_in(i * 512, i * 512 + 512)) > 1)
+    i = next(i for i in range(v.num_chunks) if v.valid(i) < m["seq_len"] and len(v.chunk_starts(i)) > 1)
     r = CliRunner().invoke(main, ["show", dev_bestfit, str(i), "--raw"])
     assert r.exit_code == 0, r.output
     marks = [line for line in r.output.splitlines() if line.startswith("--- a document")]
     ids = [line for line in r.output.splitlines()[1:] if line and not line.startswith("---")]
-    cuts = (v.starts_in(i * 512, i * 512 + 512) - i * 512).tolist()
+    cuts = v.chunk_starts(i).tolist()
     assert len(marks) == len(cuts) == len(ids)
     assert [int(x.split(", ")[1].split()[0].replace(",", "")) for x in marks] == \
         [b - a for a, b in zip(cuts, cuts[1:] + [v.valid(i)])]

@@ -25,6 +25,11 @@ from helixtok.verify import verify
 
 def rows(out, split="train"):
     m = json.load(open(os.path.join(out, "manifest.json")))
+    if m["packing"] == "bestfit":  # format 3: chunks gathered by the split's index
+        from helixtok.splitview import SplitView
+
+        view = SplitView(out, m, split)
+        return m, np.stack([view.chunk(i) for i in range(view.num_chunks)])
     n = m["splits"][split]["num_tokens"]  # format 2: a packed stream's last partial chunk is on disk too
     return m, np.concatenate([np.fromfile(os.path.join(out, s["path"]), dtype="<u2")
                               for s in m["splits"][split]["shards"]])[:n].reshape(-1, m["seq_len"])

@@ -9,7 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from helixtok import shards
-from helixtok.pack import PACKERS, best_fit, document_chunks
+from helixtok.bestfit import best_fit, build_index, epoch_order
+from helixtok.layout import bestfit_pieces, shuffled_documents
+from helixtok.pack import PACKERS, document_chunks
 
 
 def reference_document(docs, L, min_tail, pad):
@@ -133,11 +135,10 @@ def test_best_fit_matches_the_plain_scan(sizes, cap):
     assert all(sum(sizes[i] for i in b) <= cap for b in got)
 
 
-def _pack_unit(tmp, packing, docs, L, cap, min_tail, feed, window=None):
+def _pack_unit(tmp, packing, docs, L, cap, min_tail, feed):
     """Feed `docs` (each with its EOS) to a packer: batches of `feed` documents, those marked
     long through the piece-by-piece path; returns (the files' bytes by kind, counts)."""
-    kw = {"window": window} if packing == "bestfit" else {}
-    out = PACKERS[packing](str(tmp / "u"), "train-000000", np.dtype("<u2"), L, cap, min_tail, 7, **kw)
+    out = PACKERS[packing](str(tmp / "u"), "train-000000", np.dtype("<u2"), L, cap, min_tail, 7)
     i = 0
     for n, long in feed:
         batch = docs[i: i + n]
@@ -194,42 +195,32 @@ def test_packed_and_document_units_store_the_rule_in_any_feed(tmp_path_factory, 
     assert (c.chunks, c.pad_tokens, c.dropped_tokens, c.dropped_documents) == (len(rows), pad, dropped, dropped_docs)
 
 
+def _gather(stream, lay, i, L, pad=7):
+    pos, size = lay.pieces(i)
+    row = [t for g, n in zip(pos, size) for t in stream[g: g + n]]
+    return row + [pad] * (L - len(row))
+
+
 @settings(max_examples=80, deadline=None)
-@given(docs=unit_docs, L=st.integers(2, 17), shard_chunks=st.integers(1, 5), feed=feeds,
-       window=st.sampled_from([1, 16, 64, 1 << 20]), min_tail=st.sampled_from([0, 0, 1, 3]))
-def test_bestfit_keeps_every_document_whole_or_in_ordered_pieces(tmp_path_factory, docs, L, shard_chunks, feed,
-                                                                 window, min_tail):
-    """bestfit: every token of every kept document appears once, in order, within its pieces; a
-    document of at most L tokens lies whole in one chunk; the pieces of a longer one are its
-    L-token cuts, in order; chunks hold items back to back (.docs at each item's start, .valid
-    their total) then padding; produced + pad - dropped = stored; and the bytes do not depend
-    on how the documents are batched."""
+@given(docs=st.lists(st.lists(st.integers(1, 60000), min_size=0, max_size=45).map(lambda d: d + [0]), max_size=40),
+       L=st.integers(2, 17), min_tail=st.sampled_from([0, 0, 1, 3]), seed=st.integers(0, 3))
+def test_bestfit_keeps_every_document_whole_or_in_ordered_pieces(docs, L, min_tail, seed):
+    """bestfit over the whole split: every token of every kept document appears once, in order,
+    within its pieces; a document of at most L tokens lies whole in one chunk; the pieces of a
+    longer one are its L-token cuts, in order of the chunks; items lie back to back then padding;
+    produced + pad - dropped = stored; the placement is best-fit decreasing (the plain scan's bins)
+    with chunks in the order of their last item; and an epoch's order is a bijection of each
+    chunk's items."""
     min_tail = min(min_tail, L)
-    tmp = tmp_path_factory.mktemp("u")
-    got, c = _pack_unit(tmp, "bestfit", docs, L, shard_chunks * L, min_tail, feed, window)
-    # A document read in pieces closes the window before it (which documents are is a function
-    # of the input: their size): the same long ones, the others one by one, give the same bytes.
-    singly, i = [], 0
-    for n, long in feed:
-        n = min(n, len(docs) - i)
-        singly += [(1, long)] if long and n == 1 else [(1, False)] * n
-        i += n
-    again, _ = _pack_unit(tmp, "bestfit", docs, L, shard_chunks * L, min_tail, singly, window)
-    assert got == again
-    ids, valid, starts = got["bin"], got["valid"], got["docs"]
-    assert len(ids) == len(valid) * L == c.chunks * L
-    assert sum(len(d) for d in docs) + c.pad_tokens - c.dropped_tokens == len(ids)
-    # Cut the chunks into items at .docs, up to .valid; the rest of each chunk is padding.
-    items = []
-    for r, v in enumerate(valid):
-        assert 1 <= v <= L and all(t == 7 for t in ids[r * L + v: (r + 1) * L])
-        cuts = [s - r * L for s in starts if r * L <= s < r * L + v]
-        assert cuts and cuts[0] == 0
-        items += [tuple(ids[r * L + a: r * L + b]) for a, b in zip(cuts, cuts[1:] + [v])]
-    assert all(r * L <= s < r * L + valid[r] for s in starts for r in [s // L])
-    # Each kept document's pieces, found in order of the chunks.
-    pos = 0
-    dropped = dropped_docs = 0
+    stream = [t for d in docs for t in d]
+    lens = np.array([len(d) for d in docs], np.int64)
+    pos = np.concatenate(([0], np.cumsum(lens)[:-1])).astype(np.int64) if len(docs) else lens
+    idx = build_index(pos, lens, L, min_tail)
+    lay = bestfit_pieces(idx)
+    rows = [_gather(stream, lay, i, L) for i in range(len(lay))]
+    assert len(rows) * L == len(stream) + idx.pad_tokens - idx.dropped_tokens
+    # The items a plain best-fit decreasing over the whole split makes (full pieces alone).
+    items, dropped, dropped_docs = [], 0, 0
     for d in docs:
         m = len(d)
         if m - 1 < min_tail:
@@ -239,16 +230,50 @@ def test_bestfit_keeps_every_document_whole_or_in_ordered_pieces(tmp_path_factor
         if m % L and m % L < min_tail:
             dropped += m % L
             pieces = pieces[:-1]
-        for p in pieces:
-            k = items.index(p, pos) if p in items[pos:] else items.index(p)
-            items[k] = None  # each item is used once
-        pos = 0
-    assert all(x is None for x in items)
-    assert (c.dropped_tokens, c.dropped_documents) == (dropped, dropped_docs)
+        items += pieces
+    assert (idx.dropped_tokens, idx.dropped_documents) == (dropped, dropped_docs)
     if min_tail == 0:
-        assert c.dropped_tokens == 0
-    # Pieces of one document: in order (by where they lie), each one whole in a chunk.
-    for d in docs:
-        if len(d) > L:
-            found = [i for i in range(0, len(ids) - L + 1, L) if tuple(ids[i: i + L]) == tuple(d[:L])]
-            assert found
+        assert idx.dropped_tokens == 0
+    full = [k for k, it in enumerate(items) if len(it) == L]
+    part = [k for k, it in enumerate(items) if len(it) < L]
+    bins = [[k] for k in full] + [[part[j] for j in b] for b in reference_best_fit([len(items[k]) for k in part], L)]
+    bins.sort(key=max)
+    want = [[t for k in sorted(b) for t in items[k]] for b in bins]
+    assert rows == [r + [7] * (L - len(r)) for r in want]
+    assert sum(L - len(r) for r in want) == idx.pad_tokens
+    # Item starts are the document starts of each chunk; an epoch's order moves items within chunks only.
+    for i in range(len(lay)):
+        assert lay.document_starts(i).tolist() == np.cumsum([0] + lay.pieces(i)[1][:-1]).tolist()
+    order = epoch_order(idx, seed, 1)
+    assert sorted(order.tolist()) == list(range(len(idx.pos)))
+    chunk_of = np.repeat(np.arange(len(lay)), np.diff(idx.first))
+    assert (chunk_of[order] == chunk_of).all()
+    again = bestfit_pieces(idx, seed, 1)
+    assert all(sorted(map(tuple, [stream[g: g + n] for g, n in zip(*again.pieces(i))])) ==
+               sorted(map(tuple, [stream[g: g + n] for g, n in zip(*lay.pieces(i))])) for i in range(len(lay)))
+    assert (again.filled == lay.filled).all()
+
+
+@settings(max_examples=80, deadline=None)
+@given(lens=st.lists(st.integers(1, 40), max_size=40), L=st.integers(1, 17), seed=st.integers(0, 3),
+       epoch=st.integers(0, 5))
+def test_an_epochs_packed_order_cuts_shuffled_documents(lens, L, seed, epoch):
+    """repack (packed): the documents in the epoch's order, concatenated and cut every L tokens:
+    as many chunks as the stored order, each document's tokens once and in order, document starts
+    exactly where the shuffled stream has them."""
+    stream, docs, at = [], [], 0
+    for k, n in enumerate(lens):
+        docs.append(list(range(at, at + n)))
+        at += n
+    stream = [t for d in docs for t in d]
+    lens = np.array(lens, np.int64)
+    pos = np.concatenate(([0], np.cumsum(lens)[:-1])).astype(np.int64) if len(lens) else lens
+    lay = shuffled_documents(pos, lens, L, seed, epoch)
+    assert len(lay) == len(stream) // L
+    perm = np.random.default_rng([seed, 0, epoch]).permutation(len(docs))
+    flat = [t for k in perm for t in docs[k]]
+    starts = set(np.cumsum([0] + [len(docs[k]) for k in perm[:-1]]).tolist()) if len(docs) else set()
+    for i in range(len(lay)):
+        assert _gather(stream, lay, i, L) == flat[i * L: (i + 1) * L]
+        assert lay.document_starts(i).tolist() == sorted(s - i * L for s in starts if i * L <= s < (i + 1) * L)
+        assert lay.filled[i] == L

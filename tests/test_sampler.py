@@ -1,6 +1,7 @@
 """ChunkSampler and MixtureDataset: bijection, exact lengths, disjoint ranks, exact mid-epoch resume."""
 
 import multiprocessing as mp
+import os
 
 import numpy as np
 import pytest
@@ -209,3 +210,59 @@ def test_malformed_sampler_states_are_one_config_error():
     t = ChunkSampler(range(100), seed=2, world_size=2, rank=1)
     t.load_state_dict(good)  # and the real one still loads
     assert list(t) == list(s)[10:]
+
+
+@pytest.mark.parametrize("packing", ["packed", "bestfit"])
+def test_a_new_packing_every_epoch_through_dataloader_workers_and_a_resume(dev_packed, dev_bestfit, packing):
+    """repack=True: ChunkSampler hands the epoch with each index, so persistent DataLoader workers
+    read each epoch's own packing without set_epoch; len() is the same every epoch; packed: the
+    epoch's chunks are its shuffled documents cut every seq_len (each document's tokens once, in
+    order); bestfit: each chunk holds the same items, in a new order; a resume mid-epoch with
+    another worker count gives the exact rest of that epoch."""
+    from helixtok.splitview import SplitView
+
+    out = dev_packed if packing == "packed" else dev_bestfit
+    ds = MemmapChunkDataset(out, repack=True, seed=9, position_ids=True)
+    n, L = len(ds), ds.seq_len
+    sampler = ChunkSampler(ds, seed=4)
+    dl = DataLoader(ds, batch_size=64, sampler=sampler, num_workers=2, persistent_workers=True, collate_fn=ds.collate)
+    by_epoch = []
+    for epoch in (0, 1):
+        sampler.set_epoch(epoch)
+        rows = {}
+        order = sampler.indices().tolist()
+        for k, b in enumerate(dl):
+            for j, row in enumerate(b["input_ids"].numpy()):
+                rows[order[k * 64 + j]] = row
+        assert len(dl) * 64 >= len(rows) == n  # every chunk of the epoch once
+        by_epoch.append(np.stack([rows[i] for i in range(n)]))
+    assert not np.array_equal(by_epoch[0], by_epoch[1])
+    m = ds.manifest
+    if packing == "packed":
+        lens = SplitView(out, m).document_lengths()
+        stream = np.concatenate([np.fromfile(os.path.join(out, e["path"]), dtype="<u2") for e in m["splits"]["train"]["shards"]])
+        starts = np.concatenate(([0], np.cumsum(lens)[:-1]))
+        for epoch, got in enumerate(by_epoch):
+            perm = np.random.default_rng([9, 0, epoch]).permutation(len(lens))
+            flat = np.concatenate([stream[starts[d]: starts[d] + lens[d]] for d in perm])
+            assert np.array_equal(got.reshape(-1), flat[: n * L])
+            # position ids restart exactly where a shuffled document starts
+            d0 = ds[(epoch, 0)]["position_ids"].numpy()
+            cut = np.cumsum(lens[perm])
+            assert np.flatnonzero(d0 == 0).tolist() == [0] + [int(c) for c in cut[cut < L]]
+    else:
+        fixed = MemmapChunkDataset(out)
+        stored = np.stack([fixed[i]["input_ids"].numpy() for i in range(n)])
+        for got in by_epoch:
+            assert (np.sort(got, axis=1) == np.sort(stored, axis=1)).all()
+    # A resume in the middle of epoch 1 (2 workers before, none after) reads the rest exactly.
+    sampler.set_epoch(1)
+    it = iter(dl)
+    head = [next(it)["input_ids"] for _ in range(5)]
+    state = sampler.state_dict(samples_consumed=5 * 64)
+    del it
+    s2 = ChunkSampler(MemmapChunkDataset(out, repack=True, seed=9), seed=4)
+    s2.load_state_dict(state)
+    rest = [b["input_ids"] for b in DataLoader(ds, batch_size=64, sampler=s2, collate_fn=ds.collate)]
+    got = torch.cat(head + rest).numpy()
+    assert np.array_equal(got, by_epoch[1][sampler.indices()])
