@@ -43,7 +43,10 @@ def raw_batches(ds: MemmapChunkDataset, B: int):
 
     view = SplitView(ds.path, ds.manifest, ds.split)
     path = os.path.join(tempfile.mkdtemp(prefix="bench-read-"), "chunks.bin")
-    view.tokens(0, len(ds) * ds.seq_len).tofile(path)
+    if ds.packing == "bestfit":  # chunks gathered from the index's pieces, padded
+        np.stack([view.chunk(i) for i in range(len(ds))]).tofile(path)
+    else:
+        view.tokens(0, len(ds) * ds.seq_len).tofile(path)
     mm = np.memmap(path, dtype=ds.dtype, mode="r").reshape(-1, ds.seq_len)
     os.remove(path)  # the map keeps it
     rng = np.random.default_rng(0)
@@ -165,14 +168,17 @@ def main() -> None:
                             "--shard-size", args.shard_size],
                            check=True)
         ds = MemmapChunkDataset(out)
-        ids_only = MemmapChunkDataset(out, fields=("input_ids",))
+        ids_only = MemmapChunkDataset(out, fields=("input_ids",) if ds.packing == "packed" else ("input_ids", "labels"))
         batch = ds.__getitems__(list(range(min(B, len(ds)))))
         rows = [Row("raw limit: numpy fancy index from memmap -> int64 tensor", raw_batches(ds, B)),
                 Row(f"MemmapChunkDataset, DataLoader(batch {B}, shuffle, workers 0)", loader_batches(ds, B, 0)),
                 Row("  same, collate_fn=ds.collate (no re-stacking), workers 0", loader_batches(ds, B, 0, ds.collate)),
-                Row("  same, fields=('input_ids',), workers 0", loader_batches(ids_only, B, 0, ds.collate)),
+                Row(f"  same, fields={ids_only.fields}, workers 0", loader_batches(ids_only, B, 0, ds.collate)),
                 Row("  DataLoader's own floor: __getitems__ hands back one prepared batch",
                     loader_batches(_Prepared(batch, len(ds)), B, 0, ds.collate))]
+        if ds.packing != "document":  # a new packing each epoch: chunks gathered from pieces
+            rows.append(Row("  same, repack=True (this epoch's packing), workers 0",
+                            loader_batches(MemmapChunkDataset(out, repack=True), B, 0, ds.collate)))
         for _ in range(args.rounds):
             for r in rows:
                 r.slice(args.seconds / args.rounds)

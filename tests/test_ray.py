@@ -18,7 +18,8 @@ from helixtok.builder import STATE
 
 ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'helixtok[ray]'; it is in [test])")
 RAY = os.path.join(os.path.dirname(sys.executable), "ray")
-ARGS = ["-L", "128", "-q", "--unit-size", "64KiB", "--val-fraction", "0.1", "--backend", "hf"]
+# bestfit: the stream every packing stores, plus the index the driver places from the tasks' .docs
+ARGS = ["-L", "128", "-q", "--unit-size", "64KiB", "--val-fraction", "0.1", "--backend", "hf", "--pack", "bestfit"]
 
 
 def _free_port() -> int:
@@ -156,7 +157,7 @@ def test_ray_from_python_on_the_cluster_and_a_clear_error_without_one(tmp_path, 
                                                                       local):
     # In a child: Ray's driver would stay in pytest's process (its memory) after the build.
     code = (f"from helixtok import build; m = build({str(dev_corpus / 'txt')!r}, {str(tmp_path / 'py')!r}, "
-            f"{tokenizer_path!r}, seq_len=128, unit_bytes=64 << 10, val_fraction=0.1, backend='hf', "
+            f"{tokenizer_path!r}, seq_len=128, unit_bytes=64 << 10, val_fraction=0.1, backend='hf', packing='bestfit', "
             f"executor='ray:{cluster}'); assert m.units == m['inputs']['units'] > 10, m.units")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -201,11 +202,11 @@ def test_ray_build_to_object_storage_without_a_shared_folder(tmp_path, dev_corpu
     m = json.load(open(tmp_path / "back" / "manifest.json"))
     (folder,) = {e["path"].split("/")[0] for s in m["splits"].values() for e in s["shards"]}
     for n in os.listdir(local):
-        if n.endswith((".bin", ".docs", ".valid", "tokenizer.json")):
+        if n.endswith((".bin", ".docs", ".valid", ".items", ".chunks", "tokenizer.json")):
             assert filecmp.cmp(os.path.join(local, n), tmp_path / "back" / folder / n, shallow=False), n
     ml = json.load(open(os.path.join(local, "manifest.json")))
     assert m["totals"] == ml["totals"] and len(os.listdir(tmp_path / "back" / folder)) == \
-        len([n for n in os.listdir(local) if n.endswith((".bin", ".docs", ".valid", "tokenizer.json"))])
+        len([n for n in os.listdir(local) if n.endswith((".bin", ".docs", ".valid", ".items", ".chunks", "tokenizer.json"))])
     print(f"ray: built into s3:// by the tasks themselves ({folder}); pulled back, the local build's bytes")
 
 
