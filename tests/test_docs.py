@@ -189,6 +189,14 @@ def test_training_md_document_masking_snippet(workdir, monkeypatch):
     assert b["cu_seqlens"][-1] == 8 * 256 and b["max_seqlen"] <= 256
 
 
+def test_training_md_repack_snippet(workdir, monkeypatch):
+    """The repack snippet runs as written (persistent workers, two epochs) and epoch 1's chunk 0 is
+    not epoch 0's."""
+    ns = run(snippet("docs/training.md", "repack=True"), workdir, monkeypatch)
+    a, b = ns["firsts"]
+    assert len(a) == 256 and not torch.equal(a, b)
+
+
 def test_trainer_recipes_run_the_steps_stats_predicts_and_lightning_resumes_exactly(recipe_out, tmp_path):
     """scripts/recipe_hf_trainer.py: transformers.Trainer with ChunkSampler; 3 does not divide the
     batches, so the epoch-end partial accumulation window counts (as stats assumes).
