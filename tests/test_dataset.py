@@ -303,3 +303,55 @@ def test_a_format_1_dataset_still_reads_alike(dev_packed, tmp_path):
         CliRunner().invoke(main, ["show", dev_packed, "5", "--raw"]).output
     with pytest.raises(DatasetError, match="format_version 1 .*rebuild the part"):
         merge([old], str(tmp_path / "m"))
+
+
+def test_a_damaged_bestfit_index_is_named_never_read(dev_bestfit, tmp_path):
+    """The index is a file the readers trust: one that lists an item past the stream is refused by
+    the dataset when it opens it; one whose bytes differ but stay plausible (two items swapped
+    between chunks) is read (it could be an index), and `helixtok verify` names it: it is not
+    the placement the documents' lengths give.  A version 2 bestfit dataset (chunks packed per
+    window) is refused by every reader in one line."""
+    from helixtok.verify import verify
+
+    out = copy_dataset(dev_bestfit, tmp_path / "d")
+    items = np.fromfile(os.path.join(out, "train.items"), dtype="<u8").reshape(-1, 2)
+    bad = items.copy()
+    bad[5, 0] = 1 << 40
+    bad.tofile(os.path.join(out, "train.items"))
+    with pytest.raises(DatasetError, match=r"train.items: an item lies outside the split's \d+ tokens"):
+        MemmapChunkDataset(out)[0]
+    swapped = items.copy()
+    swapped[[0, -1]] = swapped[[-1, 0]]
+    swapped.tofile(os.path.join(out, "train.items"))
+    report = verify(out)
+    assert not report.ok and "train.items: sha256 mismatch (corrupt or modified)" in report.problems
+    assert verify(dev_bestfit).ok
+    m = json.load(open(os.path.join(out, "manifest.json")))
+    m["format_version"] = 2
+    json.dump(m, open(os.path.join(out, "manifest.json"), "w"))
+    r = CliRunner().invoke(main, ["stats", out])
+    assert r.exit_code == 1 and len(r.output.strip().splitlines()) == 1
+    assert "a version 2 bestfit dataset" in r.output and "--overwrite" in r.output
+
+
+def test_a_bestfit_index_that_is_not_the_lengths_placement_fails_verify(dev_bestfit, tmp_path):
+    """An index whose sha256 the manifest agrees with but which is not best-fit over the documents'
+    lengths (a manifest and index from another placement) is named by verify."""
+    import hashlib
+
+    from helixtok.verify import verify
+
+    out = copy_dataset(dev_bestfit, tmp_path / "d")
+    items = np.fromfile(os.path.join(out, "train.items"), dtype="<u8").reshape(-1, 2)
+    chunks = np.fromfile(os.path.join(out, "train.chunks"), dtype="<u8")
+    # Chunk 0's items in reverse order: every count holds, the placement rule does not.
+    k = next(i for i in range(len(chunks) - 1) if chunks[i + 1] - chunks[i] >= 2)
+    a, b = int(chunks[k]), int(chunks[k + 1])
+    items[a:b] = items[a:b][::-1]
+    items.tofile(os.path.join(out, "train.items"))
+    mp = os.path.join(out, "manifest.json")
+    m = json.load(open(mp))
+    m["splits"]["train"]["index"]["items"]["sha256"] = hashlib.sha256(items.tobytes()).hexdigest()
+    json.dump(m, open(mp, "w"))
+    report = verify(out)
+    assert report.problems == ["train: its index is not the one its documents' lengths give (docs/format.md); rebuild"]
