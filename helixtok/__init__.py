@@ -2,7 +2,8 @@
 
 __version__ = "0.3.0"
 
-__all__ = ["BuildConfig", "ChunkSampler", "MemmapChunkDataset", "MixtureDataset", "build", "__version__"]
+__all__ = ["BuildConfig", "ChunkSampler", "MemmapChunkDataset", "Mixture", "MixtureDataset", "Stage", "build",
+           "__version__"]
 
 
 def require_torch():
@@ -33,6 +34,10 @@ def __getattr__(name):
         from .mixture import MixtureDataset
 
         return MixtureDataset
+    if name in ("Mixture", "Stage"):
+        from . import schedule
+
+        return getattr(schedule, name)
     if name == "ChunkSampler":
         from .sampler import ChunkSampler
 

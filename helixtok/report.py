@@ -103,10 +103,57 @@ def render(out: str, m: dict, *, chunks: int = 3) -> str:
             + (f"<span class='pad'>[{s.pad} pad]</span>" if s.pad else "")
             for k, s in enumerate(chunk_segments(out, m, split, i)))
         parts.append(f"<h3>chunk {i:,}</h3><pre>{segs}</pre>")
-    style = ("body{font-family:sans-serif;max-width:900px;margin:2em auto;color:#222}"
-             "pre{white-space:pre-wrap;background:#f6f6f6;padding:.6em;font-size:12px}"
-             ".doc0{background:#e3edf7}.doc1{background:#f7eee3}.pad{color:#999}.warn{color:#a0522d}"
-             "table{border-collapse:collapse;font-size:13px}td,th{padding:.2em .7em;text-align:right}"
-             "tr:nth-child(even){background:#f3f3f3}")
-    return (f"<!doctype html><html><head><meta charset='utf-8'><title>helixtok: {html.escape(out)}</title>"
-            f"<style>{style}</style></head><body>{''.join(parts)}</body></html>\n")
+    return _page(out, parts)
+
+
+_STYLE = ("body{font-family:sans-serif;max-width:900px;margin:2em auto;color:#222}"
+          "pre{white-space:pre-wrap;background:#f6f6f6;padding:.6em;font-size:12px}"
+          ".doc0{background:#e3edf7}.doc1{background:#f7eee3}.pad{color:#999}.warn{color:#a0522d}"
+          "table{border-collapse:collapse;font-size:13px}td,th{padding:.2em .7em;text-align:right}"
+          "tr:nth-child(even){background:#f3f3f3}")
+_COLOURS = ("#3b6ea5", "#e08a3c", "#5aa469", "#c0504d", "#8064a2", "#4bacc6", "#9b7d3a", "#777777")
+
+
+def _page(title: str, parts: list[str]) -> str:
+    return (f"<!doctype html><html><head><meta charset='utf-8'><title>helixtok: {html.escape(title)}</title>"
+            f"<style>{_STYLE}</style></head><body>{''.join(parts)}</body></html>\n")
+
+
+def render_mixture(path: str, st: dict) -> str:
+    """A mixture file's run: each source's share of every optimizer step over training (one band per
+    stage, as wide as its steps), and the counts per stage and source."""
+    steps, names = st["optimizer_steps"], list(st["sources"])
+    x0, y0 = _AXIS, 14
+    bands = []
+    for s in st["stages"]:
+        x, w = x0 + _BAR_W * s["first_step"] / steps, _BAR_W * s["steps"] / steps
+        y = y0
+        for k, n in enumerate(names):
+            v = s["sources"][n]
+            h = _BAR_H * v["samples"] / s["samples"]
+            if h:
+                bands.append(f'<rect x="{x:.1f}" y="{y:.1f}" width="{w:.1f}" height="{h:.1f}" '
+                             f'fill="{_COLOURS[k % len(_COLOURS)]}"><title>stage {s["stage"]}, {html.escape(n)}: '
+                             f'{v["samples"]:,} samples ({v["samples"] / s["samples"]:.1%})</title></rect>')
+            y += h
+    axis = "".join(f'<text x="{x0 - 6}" y="{y0 + _BAR_H * f + 3:.1f}" font-size="10" text-anchor="end">'
+                   f'{1 - f:.0%}</text>' for f in (0, 0.5, 1))
+    ticks = "".join(f'<text x="{x0 + _BAR_W * s["first_step"] / steps:.1f}" y="{y0 + _BAR_H + 14}" font-size="10">'
+                    f'{s["first_step"]:,}</text>' for s in st["stages"]) + \
+        f'<text x="{x0 + _BAR_W}" y="{y0 + _BAR_H + 14}" font-size="10" text-anchor="end">{steps:,}</text>'
+    legend = " ".join(f"<span style='color:{_COLOURS[k % len(_COLOURS)]}'>&#9632;</span> {html.escape(n)}"
+                      for k, n in enumerate(names))
+    rows = "".join(f"<tr><td>{s['stage']}</td><td>{s['first_step']:,}-{s['first_step'] + s['steps']:,}</td>"
+                   f"<th>{html.escape(n)}</th><td>{v['samples']:,}</td><td>{v['tokens']:,}</td>"
+                   f"<td>{v['epochs_of_source']:.2f}</td><td>{v['epochs_so_far']:.2f}</td></tr>"
+                   for s in st["stages"] for n, v in s["sources"].items())
+    parts = [f"<h1>{html.escape(os.path.basename(path))}</h1>",
+             f"<p>{steps:,} optimizer steps of {st['global_batch']:,} samples, {st['tokens']:,} tokens, "
+             f"{len(st['stages'])} stages</p>",
+             "<h2>Each source's share of every step over training</h2>",
+             f"<svg width='{x0 + _BAR_W + 4}' height='{y0 + _BAR_H + 34}' role='img' aria-label='shares'>{axis}"
+             f"{''.join(bands)}{ticks}<text x='{x0 + _BAR_W / 2}' y='{y0 + _BAR_H + 30}' font-size='10' "
+             f"text-anchor='middle' fill='#666'>optimizer step</text></svg><p>{legend}</p>",
+             "<h2>Per stage and source</h2><table><tr><th>stage</th><th>steps</th><th>source</th><th>samples</th>"
+             f"<th>tokens</th><th>epochs of source</th><th>epochs so far</th></tr>{rows}</table>"]
+    return _page(path, parts)

@@ -189,6 +189,30 @@ def test_training_md_document_masking_snippet(workdir, monkeypatch):
     assert b["cu_seqlens"][-1] == 8 * 256 and b["max_seqlen"] <= 256
 
 
+def test_training_md_three_stage_mixture_runs_end_to_end(workdir, monkeypatch, tmp_path):
+    """The three-stage snippet runs as written (100 steps, a checkpoint at 30 and its resume) and the
+    file form beside it gives `helixtok stats --mixture` and `info --html` the same run."""
+    import json as _json
+
+    from click.testing import CliRunner
+
+    from helixtok.cli import main
+
+    ns = run(snippet("docs/training.md", "Stage({\"web\": 0.9"), workdir, monkeypatch)
+    assert ns["step"] == 100 and ns["rest"] == 70
+    spec = re.findall(r"```json\n(.*?)```", (ROOT / "docs/training.md").read_text(), flags=re.S)[-1]
+    (workdir / "mix.json").write_text(spec)
+    r = CliRunner().invoke(main, ["stats", "--mixture", str(workdir / "mix.json"), "-b", "8", "--json"])
+    assert r.exit_code == 0, r.output
+    st = _json.loads(r.output)
+    assert st == ns["mix"].stats() and [s["steps"] for s in st["stages"]] == [20, 60, 20]
+    page = tmp_path / "mix.html"
+    r = CliRunner().invoke(main, ["info", str(workdir / "mix.json"), "--html", str(page)])
+    assert r.exit_code == 0, r.output
+    text = page.read_text()
+    assert text.count("<rect") == 6 and "stage 2, code: 128 samples (80.0%)" in text
+
+
 def test_training_md_repack_snippet(workdir, monkeypatch):
     """The repack snippet runs as written (persistent workers, two epochs) and epoch 1's chunk 0 is
     not epoch 0's."""

@@ -61,30 +61,52 @@ def show(out, index, split, raw, corpus):
 @handle_errors
 def info(out, as_json, html_file):
     """What a finished dataset holds, from its manifest: splits, token arithmetic, backend, BOS,
-    padding and dropped shares, size on disk, tokens per source, warnings.
+    padding and dropped shares, size on disk, tokens per source, warnings.  Given a mixture file:
+    its run's counts per stage and source (as `stats --mixture`), and with --html each source's
+    share of every step over training.
 
     \b
     Example:
       helixtok info out/
+      helixtok info mix.yaml --html mix.html
     """
+    import os
+
     from ..manifest import load_manifest
 
-    m = load_manifest(out)
-    print_summary(m, out, as_json, console())
+    if os.path.isfile(out):  # a mixture file
+        from ..report import render_mixture
+        from ..schedule import load_mixture
+
+        st = load_mixture(out).stats()
+        if as_json or not html_file:
+            click.echo(json.dumps(st) if as_json else
+                       f"{out}: {st['optimizer_steps']:,} optimizer steps of {st['global_batch']:,} samples, "
+                       f"{len(st['stages'])} stages; " + ", ".join(
+                           f"{n} {v['samples']:,} samples ({v['epochs']:.2f} epochs)" for n, v in st["sources"].items()))
+        def page() -> str:
+            return render_mixture(out, st)
+    else:
+        m = load_manifest(out)
+        print_summary(m, out, as_json, console())
+
+        def page() -> str:
+            from ..report import render
+
+            return render(out, m)
     if html_file:
-        import os
-
-        from ..report import render
-
         tmp = f"{html_file}.tmp"
         with open(tmp, "w", encoding="utf-8") as fh:
-            fh.write(render(out, m))
+            fh.write(page())
         os.replace(tmp, html_file)
         click.echo(f"report: {html_file}", err=True)
 
 
 @click.command()
-@click.argument("out")
+@click.argument("out", required=False)
+@click.option("--mixture", "mixture_file", default=None,
+              help="Count a mixture file's run instead (JSON or YAML: sources, stages, budgets, caps; "
+                   "docs/training.md): per stage and source.")
 @click.option("--split", default="train", show_default=True, help="Which split to count (train or val).")
 @click.option("--batch-size", "-b", type=click.IntRange(min=1), default=1, show_default=True, help="Per-rank batch size.")
 @click.option("--grad-accum", "-g", type=click.IntRange(min=1), default=1, show_default=True,
@@ -103,15 +125,22 @@ def info(out, as_json, html_file):
               help="Share of optimizer steps for LR warmup (rounded up).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @handle_errors
-def stats(out, split, batch_size, grad_accum, world_size, epochs, sampler_drop_last, loader_drop_last, drop_last,
-          warmup_ratio, as_json):
-    """Exact chunk, batch and optimizer-step counts for a training run over OUT.
+def stats(out, mixture_file, split, batch_size, grad_accum, world_size, epochs, sampler_drop_last, loader_drop_last,
+          drop_last, warmup_ratio, as_json):
+    """Exact chunk, batch and optimizer-step counts for a training run over OUT (or a mixture).
 
     \b
     Example:
       helixtok stats out/ -b 16 -g 4 -w 8 --epochs 2 --warmup-ratio 0.01 --json
+      helixtok stats --mixture mix.yaml -b 16 -g 4 -w 8
     """
+    from ..errors import ConfigError
     from ..stats import stats_for
+
+    if (out is None) == (mixture_file is None):
+        raise ConfigError("give a dataset folder or --mixture FILE (one of them)")
+    if mixture_file:
+        return _mixture_stats(mixture_file, split, batch_size, grad_accum, world_size, as_json)
 
     st = stats_for(out, split=split, batch_size=batch_size, grad_accum=grad_accum, world_size=world_size,
                    epochs=epochs, drop_last=drop_last, sampler_drop_last=sampler_drop_last,
@@ -129,6 +158,35 @@ def stats(out, split, batch_size, grad_accum, world_size, epochs, sampler_drop_l
     tab.add_column(justify="right")
     for k, v in st.to_json().items():
         tab.add_row(k, f"{v:,}" if isinstance(v, int) and not isinstance(v, bool) else str(v))
+    Console().print(tab)
+
+
+def _mixture_stats(path: str, split: str, b: int, g: int, w: int, as_json: bool) -> None:
+    from ..schedule import load_mixture
+
+    mix = load_mixture(path, batch_size=b * g * w, split=split)
+    st = mix.stats(world_size=w, batch_size=b, grad_accum=g)
+    if as_json:
+        click.echo(json.dumps(st))
+        return
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+
+    tab = Table(title=escape(f"{path}: {st['optimizer_steps']:,} optimizer steps of {st['global_batch']:,} samples "
+                             f"({st['tokens']:,} tokens); per rank {st['samples_per_rank']:,} samples, "
+                             f"{st['batches_per_rank']:,} batches"))
+    for c in ("stage", "steps", "source", "weight", "samples", "tokens", "epochs of source", "epochs so far"):
+        tab.add_column(c, justify="left" if c == "source" else "right")
+    for s in st["stages"]:
+        for k, (name, v) in enumerate(s["sources"].items()):
+            tab.add_row(str(s["stage"]) if not k else "",
+                        f"{s['first_step']:,}-{s['first_step'] + s['steps']:,}" if not k else "", name,
+                        f"{v['weight']:.3f}", f"{v['samples']:,}", f"{v['tokens']:,}", f"{v['epochs_of_source']:.2f}",
+                        f"{v['epochs_so_far']:.2f}")
+    for name, v in st["sources"].items():
+        tab.add_row("total", "", name, "", f"{v['samples']:,}", f"{v['tokens']:,}", f"{v['epochs']:.2f}",
+                    f"cap {v['max_epochs']:g}" if v["max_epochs"] != float("inf") else "")
     Console().print(tab)
 
 

@@ -1,0 +1,173 @@
+"""Mixture schedules: stages on whole steps, per-batch proportions, no repeat before coverage, caps,
+exact counts, resume at any position (elastic too), schedule changes after the run's position only."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.utils.data import DataLoader
+
+from helixtok import MemmapChunkDataset, Mixture, Stage
+from helixtok.cli import main
+from helixtok.errors import ConfigError
+
+
+class Source(list):
+    """A source of `n` distinct items (name, chunk index)."""
+
+    def __init__(self, name, n):
+        super().__init__((name, j) for j in range(n))
+
+
+@st.composite
+def schedules(draw):
+    names = ["a", "b", "c"][: draw(st.integers(1, 3))]
+    sizes = {n: draw(st.integers(1, 40)) for n in names}
+    W = draw(st.sampled_from([1, 2, 4]))
+    B = W * draw(st.integers(1, 4))
+    ends, step = [], 0
+    for _ in range(draw(st.integers(1, 3))):
+        step += draw(st.integers(1, 12))
+        ends.append(step)
+    stages = []
+    for end in ends:
+        w = {n: draw(st.sampled_from([0, 0.1, 0.25, 1, 3])) for n in names}
+        if not any(w.values()):
+            w[names[0]] = 1
+        stages.append(Stage(w, until_steps=end))
+    return names, sizes, stages, B, W
+
+
+def _build(names, sizes, stages, B, cap=None, seed=0):
+    return Mixture({n: Source(n, sizes[n]) for n in names}, stages, batch_size=B, seed=seed, max_epochs=cap)
+
+
+@settings(max_examples=150, deadline=None)
+@given(schedules(), st.data())
+def test_every_batch_every_stage_and_every_pass_hold_the_rule(sch, data):
+    names, sizes, stages, B, W = sch
+    mix = _build(names, sizes, stages, B)
+    items = [mix[i] for i in range(len(mix))]
+    assert len(mix) == stages[-1].until_steps * B  # the run ends on a whole step
+    for k, p in enumerate(mix.plans):
+        assert p.start % B == 0 and p.end % B == 0
+        assert p.end // B == stages[k].until_steps
+        for b in range(p.start, p.end, B):  # every global batch: floor or ceil of weight x B of each source
+            got = {n: sum(1 for x in items[b: b + B] if x[0] == n) for n in names}
+            for s, n in enumerate(names):
+                assert np.floor(p.weights[s] * B + 1e-9) <= got[n] <= np.ceil(p.weights[s] * B - 1e-9)
+    for n in names:  # each source's stream: every chunk once per pass, before any repeats
+        seen = [j for x, j in items if x == n]
+        size = sizes[n]
+        for a in range(0, len(seen), size):
+            part = seen[a: a + size]
+            assert len(set(part)) == len(part)
+        assert sum(c[n] for c in mix.counts) == len(seen)
+    # stats = what the samplers and DataLoaders yield, per rank
+    st_ = mix.stats(world_size=W)
+    b = B // W
+    loaders = [DataLoader(mix, batch_size=b, sampler=mix.sampler(r, W), collate_fn=list) for r in range(W)]
+    assert all(len(dl) == st_["batches_per_rank"] and len(dl.sampler) == st_["samples_per_rank"] for dl in loaders)
+    per_rank = [[x for batch in dl for x in batch] for dl in loaders]
+    for step in range(len(mix) // B):  # rank r's step-k batch is its share of global batch k
+        glob = sorted(x for r in range(W) for x in per_rank[r][step * b: (step + 1) * b])
+        assert glob == sorted(items[step * B: (step + 1) * B])
+    assert {n: s["samples"] for n, s in st_["sources"].items()} == {n: sum(x[0] == n for x in items) for n in names}
+
+
+@settings(max_examples=80, deadline=None)
+@given(schedules(), st.data())
+def test_a_resume_at_any_position_and_world_size_gives_the_uninterrupted_run(sch, data):
+    names, sizes, stages, B, W = sch
+    mix = _build(names, sizes, stages, B)
+    W2 = data.draw(st.sampled_from([w for w in (1, 2, 4) if B % w == 0]))
+    whole = [mix[i] for i in range(len(mix))]
+    steps = len(mix) // B
+    at = data.draw(st.integers(0, steps))  # optimizer steps done when the checkpoint was taken
+    b = B // W
+    states = []
+    for r in range(W):
+        s = mix.sampler(r, W)
+        states.append(mix.state_dict(s, samples_consumed=at * b))
+    again = _build(names, sizes, stages, B)
+    rest = []
+    b2 = B // W2
+    for r in range(W2):
+        s = again.sampler(r, W2)
+        again.load_state_dict(states[0], s)
+        rest.append([again[i] for i in s])
+    for k in range(steps - at):
+        glob = sorted(x for r in range(W2) for x in rest[r][k * b2: (k + 1) * b2])
+        assert glob == sorted(whole[(at + k) * B: (at + k + 1) * B])
+
+
+def test_caps_refuse_what_cannot_fit_naming_the_source():
+    web, math = Source("web", 900), Source("math", 50)
+    stages = [Stage({"web": 1}, until_steps=90), Stage({"web": 0.5, "math": 0.5}, until_steps=150)]
+    with pytest.raises(ConfigError) as e:
+        Mixture({"web": web, "math": math}, stages, batch_size=8, max_epochs={"math": 4})
+    assert str(e.value) == ("source 'math' has 50 chunks; the schedule asks for 240 samples of it (4.80 epochs), "
+                            "max_epochs 4 allows 200: lower its weights, shorten the stages that use it, or raise "
+                            "its cap")
+    m = Mixture({"web": web, "math": math}, stages, batch_size=8, max_epochs={"math": 5})
+    assert m.counts == [{"web": 720, "math": 0}, {"web": 240, "math": 240}]
+    with pytest.raises(ConfigError, match=r"stage 1 ends at step 90, not after stage 0 \(step 90\)"):
+        Mixture({"web": web}, [Stage({"web": 1}, until_steps=90), Stage({"web": 1}, until_steps=90)], batch_size=8)
+    with pytest.raises(ConfigError, match=r"stage 1 ends at step 244 \(until_tokens 1.00001e\+06 / \(batch_size 8 x seq_len 512\) rounds down to step 244\), not after stage 0"):
+        Mixture({"web": web}, [Stage({"web": 1}, until_tokens=1e6), Stage({"web": 1}, until_tokens=1e6 + 10)],
+                batch_size=8, seq_len=512)
+
+
+def test_a_changed_schedule_resumes_only_when_the_change_is_ahead():
+    web, math, code = Source("web", 900), Source("math", 60), Source("code", 70)
+    first = [Stage({"web": 1}, until_steps=50), Stage({"web": 3, "math": 1}, until_steps=100),
+             Stage({"math": 1, "web": 1}, until_steps=120)]
+    mix = Mixture({"web": web, "math": math}, first, batch_size=8)
+    s = mix.sampler()
+    state = mix.state_dict(s, samples_consumed=60 * 8)  # in stage 1
+    # The last stage (not begun) changes and a source is added: the run goes on, its past unchanged.
+    later = first[:2] + [Stage({"math": 1, "code": 1}, until_steps=130)]
+    mix2 = Mixture({"web": web, "math": math, "code": code}, later, batch_size=8)
+    s2 = mix2.sampler()
+    mix2.load_state_dict(state, s2)
+    got = [mix2[i] for i in s2]
+    assert len(got) == (130 - 60) * 8 and got[: 40 * 8] == [mix[i] for i in range(60 * 8, 100 * 8)]
+    # The running stage's end or weights: refused, naming the change.
+    for stages, why in (([first[0], Stage({"web": 3, "math": 1}, until_steps=110), first[2]],
+                         "stage 1 (begun) ends at step 100 -> 110"),
+                        ([first[0], Stage({"web": 1, "math": 1}, until_steps=100), first[2]],
+                         "stage 1 (begun) weights")):
+        other = Mixture({"web": web, "math": math}, stages, batch_size=8)
+        with pytest.raises(ConfigError, match=r"the mixture changed since the checkpoint: " + why.replace("(", r"\(")
+                           .replace(")", r"\)")):
+            other.load_state_dict(state, other.sampler())
+    with pytest.raises(ConfigError, match="seed 0 -> 1"):
+        Mixture({"web": web, "math": math}, first, batch_size=8, seed=1).load_state_dict(state, mix.sampler())
+
+
+def test_repacking_sources_give_each_pass_its_own_packing_and_stats_match_the_command(dev_packed, tmp_path):
+    """A source read more than once is read with the pass as its epoch (repack=True); the mixture
+    file gives `helixtok stats --mixture` the counts the Python object has."""
+    ds = MemmapChunkDataset(dev_packed, repack=True, seed=3)
+    n = len(ds)
+    mix = Mixture({"web": ds}, [Stage({"web": 1}, until_steps=-(-2 * n // 8))], batch_size=8, seed=0)
+    name, epoch, j = mix.locate(n + 5)
+    assert (name, epoch) == ("web", 1)
+    assert mix[n + 5]["input_ids"].tolist() == ds[(1, j)]["input_ids"].tolist()
+    f = tmp_path / "mix.json"
+    f.write_text(json.dumps({"seed": 0, "batch_size": 8, "sources": {"web": {"path": os.path.relpath(dev_packed, tmp_path),
+                                                            "max_epochs": 3}},
+                             "stages": [{"until_tokens": 8 * 512 * 10, "weights": {"web": 1}},
+                                        {"until_steps": 12, "weights": {"web": 2}}]}))
+    r = CliRunner().invoke(main, ["stats", "--mixture", str(f), "-b", "2", "-w", "2", "-g", "2", "--json"])
+    assert r.exit_code == 0, r.output
+    got = json.loads(r.output)
+    assert got["optimizer_steps"] == 12 and got["samples"] == 96 and got["samples_per_rank"] == 48
+    assert [s["steps"] for s in got["stages"]] == [10, 2] and got["sources"]["web"]["samples"] == 96
+    r = CliRunner().invoke(main, ["stats", "--mixture", str(f), "-b", "3", "-w", "2"])
+    assert r.exit_code == 1 and len(r.output.strip().splitlines()) == 1
+    assert r.output.strip() == f"Error: {f}: batch_size 8 (global), but the command gives 6 (batch size x world size x grad accum)"
