@@ -13,6 +13,7 @@ import argparse
 import json
 import os
 import sys
+import warnings
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
@@ -22,6 +23,12 @@ from torch.utils.data import DataLoader  # noqa: E402
 
 from helixtok import ChunkSampler, MemmapChunkDataset  # noqa: E402
 from helixtok.stats import stats_for  # noqa: E402
+
+# On a mid-epoch resume Lightning warns that "your dataloader is not resumable": it looks for
+# state_dict() on the DataLoader itself and cannot see that the sampler's position rides in the
+# DataModule's state (Data.state_dict below), which makes the resume exact (tests/test_docs.py
+# checks every sample against an uninterrupted run). Silenced for that reason alone.
+warnings.filterwarnings("ignore", message=".*dataloader is not resumable.*")
 
 
 class TinyLM(L.LightningModule):

@@ -171,3 +171,29 @@ def test_repacking_sources_give_each_pass_its_own_packing_and_stats_match_the_co
     r = CliRunner().invoke(main, ["stats", "--mixture", str(f), "-b", "3", "-w", "2"])
     assert r.exit_code == 1 and len(r.output.strip().splitlines()) == 1
     assert r.output.strip() == f"Error: {f}: batch_size 8 (global), but the command gives 6 (batch size x world size x grad accum)"
+
+
+def test_document_masks_come_through_the_mixture_and_a_yaml_file_reads_as_json(dev_packed, dev_bestfit, tmp_path):
+    """Sources read with document_masking=True give each sample its position and document ids, and
+    mix.collate adds the batch's cu_seqlens, as a dataset's own collate does; the YAML form of a
+    mixture file is the JSON form's run."""
+    a = MemmapChunkDataset(dev_packed, document_masking=True, repack=True)
+    b = MemmapChunkDataset(dev_bestfit, document_masking=True)
+    mix = Mixture({"a": a, "b": b}, [Stage({"a": 1, "b": 1}, until_steps=3)], batch_size=4)
+    batch = next(iter(DataLoader(mix, batch_size=4, sampler=mix.sampler(), collate_fn=mix.collate)))
+    assert {"position_ids", "document_ids", "cu_seqlens", "max_seqlen"} <= set(batch)
+    pos = batch["position_ids"].numpy()
+    starts = [np.flatnonzero(row == 0) for row in pos]
+    assert batch["cu_seqlens"].tolist() == sorted({int(r * 512 + s) for r, st in enumerate(starts) for s in st}
+                                                  | {4 * 512})
+    yaml = pytest.importorskip("yaml")
+    spec = {"seed": 1, "batch_size": 8, "sources": {"a": os.path.relpath(dev_packed, tmp_path)},
+            "stages": [{"until_steps": 5, "weights": {"a": 1}}]}
+    (tmp_path / "m.yaml").write_text(yaml.safe_dump(spec))
+    (tmp_path / "m.json").write_text(json.dumps(spec))
+    from helixtok.schedule import load_mixture
+
+    assert load_mixture(str(tmp_path / "m.yaml")).stats() == load_mixture(str(tmp_path / "m.json")).stats()
+    (tmp_path / "bad.yaml").write_text("sources: [")
+    with pytest.raises(ConfigError, match="bad.yaml: not valid YAML"):
+        load_mixture(str(tmp_path / "bad.yaml"))
