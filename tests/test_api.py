@@ -92,3 +92,22 @@ def test_errors_name_keywords_in_python_and_options_on_the_command_line(tmp_path
         helixtok.build([str(small_corpus)], str(tmp_path / "p"), small_tok, packing="best")
     r = CliRunner().invoke(main, ["build", str(small_corpus), str(tmp_path / "o"), "-t", small_tok, "-L", "32", "-q"])
     assert r.exit_code == 1 and "(seq_len: 16 -> 32); pass --overwrite to replace it" in r.output, r.output
+
+
+def test_a_program_beside_the_clone_imports_the_package_not_the_clones_folder(tmp_path):
+    """Run in the folder that holds a clone named `helixtok`, `import helixtok` used to find the
+    clone's root as a namespace package (`module 'helixtok' has no attribute 'build'`, issue 41);
+    the root's __init__.py hands the import to the package inside."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    os.symlink(root, tmp_path / "helixtok")
+    code = ("import sys; sys.path.insert(0, ''); import helixtok, helixtok.builder; "
+            "print(helixtok.build is helixtok.builder.build, helixtok.__version__)")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, env=env)
+    assert r.returncode == 0, r.stderr
+    from helixtok import __version__
+
+    assert r.stdout.split() == ["True", __version__]
