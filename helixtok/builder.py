@@ -30,16 +30,17 @@ from .bestfit import build_index, doc_spans, write_index
 from .catalog import build_manifest, join_split, published, unit_counts
 from .config import BuildConfig
 from .discover import discover
-from .dispatch import BackendRejected, Progress, UnitPool, run_units, verdict_for, worker_count
+from .dispatch import BackendRejected, Progress, UnitPool, run_joins, run_units, verdict_for, worker_count
 from .errors import ConfigError, DatasetError, HelixtokError, InputError, from_cli, python_terms, resource_error
+from .join import shard_groups
 from .manifest import FORMAT_VERSION, MANIFEST, write_json_atomic
 from .merge import check_sibling_parts, partition
 from .objstore import current, is_url
 from .outdir import STATE, OutLock, check_out_path, publish
 from .planid import PLAN_FILE, encode_plan, plan_folder, whole_plan
 from .publish import remote_bytes, remote_sizes
-from .shards import DOCS_DTYPE
 from .resume import prepare_out, trusted_results, up_to_date
+from .shards import DOCS_DTYPE
 from .sources import LineRefs
 from .tally import Tally
 from .tokenizer import (forget_handed, hold_bytes, inspect_tokenizer, read_tokenizer, release_bytes,
@@ -119,8 +120,10 @@ def _build_local(inputs, out, path, sha, config, overwrite, on_progress, task, r
     mine = units  # a task of a partitioned build tokenizes its share of the units
     if task is not None:
         k, n = task
+        # Its exact share follows the shard groups (they need the tokenizer's dtype: _build_started);
+        # this one, about as large, sizes the workers started meanwhile.
         a, b = partition(units, n)[k]
-        run.part, mine = {"task_index": k, "num_tasks": n, "units": [a, b], "units_total": len(units)}, units[a:b]
+        run.part, mine = {"task_index": k, "num_tasks": n, "units": None, "units_total": len(units)}, units[a:b]
     # A finished dataset in OUT (no --overwrite) is either this very build (up to date) or refused:
     # either way nothing is tokenized, so no worker starts.
     finished = not overwrite and os.path.isfile(os.path.join(out, MANIFEST))
@@ -173,6 +176,8 @@ class Run:
     warnings: Tally
     run_id: str  # names this run's shard files in STATE: an orphan of another run never writes into them
     part: dict | None = None  # a task of a partitioned build: {task_index, num_tasks, units: [a, b], units_total}
+    groups: list = dataclasses.field(default_factory=list)  # this run's shard groups: (number, units [a, b)): join.py
+    notes: list = dataclasses.field(default_factory=list)  # for the user, one line each (Built.notes)
     workers: object | None = None  # the UnitPool or RayExecutor; None: this process tokenizes
     # An object-storage OUT the Ray tasks upload to: its URL, then (URL, folder) once the plan is known.
     remote: str | tuple[str, str] | None = None
@@ -301,14 +306,26 @@ def _build_started(run: Run, info) -> dict:
         run_info, backend_check = choose_backend(info, run.units, config, run.workers)
         if run.workers is not None:  # the workers tokenize: the main process needs no fast tokenizer now
             forget_fast_tokenizers()
+    # Consecutive units whose outputs the join makes one shard of --shard-size: planned from the
+    # input alone, so every task of a partitioned build draws the same groups.
+    groups = shard_groups(run.units, config.shard_bytes, info.dtype.itemsize)
     if run.part is not None:
         # Every task lists the corpus afresh: a file that lands between two tasks would shift the
         # unit ranges.  Each part records the whole plan; merge compares them.
         check_sibling_parts(out, run.whole)
-        a, b = run.part["units"]
+        a, b = partition(run.units, run.part["num_tasks"], groups)[run.part["task_index"]]
+        run.part["units"] = [a, b]
+        if a == b:
+            run.notes.append(f"task {run.part['task_index']} of {run.part['num_tasks']} has nothing to do: the corpus "
+                             f"makes {len(groups)} shard{'s' if len(groups) > 1 else ''} of --shard-size "
+                             f"{config.shard_bytes:,} bytes, and a shard is one task's; a smaller --shard-size "
+                             "shares it among more tasks")
         names = {nm for u in run.units[a:b] for nm in u.names}
         run.units = run.units[a:b]
         run.files = [f for f in run.files if f.name in names]
+    # Numbered over the whole plan: a task's shards bear the names a single build gives them.
+    run.groups = [(g, x, y) for g, (x, y) in enumerate(groups) if run.units and run.units[0].index <= x
+                  <= run.units[-1].index]
     verdict = check.verdict if check is not None else None
     try:
         while True:
@@ -326,7 +343,8 @@ def _build_started(run: Run, info) -> dict:
     finally:
         if check is not None:
             check.end()
-    return _publish(run, run_info, backend_check, trusted, results, refs)
+    joined = run_joins(run.groups, results, run.workers, run.state, run.run_id, run_info.dtype, config, run.remote)
+    return _publish(run, run_info, backend_check, trusted, results, joined, refs)
 
 
 def _tokenize(run: Run, info, verdict: Future | None) -> tuple[dict, list[dict], LineRefs]:
@@ -376,17 +394,19 @@ def _tokenize(run: Run, info, verdict: Future | None) -> tuple[dict, list[dict],
     return trusted, [by_index[u.index] for u in units], refs
 
 
-def _publish(run: Run, info, backend_check: dict, trusted: dict, results: list[dict], refs: LineRefs) -> "Built":
-    """The manifest from the units' journal entries; the shards, tokenizer and plan moved into OUT, the manifest last."""
+def _publish(run: Run, info, backend_check: dict, trusted: dict, results: list[dict], joined: list[dict],
+             refs: LineRefs) -> "Built":
+    """The manifest from the units' journal entries and their groups' shards (`joined`); the shards,
+    tokenizer and plan moved into OUT, the manifest last."""
     config, units, state = run.config, run.units, run.state
     if run.on_progress:
         total = sum(u.est_bytes for u in units)
         run.on_progress(Progress(total, total, sum(sum(r["documents"].values()) for r in results),
                                  sum(sum(r["tokens"].values()) for r in results), len(units), len(units), "write"))
     names = ("train", "val") if config.val_fraction > 0 else ("train",)
-    indexes = {s: _bestfit_index(run, [e for r in results for e in r["shards"][s]], s) for s in names} \
+    indexes = {s: _bestfit_index(run, [e for j in joined for e in j["shards"][s]], s) for s in names} \
         if config.packing == "bestfit" else {}
-    splits = {s: join_split([unit_counts(r, s) for r in results], [published(e) for r in results for e in r["shards"][s]],
+    splits = {s: join_split([unit_counts(r, s) for r in results], [published(e) for j in joined for e in j["shards"][s]],
                             config.seq_len, config.packing, indexes.get(s)) for s in names}
     tally = Tally()
     for r in results:
@@ -409,12 +429,12 @@ def _publish(run: Run, info, backend_check: dict, trusted: dict, results: list[d
     if run.part is not None:  # merge checks the part's build-plan.json by it
         manifest["plan_sha256"] = hashlib.sha256(run.whole).hexdigest()
     # The units' shards (unless uploaded), the tokenizer and the plan move into OUT; the manifest last.
-    moves = [] if run.remote is not None else [(n, p) for r in results for n, p, _ in state_files(r)]
+    moves = [] if run.remote is not None else [(n, p) for j in joined for n, p, _ in state_files(j)]
     moves += [(x["path"],) * 2 for i in indexes.values() for x in i.entry.values()]
     publish(run.out, moves + [("tokenizer.json",) * 2, (PLAN_FILE,) * 2], manifest)
     built = Built(manifest)
     built.reused_units, built.units = len(trusted), len(units)
-    built.notes = _tokenizer_moved(info)
+    built.notes = run.notes + _tokenizer_moved(info)
     built.processes = run.processes
     return built
 
@@ -429,15 +449,14 @@ def _bestfit_index(run: Run, shards: list[dict], split: str):
 
 
 def _read_docs(run: Run, d: dict) -> np.ndarray:
-    """A unit's .docs sidecar: in STATE, in OUT (a build stopped while publishing), or uploaded by its task."""
+    """A shard's .docs sidecar: in STATE, or uploaded by its join's Ray task."""
     if run.remote is not None:
         data = remote_bytes(*run.remote, d["path"], run.config.stall_seconds)
     else:
-        path = os.path.join(run.state, d["state"])
-        with open(path if os.path.exists(path) else os.path.join(run.out, d["path"]), "rb") as fh:
+        with open(os.path.join(run.state, d["state"]), "rb") as fh:
             data = fh.read()
     if len(data) != d["bytes"]:
-        raise DatasetError(f"{d['path']}: {len(data)} bytes, its unit wrote {d['bytes']}; rerun the same command")
+        raise DatasetError(f"{d['path']}: {len(data)} bytes, its join wrote {d['bytes']}; rerun the same command")
     return np.frombuffer(data, dtype=DOCS_DTYPE)
 
 

@@ -14,6 +14,7 @@ from typing import Callable
 from .backends import FAST
 from .config import BuildConfig, worker_bytes
 from .errors import HelixtokError, InputError, Interrupted
+from .join import join_group, join_uploaded
 from .pool import WorkerPool
 from .tokenizer import TokenizerInfo
 from .unit import _init_worker, _LocalCounters, _W, _where, prepare_worker, run_unit
@@ -173,8 +174,30 @@ def run_units(units: list[Unit], pending: list[Unit], info: TokenizerInfo, confi
             _judged_by(verdict, info)  # before the kill: the check may need a worker
         workers.kill()
         raise
+    return results  # the workers stay: the joins come next (run_joins closes them)
+
+
+def run_joins(groups: list[tuple[int, int, int]], results: list[dict], workers, state: str, run_id: str, dtype,
+              config: BuildConfig, remote: tuple[str, str] | None) -> list[dict]:
+    """Every shard group's join (join.py; groups: (number, units [a, b))), as worker tasks side by
+    side (in this process without workers); then the workers end.  Returns the groups' entries in order."""
+    by_index = {r["index"]: r for r in results}
+    jobs = []
+    for g, a, b in groups:
+        rs = [by_index[i] for i in range(a, b)]
+        args = ((g, rs, run_id, dtype, config.seq_len, config.shard_bytes, remote, config.stall_seconds)
+                if remote is not None else (g, rs, state, run_id, dtype, config.seq_len, config.shard_bytes))
+        jobs.append((f"joining work units {a}-{b - 1} into shard {g}", join_uploaded if remote else join_group, args))
+    if workers is None:
+        return [fn(*args) for _, fn, args in jobs]
+    try:
+        futures = [workers.submit(fn, *args, what=what) for what, fn, args in jobs]
+        out = [_result(f, None) for f in futures]
+    except BaseException:
+        workers.kill()
+        raise
     workers.close()
-    return results
+    return out
 
 
 def _judged_by(verdict: Future | None, info: TokenizerInfo) -> None:
@@ -223,14 +246,15 @@ def schedule(pending: list[Unit], unit_bytes: int, in_order: bool = False) -> li
     return big + [u for u in pending if cost(u) <= 2 * unit_bytes]
 
 
-def _result(f, u: Unit) -> dict:
-    """A finished future's journal entry, or one clear error naming the unit that failed."""
+def _result(f, u: Unit | None) -> dict:
+    """A finished future's result, or one clear error naming the unit (or the join) that failed."""
     try:
         return f.result()
     except (HelixtokError, OSError):
         raise
     except Exception as e:  # noqa: BLE001
-        raise HelixtokError(f"tokenizing {_where(u)} failed: {type(e).__name__}: {e}") from None
+        raise HelixtokError(f"{f'tokenizing {_where(u)}' if u else 'joining a shard'} failed: "
+                            f"{type(e).__name__}: {e}") from None
 
 
 def worker_count(config: BuildConfig, units: list[Unit], backend: str) -> tuple[int, str]:

@@ -48,17 +48,22 @@ def task_from_env(num_tasks: int | None, task_index: int | None, env=os.environ)
     return task_index, num_tasks
 
 
-def partition(units: list[Unit], num_tasks: int) -> list[tuple[int, int]]:
+def partition(units: list[Unit], num_tasks: int, groups: list[tuple[int, int]] | None = None
+              ) -> list[tuple[int, int]]:
     """Contiguous unit ranges [a, b) per task, balanced by input size; a function of the input alone.
 
-    Contiguous, so the tasks' outputs in task order are the corpus in order.
+    Contiguous, so the tasks' outputs in task order are the corpus in order; cut only between
+    shard groups (join.py) when given, so that every shard is one task's (a task beyond the
+    number of groups gets none).
     """
-    total = sum(u.est_bytes for u in units) or 1
+    groups = groups or [(i, i + 1) for i in range(len(units))]
+    sizes = [sum(u.est_bytes for u in units[a:b]) for a, b in groups]
+    total = sum(sizes) or 1
     bounds, acc, k = [0], 0, 1
-    for i, u in enumerate(units):
-        acc += u.est_bytes
+    for (a, b), size in zip(groups, sizes):
+        acc += size
         while k < num_tasks and acc >= k * total / num_tasks:
-            bounds.append(i + 1)
+            bounds.append(b)
             k += 1
     bounds += [len(units)] * (num_tasks + 1 - len(bounds))
     return list(zip(bounds, bounds[1:]))

@@ -9,10 +9,12 @@ same URL, can never make a manifest point at missing or foreign bytes.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import posixpath
+import re
 import tempfile
 import threading
 import time
@@ -208,6 +210,11 @@ def publish_uploaded(local: str, url: str, *, overwrite: bool, stall: float = 60
         fs.put_file(os.path.join(local, p), posixpath.join(root, folder, p))
     remote = _prefixed(m, folder)
     fs.pipe_file(posixpath.join(root, MANIFEST), (json.dumps(remote, indent=2) + "\n").encode())
+    # The units' own files, which the joins copied into the shards: this build's, in its folder.
+    for name in there:
+        if re.fullmatch(r"u\d{6}-[a-z]+-\d{4}\.(bin|docs|valid)", name):
+            with contextlib.suppress(FileNotFoundError):
+                fs.rm_file(posixpath.join(root, folder, name))
     if old is not None:
         _remove_replaced(fs, root, url, old)
     return remote

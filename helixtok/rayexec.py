@@ -82,6 +82,22 @@ def _task(cwd: str, config, state: str, run_id: str, remote, tokenizer: bytes, w
             shutil.rmtree(state, ignore_errors=True)
 
 
+def _call(cwd: str, env_key: int, watch, fn, args):
+    """On a Ray worker: any other step of the build (a shard group's join), beating as a unit's
+    task does (under `env_key`, negative), its errors returned as values as _task's are."""
+    stop = threading.Event()
+    threading.Thread(target=_beating, args=(watch, env_key, stop), daemon=True).start()
+    os.chdir(cwd)
+    try:
+        return "ok", fn(*args)
+    except HelixtokError as e:
+        return "error", type(e).__name__, str(e)
+    except OSError as e:
+        return "oserror", e.errno, e.strerror, e.filename
+    finally:
+        stop.set()
+
+
 def require_ray():
     """The ray module, or the one line that says how to get it."""
     try:
@@ -194,19 +210,29 @@ class RayExecutor:
         env = {k: v for k, v in os.environ.items() if k.startswith(("AWS_", "HELIXTOK_"))}
         self._task = ray.remote(num_cpus=1, max_retries=RETRIES, retry_exceptions=False)(_task).options(
             runtime_env={"env_vars": env} if env else None)
+        self._call = ray.remote(num_cpus=1, max_retries=RETRIES, retry_exceptions=False)(_call).options(
+            runtime_env={"env_vars": env} if env else None)
+        self._calls = 0
         self._refs: list = []
         self._uploads = remote is not None  # the tasks journal on their own nodes: the driver journals too
 
-    def submit(self, fn, unit, info, *, what: str, beats: bool = False) -> Future:
-        ref = self._task.remote(*self._args, unit, info)
+    def submit(self, fn, *args, what: str, beats: bool = False) -> Future:
+        """fn(*args) on the cluster: run_unit(unit, info) as a unit's task, anything else (a join) as _call."""
+        if fn is run_unit:
+            unit = args[0]
+            key, ref = unit.index, self._task.remote(*self._args, *args)
+        else:
+            unit, self._calls = None, self._calls + 1
+            key = -self._calls
+            ref = self._call.remote(self._args[0], key, self._watch, fn, args)
         self._refs.append(ref)
         out: Future = Future()
         with self._lock:
-            self._running[unit.index] = (out, what, ref)
+            self._running[key] = (out, what, ref)
 
         def done(f) -> None:
             with self._lock:
-                self._running.pop(unit.index, None)
+                self._running.pop(key, None)
                 if out.done():  # failed by the watch already
                     return
             self._done(f, out, unit, what)
@@ -265,10 +291,13 @@ class RayExecutor:
             if kind != "ok":
                 raise getattr(errors, rest[0], HelixtokError)(rest[1])
             r = rest[0]
-            if self._uploads:  # for a resume
+            if self._uploads and unit is not None:  # for a resume
                 write_json_atomic(done_path(self._args[2], r["index"]), r, durable=False)
         except BaseException as e:  # noqa: BLE001 - this runs in Ray's thread: the build's waits on `out`
             out.set_exception(e)
+            return
+        if unit is None:
+            out.set_result(r)
             return
         self.counters[0] += unit.est_bytes
         self.counters[1] += sum(r["documents"].values())

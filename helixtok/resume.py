@@ -11,7 +11,7 @@ import shutil
 
 from .errors import ConfigError
 from .manifest import load_manifest, manifest_files, split_files
-from .outdir import PUBLISH, STATE, read_list, refuse_foreign, remove_owned
+from .outdir import STATE, refuse_foreign, remove_owned
 from .planid import PLAN_FILE, describe_change
 from .unit import done_path, state_files
 from .units import Unit
@@ -71,33 +71,31 @@ def prepare_out(out: str, plan: dict, overwrite: bool, protect: list[str]) -> bo
 
 def trusted_results(out: str, state: str, units: list[Unit], uploaded: dict[str, int] | None = None
                      ) -> dict[int, dict]:
-    """Journal entries of finished units whose shards are all there with the sizes and sha256 the
-    worker recorded as it wrote them: in STATE, or already moved into OUT by a build stopped
-    while publishing (publish.json names those), or (uploaded: object name -> size) in object
-    storage (their upload was checked).  Local files are read again: a file replaced by other
+    """Journal entries of finished units whose files are all there with the sizes and sha256 the
+    worker recorded as it wrote them: in STATE (they stay there until the build is published: the
+    joins copy them into the shards), or (uploaded: object name -> size) in object storage (their
+    upload was checked).  Local files are read again: a file replaced by other
     bytes of the same size (a damaged disk, a copy from another run) is not trusted, and its unit
     is tokenized again -- reading a shard costs a fraction of tokenizing it.
 
     Read once, at start: the lock guarantees no other build writes here, and an orphan that
     journals late only ever names its own run's files, which this run then does not use.
     """
-    moved = set(read_list(os.path.join(state, PUBLISH)))
     trusted: dict[int, dict] = {}
     for u in units:
         try:
             with open(done_path(state, u.index)) as fh:
                 r = json.load(fh)
             ok = r["index"] == u.index and "lines" in r and "sources" in r and "counts" in r and all(
-                uploaded.get(p) == size if uploaded is not None else
-                _has(os.path.join(state, n), size, sha) or (p in moved and _has(os.path.join(out, p), size, sha))
+                uploaded.get(p) == size if uploaded is not None else _has(os.path.join(state, n), size, sha)
                 for n, p, size, sha in state_files(r, with_sha=True))
         except (OSError, ValueError, KeyError, TypeError):
             ok = False
         if ok:
             trusted[u.index] = r
     keep = {n for r in trusted.values() for n, _, _ in state_files(r)}
-    for e in os.listdir(state):  # shards of runs that did not finish their unit
-        if e.startswith("u") and e not in keep and not e.endswith(".done.json"):
+    for e in os.listdir(state):  # files of units not finished, and every join's (this run joins again)
+        if (e.startswith("g") or e.startswith("u") and e not in keep) and not e.endswith(".done.json"):
             with contextlib.suppress(OSError):
                 os.remove(os.path.join(state, e))
     return trusted

@@ -106,6 +106,7 @@ def _bump(counters, b: int, d: int, t: int) -> None:
 
 
 _HASH_STEP = 1 << 20
+UNIT_FILE_TOKENS = 1 << 60  # a unit's output stays one file per split, whatever its size
 
 
 def _split_of(text: str, fraction: float, seed: int) -> int:
@@ -183,11 +184,13 @@ def _run_unit(unit: Unit, info: TokenizerInfo) -> dict:
     state, counters, run = _W["state"], _W["counters"], _W["run"]
     splits = ("train", "val") if cfg.val_fraction > 0 else ("train",)
     L = cfg.seq_len
-    cap = max(1, cfg.shard_bytes // (L * info.dtype.itemsize)) * L
-    # The unit's shards, final once written: named for this run while in STATE (an orphan of an
-    # earlier run can never write into them), for the unit when published.
-    outs = {s: PACKERS[cfg.packing](os.path.join(state, f"u{unit.index:06d}.{run}.{s}"), f"{s}-{unit.index:06d}",
-                                    info.dtype, L, cap, cfg.tail_len, info.pad_id) for s in splits}
+    # The unit's output, one file per split (and sidecar), final once written: named for this run
+    # (an orphan of an earlier run can never write into it); its shard group's join appends it to
+    # the published shards (join.py).  `path` names it apart from those ("u..."): where a Ray
+    # task uploads it.
+    outs = {s: PACKERS[cfg.packing](os.path.join(state, f"u{unit.index:06d}.{run}.{s}"), f"u{unit.index:06d}-{s}",
+                                    info.dtype, L, UNIT_FILE_TOKENS // L * L, cfg.tail_len, info.pad_id)
+            for s in splits}
     docs = {s: 0 for s in splits}
     tokens = {s: 0 for s in splits}
     text_bytes = {s: 0 for s in splits}  # UTF-8 bytes of the documents as tokenized

@@ -1,5 +1,6 @@
 """Builds on the dev corpus and on hand-made corpora: exact counts, round-trips, determinism."""
 
+import dataclasses
 import json
 import os
 
@@ -147,7 +148,6 @@ def test_workers_are_what_j_says_or_as_many_as_the_input_keeps_busy(tmp_path, sm
     cores; if the check picks tokenizers after such a build started fewer, the pool it needs
     starts then.  The bytes never depend on it.  (Rule changed by issue 38: -j used to be a
     maximum that the input's size and the tokenizer file's size cut down.)"""
-    import dataclasses
 
     import helixtok.builder as hb
     import helixtok.config
@@ -163,7 +163,7 @@ def test_workers_are_what_j_says_or_as_many_as_the_input_keeps_busy(tmp_path, sm
 
     monkeypatch.setattr(hb, "UnitPool", Counted)
     monkeypatch.delenv("HELIXTOK_WORKER_BYTES", raising=False)
-    cfg = BuildConfig(seq_len=64, workers=0, unit_bytes=1)  # 18 KB of text, one unit per file (7)
+    cfg = BuildConfig(seq_len=64, workers=0, unit_bytes=1, shard_bytes=1 << 10)  # 18 KB of text, one unit (and shard) per file (7)
 
     def run(name, task=None, **kw):
         made.clear()
@@ -511,3 +511,26 @@ def test_units_tokenize_while_the_backend_check_runs_and_a_rejected_librarys_uni
     assert sorted(n for n in os.listdir(out) if n.endswith((".bin", ".docs"))) == shards
     assert all((out / n).read_bytes() == (ref / n).read_bytes() for n in shards)
     assert not os.path.exists(out / ".helixtok-partial")
+
+
+def test_shards_hold_about_the_size_asked_for_whatever_the_unit_size(tmp_path, dev_corpus, tokenizer_path):
+    """Issue 40 item 6: every 64 KiB work unit used to be a shard file of its own; the units of a
+    shard group are joined into shards of about --shard-size (never over twice it), the same files
+    byte for byte on one worker or two, and the dataset reads the same stream as ever."""
+    cfg = BuildConfig(seq_len=256, unit_bytes=64 << 10, shard_bytes=256 << 10)
+    m1 = build([str(dev_corpus)], str(tmp_path / "j1"), tokenizer_path, dataclasses.replace(cfg, workers=1))
+    m2 = build([str(dev_corpus)], str(tmp_path / "j2"), tokenizer_path, dataclasses.replace(cfg, workers=2))
+    shards = m1["splits"]["train"]["shards"]
+    stream = sum(e["bytes"] for e in shards)
+    units = m1["inputs"]["units"]
+    assert units >= 30 and len(shards) <= stream // (256 << 10) * 2 + 2 and len(shards) < units // 2
+    assert all(e["bytes"] <= 2 * (256 << 10) for e in shards)
+    names = sorted(n for n in os.listdir(tmp_path / "j1") if n.endswith((".bin", ".docs")))
+    assert names == sorted(n for n in os.listdir(tmp_path / "j2") if n.endswith((".bin", ".docs")))
+    assert all((tmp_path / "j1" / n).read_bytes() == (tmp_path / "j2" / n).read_bytes() for n in names)
+    assert m1["splits"] == m2["splits"]
+    # The stream is the units' streams in order: the one a build of one unit per shard gives.
+    m3 = build([str(dev_corpus)], str(tmp_path / "small"), tokenizer_path,
+               dataclasses.replace(cfg, workers=2, shard_bytes=1 << 10))
+    assert len(m3["splits"]["train"]["shards"]) > units
+    assert np.array_equal(read_split(str(tmp_path / "j1"))[1], read_split(str(tmp_path / "small"))[1])

@@ -267,7 +267,7 @@ def test_any_partitioning_merged_is_the_single_build(tmp_path_factory, mixed_sma
 
 
 def _two_parts(tmp_path, corpus, tok, out):
-    base = ["-t", tok, "-L", "16", "-j", "1", "-q", "--unit-size", "8KiB", "--num-tasks", "2"]
+    base = ["-t", tok, "-L", "16", "-j", "1", "-q", "--unit-size", "8KiB", "--shard-size", "2KiB", "--num-tasks", "2"]
     for k in range(2):
         r = cli("build", corpus, out, *base, "--task-index", k)
         assert r.exit_code == 0, r.output

@@ -34,7 +34,7 @@ from .common import console, handle_errors, parse_size, print_summary
 @click.option("--val-fraction", type=click.FloatRange(0, 1, max_open=True), default=0.0, show_default=True,
               help="Fraction of documents in a 'val' split (by content hash).")
 @click.option("--split-seed", type=int, default=0, show_default=True, help="Seed of the train/val split hash.")
-@click.option("--shard-size", callback=parse_size, default="1GiB", show_default=True, help="Target bytes per shard.")
+@click.option("--shard-size", callback=parse_size, default="1GiB", show_default=True, help="Bytes of ids per shard file (about; never over twice it).")
 @click.option("--unit-size", callback=parse_size, default="4MiB", show_default=True,
               help="Input bytes per work unit (scheduling only: the shards do not depend on it).")
 @click.option("--workers", "-j", type=click.IntRange(min=0), default=0,

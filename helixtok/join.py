@@ -1,0 +1,110 @@
+"""Shard groups: consecutive work units whose outputs are joined into shards of about --shard-size,
+planned from the input alone, and the join itself (a worker's task once every unit of a group is done)."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from .shards import DOCS_DTYPE, VALID_DTYPE, ShardFiles
+
+# Text bytes per token, to size shard groups before anything is tokenized: English with a 32k-128k
+# BPE gives 3.5-4.5 (the dev corpus with Llama-3.2: 3.9), code ~3, CJK ~1.5-2 (shards then up to
+# 2x the size asked for: the join never writes one larger, it starts a second).
+BYTES_PER_TOKEN = 4
+LIMIT = 2  # no shard holds more than LIMIT x --shard-size bytes
+
+
+def shard_groups(units, shard_bytes: int, itemsize: int) -> list[tuple[int, int]]:
+    """Consecutive unit ranges [a, b) each expected to give about `shard_bytes` of ids (from their
+    input bytes): a function of the plan alone, so the shards are the same for any worker count,
+    partitioning or executor."""
+    target = shard_bytes / itemsize * BYTES_PER_TOKEN  # input bytes per group
+    groups, a, acc = [], 0, 0
+    for i, u in enumerate(units):
+        acc += u.est_bytes
+        if acc >= target:
+            groups.append((a, i + 1))
+            a, acc = i + 1, 0
+    if a < len(units):
+        groups.append((a, len(units)))
+    return groups
+
+
+def group_of(groups: list[tuple[int, int]]) -> dict[int, int]:
+    """Unit index -> the group holding it."""
+    return {i: g for g, (a, b) in enumerate(groups) for i in range(a, b)}
+
+
+BLOCK_TOKENS = 1 << 23  # read per step: memory stays flat however large a unit's output
+
+
+def join_group(g: int, results: list[dict], state: str, run: str, dtype, seq_len: int, shard_bytes: int,
+               opener=None) -> dict:
+    """Join the units' outputs (their journal entries, in unit order) of group `g` into its shards,
+    per split, in `state`: each unit's stream (and .docs/.valid) appended in order, read in blocks,
+    hashed as written.  `opener(x)`: the unit file of entry x opened for reading (default: x's
+    name in `state`)."""
+    opener = opener or (lambda x: open(os.path.join(state, x["state"]), "rb"))
+    dtype = np.dtype(dtype)
+    cap = max(1, LIMIT * shard_bytes // (seq_len * dtype.itemsize)) * seq_len
+    step = max(1, BLOCK_TOKENS // seq_len) * seq_len  # whole chunks: .valid is per chunk
+    out = {}
+    for split in results[0]["shards"] if results else ():
+        sides = tuple(x for x in ("docs", "valid") if any(x in e for r in results for e in r["shards"][split]))
+        files = ShardFiles(os.path.join(state, f"g{g:06d}.{run}.{split}"), f"{split}-{g:06d}", dtype, seq_len,
+                           cap, sides)
+        try:
+            for r in results:
+                for e in r["shards"][split]:
+                    n = e["num_tokens"]
+                    starts = _whole(opener, e["docs"], DOCS_DTYPE).astype(np.int64) if "docs" in e else None
+                    valid = _whole(opener, e["valid"], VALID_DTYPE) if "valid" in e else None
+                    with opener(e) as fh:
+                        for a in range(0, n, step):
+                            b = min(n, a + step)
+                            ids = np.frombuffer(fh.read((b - a) * dtype.itemsize), dtype=dtype)
+                            if len(ids) != b - a:
+                                raise OSError(f"{e['state']}: shorter than the {n} tokens its unit wrote")
+                            files.write(ids, starts=None if starts is None else
+                                        starts[(starts >= a) & (starts < b)] - a,
+                                        valid=None if valid is None else valid[a // seq_len: b // seq_len])
+            out[split] = files.close()
+        except BaseException:
+            files.abort()
+            raise
+    return {"group": g, "run": run, "shards": out}
+
+
+def _whole(opener, x: dict, dtype) -> np.ndarray:
+    """A (small) sidecar, checked for the size its unit recorded."""
+    with opener(x) as fh:
+        data = fh.read()
+    if len(data) != x["bytes"]:
+        raise OSError(f"{x['state']}: {len(data)} bytes, its unit wrote {x['bytes']}")
+    return np.frombuffer(data, dtype=dtype)
+
+
+def join_uploaded(g: int, results: list[dict], run: str, dtype, seq_len: int, shard_bytes: int,
+                  remote: tuple[str, str], stall: float) -> dict:
+    """join_group for units its Ray tasks uploaded to URL/folder: read from there, joined in a temp
+    folder of this node's, the group's shards uploaded beside them."""
+    import posixpath
+    import shutil
+    import tempfile
+
+    from .objstore import filesystem
+    from .publish import upload_unit
+    from .unit import state_files
+
+    url, folder = remote
+    fs, root = filesystem(url)
+    local = tempfile.mkdtemp(prefix="helixtok-join-")
+    try:
+        entry = join_group(g, results, local, run, dtype, seq_len, shard_bytes,
+                           opener=lambda x: fs.open(posixpath.join(root, folder, x["path"]), "rb"))
+        upload_unit(local, list(state_files(entry)), url, folder, stall)
+        return entry
+    finally:
+        shutil.rmtree(local, ignore_errors=True)
