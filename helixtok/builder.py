@@ -30,7 +30,7 @@ from .bestfit import build_index, doc_spans, write_index
 from .catalog import build_manifest, join_split, published, unit_counts
 from .config import BuildConfig
 from .discover import discover
-from .dispatch import BackendRejected, Progress, UnitPool, run_joins, run_units, verdict_for, worker_count
+from .dispatch import BackendRejected, Joins, Progress, UnitPool, run_units, verdict_for, worker_count
 from .errors import ConfigError, DatasetError, HelixtokError, InputError, from_cli, python_terms, resource_error
 from .join import shard_groups
 from .manifest import FORMAT_VERSION, MANIFEST, write_json_atomic
@@ -330,7 +330,7 @@ def _build_started(run: Run, info) -> dict:
     try:
         while True:
             try:
-                trusted, results, refs = _tokenize(run, run_info, verdict)
+                trusted, results, joined, refs = _tokenize(run, run_info, verdict)
                 if verdict is not None:
                     run_info, backend_check = verdict_for(run_info, verdict)
                 break
@@ -343,13 +343,13 @@ def _build_started(run: Run, info) -> dict:
     finally:
         if check is not None:
             check.end()
-    joined = run_joins(run.groups, results, run.workers, run.state, run.run_id, run_info.dtype, config, run.remote)
     return _publish(run, run_info, backend_check, trusted, results, joined, refs)
 
 
-def _tokenize(run: Run, info, verdict: Future | None) -> tuple[dict, list[dict], LineRefs]:
-    """Resume or start in OUT, then tokenize the units not journaled yet: (trusted entries, every
-    unit's entry in unit order, the line references).  `verdict`: the check's, still coming."""
+def _tokenize(run: Run, info, verdict: Future | None) -> tuple[dict, list[dict], list[dict], LineRefs]:
+    """Resume or start in OUT, then tokenize the units not journaled yet, each shard group joined as
+    soon as its units are: (trusted entries, every unit's entry in unit order, every group's entry
+    in order, the line references).  `verdict`: the check's, still coming."""
     config, out, state, units = run.config, run.out, run.state, run.units
     plan = {
         "partition": run.part,
@@ -385,13 +385,20 @@ def _tokenize(run: Run, info, verdict: Future | None) -> tuple[dict, list[dict],
         run.workers = UnitPool(want[0], config, state, run.run_id, tokenizer_bytes(info.sha256), load_likely=False)
     elif run.workers is None:
         run.processes = want
+    joins = Joins(run.groups, trusted, run.workers, state, run.run_id, info.dtype, config, remote)
+
+    def done(r: dict) -> None:
+        refs.record(r["index"], r["lines"])
+        joins.unit_done(r)
+
     try:
-        fresh = run_units(units, pending, info, config, state, run.run_id, run.on_progress, done_bytes,
-                          lambda r: refs.record(r["index"], r["lines"]), run.workers, verdict)
+        fresh = run_units(units, pending, info, config, state, run.run_id, run.on_progress, done_bytes, done,
+                          run.workers, verdict)
     except InputError as e:  # a worker names a .jsonl line by its place in the unit
         raise InputError(refs.resolve(str(e))) from None
+    joined = joins.finish()
     by_index = {**trusted, **{r["index"]: r for r in fresh}}
-    return trusted, [by_index[u.index] for u in units], refs
+    return trusted, [by_index[u.index] for u in units], joined, refs
 
 
 def _publish(run: Run, info, backend_check: dict, trusted: dict, results: list[dict], joined: list[dict],

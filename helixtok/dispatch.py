@@ -174,30 +174,56 @@ def run_units(units: list[Unit], pending: list[Unit], info: TokenizerInfo, confi
             _judged_by(verdict, info)  # before the kill: the check may need a worker
         workers.kill()
         raise
-    return results  # the workers stay: the joins come next (run_joins closes them)
+    return results  # the workers stay: the last joins may still run (Joins.finish closes them)
 
 
-def run_joins(groups: list[tuple[int, int, int]], results: list[dict], workers, state: str, run_id: str, dtype,
-              config: BuildConfig, remote: tuple[str, str] | None) -> list[dict]:
-    """Every shard group's join (join.py; groups: (number, units [a, b))), as worker tasks side by
-    side (in this process without workers); then the workers end.  Returns the groups' entries in order."""
-    by_index = {r["index"]: r for r in results}
-    jobs = []
-    for g, a, b in groups:
-        rs = [by_index[i] for i in range(a, b)]
-        args = ((g, rs, run_id, dtype, config.seq_len, config.shard_bytes, remote, config.stall_seconds)
-                if remote is not None else (g, rs, state, run_id, dtype, config.seq_len, config.shard_bytes))
-        jobs.append((f"joining work units {a}-{b - 1} into shard {g}", join_uploaded if remote else join_group, args))
-    if workers is None:
-        return [fn(*args) for _, fn, args in jobs]
-    try:
-        futures = [workers.submit(fn, *args, what=what) for what, fn, args in jobs]
-        out = [_result(f, None) for f in futures]
-    except BaseException:
-        workers.kill()
-        raise
-    workers.close()
-    return out
+class Joins:
+    """Every shard group's join (join.py), started as soon as the last of its units is done, beside
+    the tokenizing still going on: in the workers (first in their queue), or here without them.
+    groups: (number, units [a, b)); `done`: the journal entries finished before (a resume)."""
+
+    def __init__(self, groups: list[tuple[int, int, int]], done: dict[int, dict], workers, state: str, run_id: str,
+                 dtype, config: BuildConfig, remote: tuple[str, str] | None):
+        self.groups, self.workers, self.remote = groups, workers, remote
+        self._args = (state, run_id, dtype, config)
+        self.results = dict(done)
+        self.waiting = {g: {i for i in range(a, b) if i not in done} for g, a, b in groups}
+        self.group = {i: g for g, a, b in groups for i in range(a, b)}
+        self.futures: dict[int, Future] = {}
+
+    def unit_done(self, r: dict) -> None:
+        self.results[r["index"]] = r
+        g = self.group.get(r["index"])
+        if g is not None:
+            self.waiting[g].discard(r["index"])
+            if not self.waiting[g]:
+                self._start(g)
+
+    def _start(self, g: int) -> None:
+        _, a, b = next(x for x in self.groups if x[0] == g)
+        state, run_id, dtype, config = self._args
+        rs = [self.results[i] for i in range(a, b)]
+        if self.remote is not None:
+            fn, args = join_uploaded, (g, rs, run_id, dtype, config.seq_len, config.shard_bytes, self.remote,
+                                       config.stall_seconds)
+        else:
+            fn, args = join_group, (g, rs, state, run_id, dtype, config.seq_len, config.shard_bytes)
+        if self.workers is None:
+            f: Future = Future()
+            f.set_result(fn(*args))
+        else:
+            f = self.workers.submit(fn, *args, what=f"joining work units {a}-{b - 1} into shard {g}", urgent=True)
+        self.futures[g] = f
+
+    def finish(self) -> list[dict]:
+        """Every group's entry, in order, once all are joined; then the workers end."""
+        for g, _, _ in self.groups:
+            if g not in self.futures and not self.waiting[g]:  # all of its units were done before
+                self._start(g)
+        out = [_result(self.futures[g], None) for g, _, _ in self.groups]
+        if self.workers is not None:
+            self.workers.close()
+        return out
 
 
 def _judged_by(verdict: Future | None, info: TokenizerInfo) -> None:

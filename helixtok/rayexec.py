@@ -216,7 +216,7 @@ class RayExecutor:
         self._refs: list = []
         self._uploads = remote is not None  # the tasks journal on their own nodes: the driver journals too
 
-    def submit(self, fn, *args, what: str, beats: bool = False) -> Future:
+    def submit(self, fn, *args, what: str, beats: bool = False, urgent: bool = False) -> Future:
         """fn(*args) on the cluster: run_unit(unit, info) as a unit's task, anything else (a join) as _call."""
         if fn is run_unit:
             unit = args[0]
