@@ -176,16 +176,16 @@ def _mixture_stats(path: str, split: str, b: int, g: int, w: int, as_json: bool)
     tab = Table(title=escape(f"{path}: {st['optimizer_steps']:,} optimizer steps of {st['global_batch']:,} samples "
                              f"({st['tokens']:,} tokens); per rank {st['samples_per_rank']:,} samples, "
                              f"{st['batches_per_rank']:,} batches"))
-    for c in ("stage", "steps", "source", "weight", "samples", "tokens", "epochs of source", "epochs so far"):
-        tab.add_column(c, justify="left" if c == "source" else "right")
+    # Narrow headers: the counts must fit an 80-column terminal whole ("epochs": passes over the source).
+    for c in ("stage: steps", "source", "weight", "samples", "tokens", "epochs", "so far"):
+        tab.add_column(c, justify="left" if c in ("source", "stage: steps") else "right", no_wrap=c != "source")
     for s in st["stages"]:
         for k, (name, v) in enumerate(s["sources"].items()):
-            tab.add_row(str(s["stage"]) if not k else "",
-                        f"{s['first_step']:,}-{s['first_step'] + s['steps']:,}" if not k else "", name,
-                        f"{v['weight']:.3f}", f"{v['samples']:,}", f"{v['tokens']:,}", f"{v['epochs_of_source']:.2f}",
+            tab.add_row(f"{s['stage']}: {s['first_step']:,}-{s['first_step'] + s['steps']:,}" if not k else "", name,
+                        f"{v['weight']:.2f}", f"{v['samples']:,}", f"{v['tokens']:,}", f"{v['epochs_of_source']:.2f}",
                         f"{v['epochs_so_far']:.2f}")
     for name, v in st["sources"].items():
-        tab.add_row("total", "", name, "", f"{v['samples']:,}", f"{v['tokens']:,}", f"{v['epochs']:.2f}",
+        tab.add_row("total", name, "", f"{v['samples']:,}", f"{v['tokens']:,}", f"{v['epochs']:.2f}",
                     f"cap {v['max_epochs']:g}" if v["max_epochs"] != float("inf") else "")
     Console().print(tab)
 
