@@ -394,8 +394,11 @@ def _tokenize(run: Run, info, verdict: Future | None) -> tuple[dict, list[dict],
     try:
         fresh = run_units(units, pending, info, config, state, run.run_id, run.on_progress, done_bytes, done,
                           run.workers, verdict)
-    except InputError as e:  # a worker names a .jsonl line by its place in the unit
-        raise InputError(refs.resolve(str(e))) from None
+    except BaseException as e:
+        joins.abort()
+        if isinstance(e, InputError):  # a worker names a .jsonl line by its place in the unit
+            raise InputError(refs.resolve(str(e))) from None
+        raise
     joined = joins.finish()
     by_index = {**trusted, **{r["index"]: r for r in fresh}}
     return trusted, [by_index[u.index] for u in units], joined, refs

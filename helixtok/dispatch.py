@@ -3,6 +3,7 @@ each journal entry handed on as it comes, with progress and a clean stop on a si
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import signal
 import threading
@@ -14,7 +15,7 @@ from typing import Callable
 from .backends import FAST
 from .config import BuildConfig, worker_bytes
 from .errors import HelixtokError, InputError, Interrupted
-from .join import join_group, join_uploaded
+from .join import GroupWriter, join_group, join_uploaded
 from .pool import WorkerPool
 from .tokenizer import TokenizerInfo
 from .unit import _init_worker, _LocalCounters, _W, _where, prepare_worker, run_unit
@@ -178,8 +179,10 @@ def run_units(units: list[Unit], pending: list[Unit], info: TokenizerInfo, confi
 
 
 class Joins:
-    """Every shard group's join (join.py), started as soon as the last of its units is done, beside
-    the tokenizing still going on: in the workers (first in their queue), or here without them.
+    """Every shard group's join (join.py).  Locally each group has a thread of this process that
+    appends its units' outputs in unit order as they come in, beside the tokenizing: by the time a
+    group's last unit is done, all but that unit are in its shards (copying and hashing release the
+    GIL).  On Ray a group's join is a task of the cluster, once its last unit is done.
     groups: (number, units [a, b)); `done`: the journal entries finished before (a resume)."""
 
     def __init__(self, groups: list[tuple[int, int, int]], done: dict[int, dict], workers, state: str, run_id: str,
@@ -187,43 +190,81 @@ class Joins:
         self.groups, self.workers, self.remote = groups, workers, remote
         self._args = (state, run_id, dtype, config)
         self.results = dict(done)
+        self.local = not getattr(workers, "remote_joins", False)
         self.waiting = {g: {i for i in range(a, b) if i not in done} for g, a, b in groups}
         self.group = {i: g for g, a, b in groups for i in range(a, b)}
         self.futures: dict[int, Future] = {}
+        self._ready = {i: threading.Event() for _, a, b in groups for i in range(a, b)}
+        for i in done:
+            if i in self._ready:
+                self._ready[i].set()
+        self._stop = False
 
     def unit_done(self, r: dict) -> None:
-        self.results[r["index"]] = r
-        g = self.group.get(r["index"])
-        if g is not None:
-            self.waiting[g].discard(r["index"])
-            if not self.waiting[g]:
-                self._start(g)
+        i = r["index"]
+        self.results[i] = r
+        g = self.group.get(i)
+        if g is None:
+            return
+        self.waiting[g].discard(i)
+        self._ready[i].set()
+        if self.local and g not in self.futures:
+            self._start(g)  # with its first unit: it appends them as they come
+        elif not self.local and not self.waiting[g]:
+            self._start(g)
 
     def _start(self, g: int) -> None:
         _, a, b = next(x for x in self.groups if x[0] == g)
         state, run_id, dtype, config = self._args
-        rs = [self.results[i] for i in range(a, b)]
-        if self.remote is not None:
-            fn, args = join_uploaded, (g, rs, run_id, dtype, config.seq_len, config.shard_bytes, self.remote,
-                                       config.stall_seconds)
-        else:
-            fn, args = join_group, (g, rs, state, run_id, dtype, config.seq_len, config.shard_bytes)
-        if self.workers is None:
-            f: Future = Future()
-            f.set_result(fn(*args))
-        else:
-            f = self.workers.submit(fn, *args, what=f"joining work units {a}-{b - 1} into shard {g}", urgent=True)
+        f: Future = Future()
         self.futures[g] = f
+        if self.local:
+            threading.Thread(target=self._stream, args=(f, g, a, b), daemon=True, name=f"helixtok-join-{g}").start()
+        else:
+            rs = [self.results[i] for i in range(a, b)]
+            self.futures[g] = self.workers.submit(join_uploaded if self.remote else join_group,
+                                                  *((g, rs, run_id, dtype, config, self.remote) if self.remote
+                                                    else (g, rs, state, run_id, dtype, config)),
+                                                  what=f"joining work units {a}-{b - 1} into shard {g}")
+
+    def _stream(self, f: Future, g: int, a: int, b: int) -> None:
+        state, run_id, dtype, config = self._args
+        w = None
+        try:
+            w = GroupWriter(g, state, run_id, dtype, config)
+            for i in range(a, b):
+                self._ready[i].wait()
+                if self._stop:
+                    raise HelixtokError("the build stopped")
+                w.append(self.results[i])
+            f.set_result(w.close())
+        except BaseException as e:  # noqa: BLE001 - handed to finish()
+            if w is not None:
+                w.abort()
+            f.set_exception(e)
 
     def finish(self) -> list[dict]:
         """Every group's entry, in order, once all are joined; then the workers end."""
-        for g, _, _ in self.groups:
-            if g not in self.futures and not self.waiting[g]:  # all of its units were done before
-                self._start(g)
-        out = [_result(self.futures[g], None) for g, _, _ in self.groups]
+        try:
+            for g, _, _ in self.groups:
+                if g not in self.futures and not self.waiting[g]:  # all of its units were done before
+                    self._start(g)
+            out = [_result(self.futures[g], None) for g, _, _ in self.groups]
+        except BaseException:
+            self.abort()
+            raise
         if self.workers is not None:
             self.workers.close()
         return out
+
+    def abort(self) -> None:
+        """Stop the local joins (their files removed) and wait for them."""
+        self._stop = True
+        for e in self._ready.values():
+            e.set()
+        for f in list(self.futures.values()):
+            with contextlib.suppress(BaseException):
+                f.exception(timeout=30)
 
 
 def _judged_by(verdict: Future | None, info: TokenizerInfo) -> None:

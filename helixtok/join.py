@@ -32,49 +32,61 @@ def shard_groups(units, shard_bytes: int, itemsize: int) -> list[tuple[int, int]
     return groups
 
 
-def group_of(groups: list[tuple[int, int]]) -> dict[int, int]:
-    """Unit index -> the group holding it."""
-    return {i: g for g, (a, b) in enumerate(groups) for i in range(a, b)}
-
-
 BLOCK_TOKENS = 1 << 23  # read per step: memory stays flat however large a unit's output
 
 
-def join_group(g: int, results: list[dict], state: str, run: str, dtype, seq_len: int, shard_bytes: int,
-               opener=None) -> dict:
-    """Join the units' outputs (their journal entries, in unit order) of group `g` into its shards,
-    per split, in `state`: each unit's stream (and .docs/.valid) appended in order, read in blocks,
-    hashed as written.  `opener(x)`: the unit file of entry x opened for reading (default: x's
-    name in `state`)."""
-    opener = opener or (lambda x: open(os.path.join(state, x["state"]), "rb"))
-    dtype = np.dtype(dtype)
-    cap = max(1, LIMIT * shard_bytes // (seq_len * dtype.itemsize)) * seq_len
-    step = max(1, BLOCK_TOKENS // seq_len) * seq_len  # whole chunks: .valid is per chunk
-    out = {}
-    for split in results[0]["shards"] if results else ():
-        sides = tuple(x for x in ("docs", "valid") if any(x in e for r in results for e in r["shards"][split]))
-        files = ShardFiles(os.path.join(state, f"g{g:06d}.{run}.{split}"), f"{split}-{g:06d}", dtype, seq_len,
-                           cap, sides)
-        try:
-            for r in results:
-                for e in r["shards"][split]:
-                    n = e["num_tokens"]
-                    starts = _whole(opener, e["docs"], DOCS_DTYPE).astype(np.int64) if "docs" in e else None
-                    valid = _whole(opener, e["valid"], VALID_DTYPE) if "valid" in e else None
-                    with opener(e) as fh:
-                        for a in range(0, n, step):
-                            b = min(n, a + step)
-                            ids = np.frombuffer(fh.read((b - a) * dtype.itemsize), dtype=dtype)
-                            if len(ids) != b - a:
-                                raise OSError(f"{e['state']}: shorter than the {n} tokens its unit wrote")
-                            files.write(ids, starts=None if starts is None else
-                                        starts[(starts >= a) & (starts < b)] - a,
-                                        valid=None if valid is None else valid[a // seq_len: b // seq_len])
-            out[split] = files.close()
-        except BaseException:
-            files.abort()
-            raise
-    return {"group": g, "run": run, "shards": out}
+class GroupWriter:
+    """One shard group's shards being written, per split, in `state`: its units' outputs (journal
+    entries) appended in unit order, read in blocks, hashed as written.  `opener(x)`: the unit
+    file of entry x opened for reading (default: x's name in `state`)."""
+
+    def __init__(self, g: int, state: str, run: str, dtype, config, opener=None):
+        from .pack import PACKERS
+
+        self.g, self.run = g, run
+        self.opener = opener or (lambda x: open(os.path.join(state, x["state"]), "rb"))
+        self.dtype, self.L = np.dtype(dtype), config.seq_len
+        cap = max(1, LIMIT * config.shard_bytes // (self.L * self.dtype.itemsize)) * self.L
+        splits = ("train", "val") if config.val_fraction > 0 else ("train",)
+        self.files = {s: ShardFiles(os.path.join(state, f"g{g:06d}.{run}.{s}"), f"{s}-{g:06d}", self.dtype, self.L,
+                                    cap, PACKERS[config.packing].sides) for s in splits}
+
+    def append(self, r: dict) -> None:
+        step = max(1, BLOCK_TOKENS // self.L) * self.L  # whole chunks: .valid is per chunk
+        for split, entries in r["shards"].items():
+            files = self.files[split]
+            for e in entries:
+                n = e["num_tokens"]
+                starts = _whole(self.opener, e["docs"], DOCS_DTYPE).astype(np.int64) if "docs" in e else None
+                valid = _whole(self.opener, e["valid"], VALID_DTYPE) if "valid" in e else None
+                with self.opener(e) as fh:
+                    for a in range(0, n, step):
+                        b = min(n, a + step)
+                        ids = np.frombuffer(fh.read((b - a) * self.dtype.itemsize), dtype=self.dtype)
+                        if len(ids) != b - a:
+                            raise OSError(f"{e['state']}: shorter than the {n} tokens its unit wrote")
+                        files.write(ids, starts=None if starts is None else starts[(starts >= a) & (starts < b)] - a,
+                                    valid=None if valid is None else valid[a // self.L: b // self.L])
+
+    def close(self) -> dict:
+        """The group's entry: {"group", "run", "shards": {split: [shard entries, "state" names beside]}}."""
+        return {"group": self.g, "run": self.run, "shards": {s: f.close() for s, f in self.files.items()}}
+
+    def abort(self) -> None:
+        for f in self.files.values():
+            f.abort()
+
+
+def join_group(g: int, results: list[dict], state: str, run: str, dtype, config, opener=None) -> dict:
+    """Group `g`'s shards from its units' journal entries (in unit order), at once."""
+    w = GroupWriter(g, state, run, dtype, config, opener)
+    try:
+        for r in results:
+            w.append(r)
+        return w.close()
+    except BaseException:
+        w.abort()
+        raise
 
 
 def _whole(opener, x: dict, dtype) -> np.ndarray:
@@ -86,8 +98,7 @@ def _whole(opener, x: dict, dtype) -> np.ndarray:
     return np.frombuffer(data, dtype=dtype)
 
 
-def join_uploaded(g: int, results: list[dict], run: str, dtype, seq_len: int, shard_bytes: int,
-                  remote: tuple[str, str], stall: float) -> dict:
+def join_uploaded(g: int, results: list[dict], run: str, dtype, config, remote: tuple[str, str]) -> dict:
     """join_group for units its Ray tasks uploaded to URL/folder: read from there, joined in a temp
     folder of this node's, the group's shards uploaded beside them."""
     import posixpath
@@ -102,9 +113,9 @@ def join_uploaded(g: int, results: list[dict], run: str, dtype, seq_len: int, sh
     fs, root = filesystem(url)
     local = tempfile.mkdtemp(prefix="helixtok-join-")
     try:
-        entry = join_group(g, results, local, run, dtype, seq_len, shard_bytes,
+        entry = join_group(g, results, local, run, dtype, config,
                            opener=lambda x: fs.open(posixpath.join(root, folder, x["path"]), "rb"))
-        upload_unit(local, list(state_files(entry)), url, folder, stall)
+        upload_unit(local, list(state_files(entry)), url, folder, config.stall_seconds)
         return entry
     finally:
         shutil.rmtree(local, ignore_errors=True)

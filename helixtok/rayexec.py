@@ -189,6 +189,8 @@ class RayExecutor:
     """submit(fn=run_unit, unit, info) -> Future of the journal entry, on a Ray cluster: the one at
     ADDRESS, the one $RAY_ADDRESS names, or a local one started for this build."""
 
+    remote_joins = True  # a shard group's join is a task of the cluster too (dispatch.Joins)
+
     def __init__(self, address: str | None, config, state: str, run_id: str, tokenizer: bytes,
                  remote: tuple[str, str] | None = None):
         self.ray = ray = require_ray()
