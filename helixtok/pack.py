@@ -78,7 +78,9 @@ class _Out:
 
     def __init__(self, stem: str, final: str, dtype, seq_len: int, cap: int, min_tail: int, pad_id: int):
         self.L, self.dtype, self.min_tail, self.pad_id = seq_len, np.dtype(dtype), min_tail, pad_id
-        self.files = ShardFiles(stem, final, self.dtype, seq_len, cap, self.sides)
+        # Not fsynced: a unit's output is read once more by its join, whose shards are; a resume
+        # re-hashes it (a file a crash tore is tokenized again), and it may never reach the disk.
+        self.files = ShardFiles(stem, final, self.dtype, seq_len, cap, self.sides, durable=False)
         self.counts = PackCounts()
 
     def close(self) -> list[dict]:

@@ -101,8 +101,8 @@ def _start_writeback():
 class HashedFile:
     """A temp file whose bytes are hashed as written; `commit` fsyncs and renames it into place."""
 
-    def __init__(self, final: str):
-        self.final, self.tmp = final, _tmp_of(final)
+    def __init__(self, final: str, durable: bool = True):
+        self.final, self.tmp, self.durable = final, _tmp_of(final), durable
         self.fh = open(self.tmp, "wb")
         self.hasher = _Sha256Behind()
         self.bytes = 0
@@ -113,7 +113,7 @@ class HashedFile:
         self.fh.write(buf)
         self.hasher.update(buf)
         self.bytes += buf.nbytes
-        if self.bytes - self._behind >= WRITEBACK_BYTES and (start := _start_writeback()) is not None:
+        if self.durable and self.bytes - self._behind >= WRITEBACK_BYTES and (start := _start_writeback()) is not None:
             self.fh.flush()
             start(self.fh.fileno(), self._behind, self.bytes - self._behind, 2)  # only a hint: its result does not matter
             self._behind = self.bytes
@@ -125,7 +125,8 @@ class HashedFile:
         finally:
             self.hasher.close()
         self.fh.flush()
-        os.fsync(self.fh.fileno())
+        if self.durable:
+            os.fsync(self.fh.fileno())
         self.fh.close()
         os.replace(self.tmp, self.final)
         return {"bytes": self.bytes, "sha256": sha}
@@ -145,8 +146,10 @@ class ShardFiles:
     final name `final.NNNN.bin` when the build publishes: what `close` returns says both.
     """
 
-    def __init__(self, stem: str, final: str, dtype: np.dtype, seq_len: int, cap: int, sides: tuple[str, ...]):
+    def __init__(self, stem: str, final: str, dtype: np.dtype, seq_len: int, cap: int, sides: tuple[str, ...],
+                 durable: bool = True):
         self.stem, self.final, self.dtype, self.seq_len, self.cap, self.sides = stem, final, dtype, seq_len, cap, sides
+        self.durable = durable
         self.tokens = 0  # written so far, over all shards
         self.shards: list[dict] = []  # committed: manifest entries with "state" names beside
         self._open: dict[str, HashedFile] | None = None
@@ -163,7 +166,7 @@ class ShardFiles:
         done, n, L = 0, len(ids), self.seq_len
         while done < n:
             if self._open is None:
-                self._open = {ext: HashedFile(self._names(ext)[0]) for ext in ("bin", *self.sides)}
+                self._open = {ext: HashedFile(self._names(ext)[0], self.durable) for ext in ("bin", *self.sides)}
                 self._in = self._docs = 0
             take = min(self.cap - self._in, n - done)
             self._open["bin"].write(ids[done: done + take].astype(self.dtype, copy=False))

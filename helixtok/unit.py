@@ -290,8 +290,8 @@ def _run_unit(unit: Unit, info: TokenizerInfo) -> dict:
             _bump(counters, -last_consumed, -sum(docs.values()), -sum(tokens.values()))
         raise
     _bump(counters, unit.est_bytes - last_consumed, 0, 0)  # close the gap of estimated sizes
-    # Every shard is fsynced before this entry names it: a journal entry that survives a power
-    # loss names whole files, so a resumed build checks their sizes, never their bytes.
+    # The entry records each file's size and sha256: a resume trusts a file only when it still
+    # hashes to it (after a power loss, too: the unit's files are not fsynced, the shards are).
     result = {"index": unit.index, "run": run, "shards": shards,
               "counts": {s: vars(outs[s].counts) for s in splits}, "documents": docs, "tokens": tokens,
               "text_bytes": text_bytes, "lines": reader.lines, "skipped": tally.to_json(),
