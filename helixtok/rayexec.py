@@ -53,13 +53,27 @@ def _beating(watch, index: int, stop: threading.Event) -> None:
             return
 
 
-def _task(cwd: str, config, state: str, run_id: str, remote, tokenizer: bytes, watch, unit, info):
-    """On a Ray worker: tokenize one unit as a pool worker would; with `remote` (URL, folder), in a
-    staging folder of this node's own, then upload its shards there.  Errors come back as values
-    (class name, message): the driver raises them as the one-line errors they are."""
+def _task(cwd: str, key: int, watch, fn, *args):
+    """On a Ray worker: one step of the build, fn(*args) -- a unit's tokenizing (_unit), a shard
+    group's join -- beating into the watch under `key` (a unit's index; a join's, negative), in the
+    driver's folder (relative input paths, as its command line gave them).  Errors come back as
+    values (class name, message): the driver raises them as the one-line errors they are."""
     stop = threading.Event()
-    threading.Thread(target=_beating, args=(watch, unit.index, stop), daemon=True).start()
-    os.chdir(cwd)  # relative input paths, as the driver's command line gave them
+    threading.Thread(target=_beating, args=(watch, key, stop), daemon=True).start()
+    os.chdir(cwd)
+    try:
+        return "ok", fn(*args)
+    except HelixtokError as e:
+        return "error", type(e).__name__, str(e)
+    except OSError as e:
+        return "oserror", e.errno, e.strerror, e.filename
+    finally:
+        stop.set()
+
+
+def _unit(config, state: str, run_id: str, remote, tokenizer: bytes, unit, info) -> dict:
+    """Tokenize one unit as a pool worker would; with `remote` (URL, folder), in a staging folder of
+    this node's own, then upload its files there."""
     if remote is not None:
         state = tempfile.mkdtemp(prefix="helixtok-unit-")
     sha = hold_bytes(tokenizer)  # the driver's bytes (one object in Ray's store), never a file
@@ -70,32 +84,11 @@ def _task(cwd: str, config, state: str, run_id: str, remote, tokenizer: bytes, w
         r = run_unit(unit, info)
         if remote is not None:
             upload_unit(state, list(state_files(r)), *remote, config.stall_seconds)
-        return "ok", r
-    except HelixtokError as e:
-        return "error", type(e).__name__, str(e)
-    except OSError as e:
-        return "oserror", e.errno, e.strerror, e.filename
+        return r
     finally:
-        stop.set()
         release_bytes(sha)
         if remote is not None:
             shutil.rmtree(state, ignore_errors=True)
-
-
-def _call(cwd: str, env_key: int, watch, fn, args):
-    """On a Ray worker: any other step of the build (a shard group's join), beating as a unit's
-    task does (under `env_key`, negative), its errors returned as values as _task's are."""
-    stop = threading.Event()
-    threading.Thread(target=_beating, args=(watch, env_key, stop), daemon=True).start()
-    os.chdir(cwd)
-    try:
-        return "ok", fn(*args)
-    except HelixtokError as e:
-        return "error", type(e).__name__, str(e)
-    except OSError as e:
-        return "oserror", e.errno, e.strerror, e.filename
-    finally:
-        stop.set()
 
 
 def require_ray():
@@ -203,7 +196,8 @@ class RayExecutor:
         self._watch = ray.remote(num_cpus=0)(_Watch).remote()
         self._since = time.monotonic()
         # The tokenizer's bytes go into the object store once; each task gets them from there.
-        self._args = (os.getcwd(), config, os.path.abspath(state), run_id, remote, ray.put(tokenizer), self._watch)
+        self._cwd, self._state = os.getcwd(), os.path.abspath(state)
+        self._unit_args = (config, self._state, run_id, remote, ray.put(tokenizer))
         self._running: dict[int, tuple[Future, str, object]] = {}  # unit index -> (future, what, ref)
         self._lock = threading.Lock()
         self._closed = threading.Event()
@@ -212,21 +206,20 @@ class RayExecutor:
         env = {k: v for k, v in os.environ.items() if k.startswith(("AWS_", "HELIXTOK_"))}
         self._task = ray.remote(num_cpus=1, max_retries=RETRIES, retry_exceptions=False)(_task).options(
             runtime_env={"env_vars": env} if env else None)
-        self._call = ray.remote(num_cpus=1, max_retries=RETRIES, retry_exceptions=False)(_call).options(
-            runtime_env={"env_vars": env} if env else None)
         self._calls = 0
         self._refs: list = []
         self._uploads = remote is not None  # the tasks journal on their own nodes: the driver journals too
 
     def submit(self, fn, *args, what: str, beats: bool = False, urgent: bool = False) -> Future:
-        """fn(*args) on the cluster: run_unit(unit, info) as a unit's task, anything else (a join) as _call."""
+        """fn(*args) on the cluster: run_unit(unit, info) as a unit's task, anything else (a join) as itself."""
         if fn is run_unit:
             unit = args[0]
-            key, ref = unit.index, self._task.remote(*self._args, *args)
+            key = unit.index
+            ref = self._task.remote(self._cwd, key, self._watch, _unit, *self._unit_args, *args)
         else:
             unit, self._calls = None, self._calls + 1
             key = -self._calls
-            ref = self._call.remote(self._args[0], key, self._watch, fn, args)
+            ref = self._task.remote(self._cwd, key, self._watch, fn, *args)
         self._refs.append(ref)
         out: Future = Future()
         with self._lock:
@@ -294,7 +287,7 @@ class RayExecutor:
                 raise getattr(errors, rest[0], HelixtokError)(rest[1])
             r = rest[0]
             if self._uploads and unit is not None:  # for a resume
-                write_json_atomic(done_path(self._args[2], r["index"]), r, durable=False)
+                write_json_atomic(done_path(self._state, r["index"]), r, durable=False)
         except BaseException as e:  # noqa: BLE001 - this runs in Ray's thread: the build's waits on `out`
             out.set_exception(e)
             return
