@@ -1,5 +1,5 @@
 """Shard groups: consecutive work units whose outputs are joined into shards of about --shard-size,
-planned from the input alone, and the join itself (a worker's task once every unit of a group is done)."""
+planned from the input alone, and the join that writes them (dispatch.Joins says where it runs)."""
 
 from __future__ import annotations
 
