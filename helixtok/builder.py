@@ -316,6 +316,10 @@ def _build_started(run: Run, info) -> dict:
         a, b = partition(run.units, run.part["num_tasks"], groups)[run.part["task_index"]]
         run.part["units"] = [a, b]
         if a == b:
+            if run.workers is not None:  # started for the share this task seemed to have
+                run.workers.kill()
+                run.workers = None
+            run.processes = (1, "nothing to tokenize here")
             run.notes.append(f"task {run.part['task_index']} of {run.part['num_tasks']} has nothing to do: the corpus "
                              f"makes {len(groups)} shard{'s' if len(groups) > 1 else ''} of --shard-size "
                              f"{config.shard_bytes:,} bytes, and a shard is one task's; a smaller --shard-size "
