@@ -3,10 +3,12 @@ planned from the input alone, and the join that writes them (dispatch.Joins says
 
 from __future__ import annotations
 
+import hashlib
 import os
 
 import numpy as np
 
+from .errors import HelixtokError
 from .shards import DOCS_DTYPE, VALID_DTYPE, ShardFiles
 
 # Text bytes per token, to size shard groups before anything is tokenized: English with a 32k-128k
@@ -59,14 +61,18 @@ class GroupWriter:
                 n = e["num_tokens"]
                 starts = _whole(self.opener, e["docs"], DOCS_DTYPE).astype(np.int64) if "docs" in e else None
                 valid = _whole(self.opener, e["valid"], VALID_DTYPE) if "valid" in e else None
+                h = hashlib.sha256()  # what is copied is what the unit wrote, or the build stops
                 with self.opener(e) as fh:
                     for a in range(0, n, step):
                         b = min(n, a + step)
-                        ids = np.frombuffer(fh.read((b - a) * self.dtype.itemsize), dtype=self.dtype)
+                        buf = fh.read((b - a) * self.dtype.itemsize)
+                        h.update(buf)
+                        ids = np.frombuffer(buf, dtype=self.dtype)
                         if len(ids) != b - a:
                             raise OSError(f"{e['state']}: shorter than the {n} tokens its unit wrote")
                         files.write(ids, starts=None if starts is None else starts[(starts >= a) & (starts < b)] - a,
                                     valid=None if valid is None else valid[a // self.L: b // self.L])
+                _same(e, h.hexdigest())
 
     def close(self) -> dict:
         """The group's entry: {"group", "run", "shards": {split: [shard entries, "state" names beside]}}."""
@@ -90,12 +96,17 @@ def join_group(g: int, results: list[dict], state: str, run: str, dtype, config,
 
 
 def _whole(opener, x: dict, dtype) -> np.ndarray:
-    """A (small) sidecar, checked for the size its unit recorded."""
+    """A (small) sidecar, checked against the size and sha256 its unit recorded."""
     with opener(x) as fh:
         data = fh.read()
-    if len(data) != x["bytes"]:
-        raise OSError(f"{x['state']}: {len(data)} bytes, its unit wrote {x['bytes']}")
+    _same(x, hashlib.sha256(data).hexdigest())
     return np.frombuffer(data, dtype=dtype)
+
+
+def _same(x: dict, sha: str) -> None:
+    if sha != x["sha256"]:
+        raise HelixtokError(f"{x['state']}: changed since its work unit wrote it (sha256 differs); rerun the same "
+                            "command: the unit is tokenized again")
 
 
 def join_uploaded(g: int, results: list[dict], run: str, dtype, config, remote: tuple[str, str]) -> dict:

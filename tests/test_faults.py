@@ -900,3 +900,37 @@ def test_stress_a_tokenizer_replaced_at_random_moments_never_gives_a_wrong_datas
         seen = list(ex.map(trial, range(10)))
     print(f"stress: 10 builds with the tokenizer replaced at random moments, each its manifest's tokenizer's "
           f"dataset ({seen.count('ref-a')} built with the first tokenizer, {seen.count('ref-b')} with the other)")
+
+
+def test_a_unit_file_changed_before_its_join_stops_the_build_and_the_rerun_is_right(tmp_path, small_corpus, small_tok,
+                                                                                     monkeypatch):
+    """The join copies a unit's output into the shards: a file that no longer hashes to what its
+    unit recorded (changed in STATE between the two) stops the build in one line, never a
+    dataset of its bytes; the same command then tokenizes that unit again and gives the build
+    an undisturbed run gives."""
+    from helixtok.errors import HelixtokError
+    from helixtok.join import GroupWriter
+
+    cfg = BuildConfig(seq_len=16, workers=1, unit_bytes=1, shard_bytes=1 << 20)
+    clean = build([str(small_corpus)], str(tmp_path / "clean"), small_tok, cfg)
+    real = GroupWriter.append
+    hit = []
+
+    def tampered(self, r):
+        if not hit:
+            e = r["shards"]["train"][0]
+            p = os.path.join(str(tmp_path / "out" / STATE), e["state"])
+            data = bytearray(open(p, "rb").read())
+            data[3] ^= 1
+            open(p, "wb").write(bytes(data))
+            hit.append(e["state"])
+        return real(self, r)
+
+    monkeypatch.setattr(GroupWriter, "append", tampered)
+    with pytest.raises(HelixtokError, match=r"changed since its work unit wrote it \(sha256 differs\); rerun the same"):
+        build([str(small_corpus)], str(tmp_path / "out"), small_tok, cfg)
+    assert hit and not os.path.exists(tmp_path / "out" / "manifest.json")
+    monkeypatch.setattr(GroupWriter, "append", real)
+    again = build([str(small_corpus)], str(tmp_path / "out"), small_tok, cfg)
+    assert again.reused_units == again.units - 1  # the tampered unit was tokenized again
+    assert again["splits"] == clean["splits"]
