@@ -262,7 +262,9 @@ class Joins:
         self._stop = True
         for e in self._ready.values():
             e.set()
-        for f in list(self.futures.values()):
+        if not self.local:  # the cluster's tasks end with the executor (its kill)
+            return
+        for f in list(self.futures.values()):  # a thread ends within the block it is copying
             with contextlib.suppress(BaseException):
                 f.exception(timeout=30)
 
