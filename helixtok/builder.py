@@ -2,9 +2,10 @@
 
 Data flow: files (discover.py) -> units (units.py) -> what OUT holds: up to date, or a build to
 resume (resume.py) -> the pending units run (dispatch.py: in this process, pool.py's processes or
-on Ray, rayexec.py), each read (sources.py), tokenized, packed and written as its final shards
-with its journal entry (unit.py, pack.py, shards.py) -> the manifest from the journal entries
-(catalog.py) -> publish: the shards renamed into OUT, the manifest last (outdir.py).
+on Ray, rayexec.py), each read (sources.py), tokenized, packed and written with its journal entry
+(unit.py, pack.py, shards.py), its shard group's join appending it to the shards (join.py) ->
+the manifest from the journal entries (catalog.py; bestfit's index: bestfit.py) -> publish: the
+shards renamed into OUT, the manifest last (outdir.py).
 No step here touches a token.  The journal makes an interrupted build resumable: finished units
 are never redone.
 """
@@ -319,7 +320,6 @@ def _build_started(run: Run, info) -> dict:
             if run.workers is not None:  # started for the share this task seemed to have
                 run.workers.kill()
                 run.workers = None
-            run.processes = (1, "nothing to tokenize here")
             run.notes.append(f"task {run.part['task_index']} of {run.part['num_tasks']} has nothing to do: the corpus "
                              f"makes {len(groups)} shard{'s' if len(groups) > 1 else ''} of --shard-size "
                              f"{config.shard_bytes:,} bytes, and a shard is one task's; a smaller --shard-size "
