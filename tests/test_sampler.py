@@ -250,6 +250,11 @@ def test_a_new_packing_every_epoch_through_dataloader_workers_and_a_resume(dev_p
             d0 = ds[(epoch, 0)]["position_ids"].numpy()
             cut = np.cumsum(lens[perm])
             assert np.flatnonzero(d0 == 0).tolist() == [0] + [int(c) for c in cut[cut < L]]
+            # shifted=True: the last label of chunk i is the first token of the epoch's chunk i + 1
+            sh = MemmapChunkDataset(out, repack=True, seed=9, shifted=True)
+            for i in (0, n // 2, n - 2):
+                assert sh[(epoch, i)]["labels"].tolist() == flat[i * L + 1: (i + 1) * L + 1].tolist()
+            assert sh[(epoch, n - 1)]["labels"][-1] == -100
     else:
         fixed = MemmapChunkDataset(out)
         stored = np.stack([fixed[i]["input_ids"].numpy() for i in range(n)])
