@@ -161,7 +161,8 @@ class MemmapChunkDataset(Dataset):
         if self._identity[os.path.join(self.path, MANIFEST)] != before:
             raise DatasetError(f"{self.path}: the dataset changed while it was being opened; open it again")
         # Where each shard's tokens begin in the split's stream: chunk i is tokens [i*L, (i+1)*L)
-        # (a packed chunk may span shards; document and bestfit shards hold whole chunks).
+        # (a packed chunk may span shards; document shards hold whole chunks; bestfit chunks are
+        # gathered from the pieces its index names).
         self._starts = np.concatenate(([0], np.cumsum([n for _, n, _ in self._shards]))).astype(np.int64)
         self._starts_list = self._starts.tolist()
         if self.packing != "bestfit" and self._starts[-1] // self.seq_len != self._len:

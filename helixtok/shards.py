@@ -12,7 +12,7 @@ import threading
 import numpy as np
 
 
-VALID_DTYPE = np.dtype("<u4")  # per-chunk count of real (non-pad) tokens: document and bestfit packing
+VALID_DTYPE = np.dtype("<u4")  # per-chunk count of real (non-pad) tokens: document packing
 DOCS_DTYPE = np.dtype("<u8")  # token offsets within the shard where a document (or piece) starts
 
 
@@ -139,11 +139,12 @@ class HashedFile:
 
 
 class ShardFiles:
-    """One split's output of one work unit: its tokens in shards of at most `cap` tokens (a
-    multiple of seq_len), each with its sidecars (`sides`: "docs" and/or "valid").
+    """One split's tokens (a work unit's output, or a shard group's join of them) in files of at
+    most `cap` tokens (a multiple of seq_len), each with its sidecars (`sides`: "docs" and/or
+    "valid").
 
-    A shard is written under `stem.NNNN.bin` (and .docs/.valid) in the folder given, and gets its
-    final name `final.NNNN.bin` when the build publishes: what `close` returns says both.
+    A file is written under `stem.NNNN.bin` (and .docs/.valid) in the folder given, and its
+    final name is `final-NNNN.bin`: what `close` returns says both.
     """
 
     def __init__(self, stem: str, final: str, dtype: np.dtype, seq_len: int, cap: int, sides: tuple[str, ...],
