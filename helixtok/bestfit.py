@@ -149,9 +149,8 @@ def build_index(doc_pos: np.ndarray, doc_len: np.ndarray, seq_len: int, min_tail
     chunk = rank[bins]
     order = np.lexsort((np.arange(len(bins)), chunk))
     first = np.concatenate(([0], np.cumsum(np.bincount(chunk, minlength=nbins)))).astype(np.int64)
-    idx = Index(ipos[order], isize[order], first, dropped_tokens=dropped, dropped_documents=dropped_documents)
-    idx.pad_tokens = nbins * L - int(isize.sum())
-    return idx
+    return Index(ipos[order], isize[order], first, pad_tokens=nbins * L - int(isize.sum()), dropped_tokens=dropped,
+                 dropped_documents=dropped_documents)
 
 
 def epoch_order(index: Index, seed: int, epoch: int) -> np.ndarray:

@@ -191,6 +191,7 @@ class Joins:
         self._args = (state, run_id, dtype, config)
         self.results = dict(done)
         self.local = not getattr(workers, "remote_joins", False)
+        self.units = {g: (a, b) for g, a, b in groups}
         self.waiting = {g: {i for i in range(a, b) if i not in done} for g, a, b in groups}
         self.group = {i: g for g, a, b in groups for i in range(a, b)}
         self.futures: dict[int, Future] = {}
@@ -214,18 +215,16 @@ class Joins:
             self._start(g)
 
     def _start(self, g: int) -> None:
-        _, a, b = next(x for x in self.groups if x[0] == g)
+        a, b = self.units[g]
         state, run_id, dtype, config = self._args
-        f: Future = Future()
-        self.futures[g] = f
         if self.local:
+            self.futures[g] = f = Future()
             threading.Thread(target=self._stream, args=(f, g, a, b), daemon=True, name=f"helixtok-join-{g}").start()
-        else:
-            rs = [self.results[i] for i in range(a, b)]
-            self.futures[g] = self.workers.submit(join_uploaded if self.remote else join_group,
-                                                  *((g, rs, run_id, dtype, config, self.remote) if self.remote
-                                                    else (g, rs, state, run_id, dtype, config)),
-                                                  what=f"joining work units {a}-{b - 1} into shard {g}")
+            return
+        rs = [self.results[i] for i in range(a, b)]
+        fn, args = ((join_uploaded, (g, rs, run_id, dtype, config, self.remote)) if self.remote else
+                    (join_group, (g, rs, state, run_id, dtype, config)))
+        self.futures[g] = self.workers.submit(fn, *args, what=f"joining work units {a}-{b - 1} into shard {g}")
 
     def _stream(self, f: Future, g: int, a: int, b: int) -> None:
         state, run_id, dtype, config = self._args

@@ -245,6 +245,8 @@ class Mixture(Dataset):
         if why:
             raise ConfigError(f"the mixture changed since the checkpoint: {why}; a resume may change only "
                               f"stages not yet begun (the run is at step {pos // self.batch_size})")
+        # The sampler checks its dataset's length; a schedule changed only ahead may be longer or
+        # shorter, and its positions read so far are the same (a sampler in order, not shuffled).
         sampler.load_state_dict({**state["sampler"], "n": self._n} if pos <= self._n else state["sampler"])
 
 
