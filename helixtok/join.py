@@ -34,7 +34,7 @@ def shard_groups(units, shard_bytes: int, itemsize: int) -> list[tuple[int, int]
     return groups
 
 
-BLOCK_TOKENS = 1 << 23  # read per step: memory stays flat however large a unit's output
+BLOCK_TOKENS = 1 << 20  # read per step: memory stays flat however large a unit's output
 
 
 class GroupWriter:
