@@ -162,9 +162,21 @@ def load_tokenizer(path: str):
     return tokenizer_from_bytes(data, path)
 
 
-def tokenizer_from_bytes(data: bytes, where: str):
-    from tokenizers import Tokenizer
+def reference_library():
+    """tokenizers' Tokenizer class, the reference every build is checked against: its 0.x Python
+    API.  tokenizers 1.0's reworked bindings (1.0.0rc3: from_file, encode, decode, nothing else)
+    give no vocabulary, added tokens or pipeline to inspect, so they are refused in one line."""
+    import tokenizers
 
+    if not hasattr(tokenizers.Tokenizer, "from_str"):
+        raise TokenizerError(f"tokenizers {tokenizers.__version__} is installed: its reworked Python API has no "
+                             "Tokenizer.from_str, token_to_id or pipeline, which helixtok inspects a tokenizer "
+                             "with; install the 0.x release: pip install 'tokenizers<1'")
+    return tokenizers.Tokenizer
+
+
+def tokenizer_from_bytes(data: bytes, where: str):
+    Tokenizer = reference_library()
     try:
         return Tokenizer.from_str(data.decode("utf-8"))
     except Exception as e:  # tokenizers raises a bare Exception on bad JSON
@@ -332,6 +344,7 @@ def _splits_exactly(tok) -> bool:
 def train_tokenizer(texts: Iterable[str], out_path: str, *, vocab_size: int, min_frequency: int = 2,
                     show_progress: bool = False) -> None:
     """Train a GPT-2-style byte-level BPE with <|endoftext|>, written as tokenizer.json."""
+    reference_library()
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())

@@ -168,10 +168,10 @@ def _check_index(d: Folder, m: dict, split: str, s: dict, doc_offsets: list) -> 
 
 
 def _samples(d: Folder, m: dict, dtype: np.dtype, n: int, seed: int) -> list[dict]:
-    from tokenizers import Tokenizer
+    from .tokenizer import tokenizer_from_bytes
 
     with d.open(m["tokenizer"]["file"]) as fh:
-        tok = Tokenizer.from_str(fh.read().decode())
+        tok = tokenizer_from_bytes(fh.read(), m["tokenizer"]["file"])
     rng = np.random.default_rng(seed)
     view = SplitView(d, m, "train")
     picked = []

@@ -109,6 +109,28 @@ def test_hf_cache_repo_id(tmp_path, corpus, small_tok, monkeypatch):
     assert r.exit_code == 0, r.output
 
 
+def test_tokenizers_1_0s_reworked_api_is_refused_in_one_line(tmp_path, corpus, small_tok):
+    """tokenizers 1.0.0rc3 (on PyPI, a pre-release) reworked its Python bindings to Tokenizer.from_file /
+    encode / decode: a build with it installed said the tokenizer "not a tokenizers tokenizer.json".
+    It cannot be installed beside the 0.x reference here, so a package of its public surface stands
+    in for it, first on the path of a child process."""
+    fake = tmp_path / "site" / "tokenizers"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text(
+        '__version__ = "1.0.0-rc.3"\n'
+        "class Tokenizer:\n"
+        "    @staticmethod\n"
+        "    def from_file(path): raise AssertionError('not reached')\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path / "site"), os.environ.get("PYTHONPATH", "")])}
+    r = subprocess.run([sys.executable, "-m", "helixtok.cli", "build", str(corpus), str(tmp_path / "out"), "-t",
+                        small_tok, "-q"], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip().splitlines() == [
+        "Error: tokenizers 1.0.0-rc.3 is installed: its reworked Python API has no Tokenizer.from_str, token_to_id "
+        "or pipeline, which helixtok inspects a tokenizer with; install the 0.x release: pip install 'tokenizers<1'"]
+    assert not (tmp_path / "out").exists()
+
+
 def test_non_empty_out(tmp_path, corpus, small_tok):
     out = tmp_path / "out"
     out.mkdir()
