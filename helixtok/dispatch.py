@@ -18,7 +18,7 @@ from .errors import HelixtokError, InputError, Interrupted
 from .join import GroupWriter, join_group, join_uploaded
 from .pool import WorkerPool
 from .tokenizer import TokenizerInfo
-from .unit import _init_worker, _LocalCounters, _W, _where, prepare_worker, run_unit
+from .unit import _init_worker, _LocalCounters, _where, end_worker, prepare_worker, run_unit
 from .units import Unit
 
 
@@ -128,7 +128,7 @@ def run_units(units: list[Unit], pending: list[Unit], info: TokenizerInfo, confi
             _judged_by(verdict, info)
             raise
         finally:
-            _W.clear()  # this process's encoder (its tokenizer: ~100 MB for a 100k vocabulary) goes
+            end_worker()
         return results
 
     counters = workers.counters

@@ -8,7 +8,6 @@ import dataclasses
 import hashlib
 import os
 import threading
-from collections.abc import MutableMapping
 
 from .backends import forget_fast_tokenizers
 from .compressed import drop_index
@@ -26,37 +25,24 @@ from .units import Unit
 
 
 
-class _PerThread(MutableMapping):
-    """A dict of its own in each thread.  What a tokenizing process works with (`_W`: config,
-    state folder, run id, encoder) is set once per worker process, but a build without workers
-    sets it in its caller's thread: two such builds in two threads of one program must never
-    tokenize with each other's options or write into each other's folders."""
+@dataclasses.dataclass
+class Worker:
+    """What a tokenizing process works with: set once per worker process (_init_worker), or by a
+    build without workers in its caller's thread."""
 
-    def __init__(self):
-        self._local = threading.local()
-
-    def _d(self) -> dict:
-        if not hasattr(self._local, "d"):
-            self._local.d = {}
-        return self._local.d
-
-    def __getitem__(self, k):
-        return self._d()[k]
-
-    def __setitem__(self, k, v) -> None:
-        self._d()[k] = v
-
-    def __delitem__(self, k) -> None:
-        del self._d()[k]
-
-    def __iter__(self):
-        return iter(self._d())
-
-    def __len__(self) -> int:
-        return len(self._d())
+    config: BuildConfig
+    state: str  # the build's STATE folder, where a unit writes its files
+    run: str  # the run id its files are named for
+    counters: object  # pool.Beat (a worker), _LocalCounters (no workers) or None (a Ray task)
+    encoder: Encoder | None = None
+    encoder_info: TokenizerInfo | None = None  # what `encoder` was made for
 
 
-_W = _PerThread()
+# Per thread, not per process: two builds without workers in two threads of one program must never
+# tokenize with each other's options or write into each other's folders.  .worker: the Worker;
+# .preloaded: the library prepare_worker loaded the tokenizer into (the fork server's thread, which
+# its forked workers continue).
+_here = threading.local()
 # What a build sets to keep each tokenizing process on one core (here and in backends.flat_encoder).
 THREAD_ENV = ("TOKENIZERS_PARALLELISM", "FASTOKENS_BPE_THREADS")
 
@@ -74,7 +60,7 @@ def prepare_worker(tokenizer: bytes, likely: str | None) -> None:
     if likely is not None:
         with contextlib.suppress(Exception):  # the check will say why this library cannot be used
             backends.flat_encoder(likely, sha, "", None)
-            _W["preloaded"] = likely
+            _here.preloaded = likely
 
 
 def _one_thread() -> None:
@@ -87,17 +73,22 @@ def _one_thread() -> None:
 def _init_worker(config: BuildConfig, state_dir: str, run_id: str, counters) -> None:
     """Set up a tokenizing process: a worker (counters: its pool.Beat), or the build's own."""
     _one_thread()
-    _W.update(config=config, state=state_dir, run=run_id, counters=counters)
+    _here.worker = Worker(config, state_dir, run_id, counters)
 
 
-def _encoder(info: TokenizerInfo) -> Encoder:
-    """This process's Encoder for `info` (the backend is chosen after the workers start)."""
-    if _W.get("encoder_info") != info:
-        if _W.pop("preloaded", info.backend) != info.backend:  # _warm loaded a tokenizer for nothing
+def end_worker() -> None:
+    """A build without workers is done: its encoder (its tokenizer: ~100 MB for a 100k vocabulary)
+    goes with this thread's Worker."""
+    _here.__dict__.clear()
+
+
+def _encoder(w: Worker, info: TokenizerInfo) -> Encoder:
+    """The Encoder for `info` of this process (the backend is chosen after the workers start)."""
+    if w.encoder_info != info:
+        if _here.__dict__.pop("preloaded", info.backend) != info.backend:  # loaded for nothing
             forget_fast_tokenizers()
-        _W["encoder"] = Encoder(info, max_piece_chars=_W["config"].max_piece_chars)
-        _W["encoder_info"] = info
-    return _W["encoder"]
+        w.encoder, w.encoder_info = Encoder(info, max_piece_chars=w.config.max_piece_chars), info
+    return w.encoder
 
 
 def _bump(counters, b: int, d: int, t: int) -> None:
@@ -179,9 +170,9 @@ def run_unit(unit: Unit, info: TokenizerInfo) -> dict:
 
 
 def _run_unit(unit: Unit, info: TokenizerInfo) -> dict:
-    enc = _encoder(info)
-    cfg: BuildConfig = _W["config"]
-    state, counters, run = _W["state"], _W["counters"], _W["run"]
+    w: Worker = _here.worker
+    enc = _encoder(w, info)
+    cfg, state, counters, run = w.config, w.state, w.counters, w.run
     splits = ("train", "val") if cfg.val_fraction > 0 else ("train",)
     L = cfg.seq_len
     # The unit's output, one file per split (and sidecar), final once written: named for this run

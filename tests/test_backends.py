@@ -198,24 +198,25 @@ def test_workers_load_the_likely_backend_early_and_drop_it_when_another_is_chose
 
     tok = shapes["llama3-like (uint32)"]
     info = inspect_tokenizer(tok)
-    saved = dict(hb._W)
+    saved = dict(hb._here.__dict__)
 
     def fresh_worker():
         backends._fast_tokenizer.cache_clear()
-        hb._W.clear()
-        hb._W["config"] = BuildConfig()
+        hb.end_worker()
+        hb._here.worker = hb.Worker(BuildConfig(), "", "", None)
         hb.prepare_worker(open(tok, "rb").read(), "fastokens")
     try:
         fresh_worker()
         loaded = backends._fast_tokenizer("fastokens", info.sha256)
         fast = dataclasses.replace(info, backend="fastokens", backend_version="x")
-        assert any(c.cell_contents is loaded for c in hb._encoder(fast)._encode.__closure__)  # the one preloaded
+        assert any(c.cell_contents is loaded
+                   for c in hb._encoder(hb._here.worker, fast)._encode.__closure__)  # the one preloaded
         fresh_worker()  # another worker, where the check chose tokenizers
-        hb._encoder(dataclasses.replace(info, backend="hf", backend_version="y"))
+        hb._encoder(hb._here.worker, dataclasses.replace(info, backend="hf", backend_version="y"))
         assert backends._fast_tokenizer.cache_info().currsize == 0
     finally:
-        hb._W.clear()
-        hb._W.update(saved)
+        hb.end_worker()
+        hb._here.__dict__.update(saved)
 
 
 def test_a_pool_build_checks_the_backend_in_a_worker(tmp_path, dev_corpus, shapes, monkeypatch, pooled):
@@ -289,7 +290,7 @@ def test_an_inline_build_tokenizes_with_the_library_its_check_loaded(tmp_path, d
     # a 100k vocabulary) alive, in the encoder or the cache; nor its one-core settings, which
     # would slow the notebook's own tokenizers.
     from helixtok import unit as hu
-    assert real.cache_info().currsize == 0 and hu._W == {}
+    assert real.cache_info().currsize == 0 and hu._here.__dict__ == {}
     assert [os.environ.get(k) for k in hu.THREAD_ENV] == [None, "4"]
 
 

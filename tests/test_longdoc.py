@@ -190,7 +190,7 @@ def test_a_long_document_reports_progress_piece_by_piece(tmp_path, small_tok):
     try:
         r = hu.run_unit(units[0], info)
     finally:
-        hu._W.clear()  # this thread's tokenizing state, as an inline build leaves it
+        hu.end_worker()  # this thread's tokenizing state, as an inline build leaves it
     during = [b for b in bumps if b[1] == 1]  # the short document flushed, the long one under way
     assert len(during) >= 3 and during[0][2] < during[-1][2] and during[0][0] < during[-1][0]
     assert counters == [units[0].est_bytes, 2, sum(r["tokens"].values())]
