@@ -51,6 +51,24 @@ def _hint(path: str) -> str:
         tool = "bzip2" if low.endswith(".bz2") else "xz"
         return f" Recompress it: {tool} -dc {path} | zstd -q -o {path.rsplit('.', 1)[0]}.zst"
     return ""
+
+
+# What to do about a folder link discovery did not follow (for an input that gave no file at all).
+_OUTSIDE_FIX = "A folder link that leads outside the folders given is not followed: pass its target as an input too"
+
+
+def _left_out(warnings) -> str:
+    """'; left out: ...' naming what discovery skipped (an empty corpus is seldom truly empty), with
+    the fix for the first unsupported file or outside link."""
+    parts = []
+    for reason, n in warnings.counts.items():
+        first = warnings.examples[reason][0]
+        fix = (_hint(first).strip() if reason == "unsupported_file" else
+               _OUTSIDE_FIX if reason == "link_outside_corpus" else "")
+        parts.append(f"{n} x {reason.replace('_', ' ')}, e.g. {first}" + (f". {fix}" if fix else ""))
+    return "; left out: " + "; ".join(parts) if parts else ""
+
+
 _GLOB_CHARS = set("*?[")
 
 
@@ -183,7 +201,7 @@ def discover(paths: list[str], *, exclude: str | None = None) -> tuple[list[Inpu
             raise InputError(f"{arg}: no such file or directory")
 
     if not found:
-        raise InputError(f"no corpus files found in {' '.join(paths)} (supported: {SUPPORTED})")
+        raise InputError(f"no corpus files found in {' '.join(paths)} (supported: {SUPPORTED}){_left_out(warnings)}")
     ordered = sorted(found.values())
     root = os.path.commonpath([os.path.dirname(os.path.abspath(p)) for p in ordered])
     files = []

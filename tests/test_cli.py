@@ -75,6 +75,24 @@ def test_missing_inputs(tmp_path, small_tok, args, message):
     assert len(r.output.strip().splitlines()) == 1, r.output
 
 
+def test_a_folder_with_nothing_to_read_names_what_it_left_out(tmp_path, small_tok, corpus):
+    """A CSV-only folder, or a corpus folder whose subfolders are links to elsewhere, said only "no
+    corpus files found": the error names what was left out and the fix, in one line."""
+    (tmp_path / "csvs").mkdir()
+    (tmp_path / "csvs" / "rows.csv").write_text("text\nhello\n")
+    r = run("build", tmp_path / "csvs", tmp_path / "out", "-t", small_tok)
+    assert r.exit_code == 1 and len(r.output.strip().splitlines()) == 1, r.output
+    assert f"; left out: 1 x unsupported file, e.g. {tmp_path / 'csvs' / 'rows.csv'}. Convert it to JSON Lines" in r.output
+    (tmp_path / "linked").mkdir()
+    (tmp_path / "linked" / "part").symlink_to(corpus)
+    r = run("build", tmp_path / "linked", tmp_path / "out", "-t", small_tok)
+    assert r.exit_code == 1 and len(r.output.strip().splitlines()) == 1, r.output
+    assert (f"; left out: 1 x link outside corpus, e.g. {tmp_path / 'linked' / 'part'}. A folder link that leads "
+            "outside the folders given is not followed: pass its target as an input too") in r.output
+    r = run("build", tmp_path / "linked", corpus, tmp_path / "out", "-t", small_tok, "-q")  # as it says
+    assert r.exit_code == 0, r.output
+
+
 def test_unsupported_file_type_and_json(tmp_path, small_tok):
     (tmp_path / "data.csv").write_text("a,b\n")
     r = run("build", tmp_path / "data.csv", tmp_path / "out", "-t", small_tok)
