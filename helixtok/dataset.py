@@ -16,7 +16,7 @@ from torch.utils.data import Dataset  # noqa: E402
 from .bestfit import CHUNK_DTYPE, ITEM_DTYPE, doc_spans, from_bytes
 from .errors import DatasetError
 from .layout import Pieces, bestfit_pieces, shuffled_documents
-from .manifest import DTYPES, INDEX_FILES, MANIFEST, SIDES, load_manifest, shard_tokens, split_entry
+from .manifest import DTYPES, INDEX_FILES, MANIFEST, SIDES, check_small_file, load_manifest, shard_tokens, split_entry
 from .objstore import is_url, redact
 from .shards import DOCS_DTYPE, VALID_DTYPE
 
@@ -153,6 +153,7 @@ class MemmapChunkDataset(Dataset):
         self._shards = [(os.path.join(self.path, e["path"]), shard_tokens(e, self.seq_len), e) for e in s["shards"]]
         self._index_paths = {k: os.path.join(self.path, s["index"][k]["path"]) for k in INDEX_FILES} \
             if self.packing == "bestfit" else {}
+        self._index_sha = {k: s["index"][k].get("sha256") for k in self._index_paths}
         self._len = int(s["num_chunks"])
         self._check_files(s)
         # What each file is now: a process that opens them later (a DataLoader worker, a pickled
@@ -255,16 +256,21 @@ class MemmapChunkDataset(Dataset):
                     np.empty(0, self.dtype)
             side = {}
             for x in self._sides():
-                with self._checked(os.path.join(self.path, e[x]["path"])) as fh:
-                    side[x] = (np.fromfile(fh, dtype=DOCS_DTYPE).astype(np.int64) if x == "docs" else
-                               np.memmap(fh, dtype=VALID_DTYPE, mode="r", shape=(n // self.seq_len,)) if n else
-                               np.empty(0, VALID_DTYPE))
+                sp = os.path.join(self.path, e[x]["path"])
+                with self._checked(sp) as fh:
+                    raw = np.fromfile(fh, dtype=DOCS_DTYPE if x == "docs" else VALID_DTYPE)
+                check_small_file(sp, raw, e[x].get("sha256"))
+                side[x] = raw.astype(np.int64) if x == "docs" else raw
             maps.append((mm, side))
         self._maps = maps
         self._layouts = {}
         if self._index_paths:
-            with self._checked(self._index_paths["items"]) as a, self._checked(self._index_paths["chunks"]) as b:
-                self._bestfit = from_bytes(a.read(), b.read())
+            raw = {}
+            for k, p in self._index_paths.items():
+                with self._checked(p) as fh:
+                    raw[k] = fh.read()
+                check_small_file(p, raw[k], self._index_sha[k])
+            self._bestfit = from_bytes(raw["items"], raw["chunks"])
             why = self._bestfit.problem(self.seq_len, int(self._starts[-1]))
             if why:
                 raise DatasetError(f"{self._index_paths['items']}: {why}; the index is damaged: rebuild the dataset "

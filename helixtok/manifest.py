@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 
@@ -214,3 +215,12 @@ def split_entry(m: dict, split: str, where: str) -> dict:
         raise DatasetError(f"{where}: no split {split!r} (splits: {', '.join(m['splits'])})"
                            + ("; build with --val-fraction to get one" if split == "val" else ""))
     return m["splits"][split]
+
+
+def check_small_file(path: str, data, sha: str | None) -> None:
+    """The small files that say where chunks and documents lie (a bestfit index, the .docs and .valid
+    sidecars) are hashed as a reader first reads them: a damaged one would give wrong chunks or masks
+    with no error.  (Shards are too large to hash on every open: helixtok verify does that.)"""
+    if sha is not None and hashlib.sha256(data).hexdigest() != sha:
+        raise DatasetError(f"{path}: its sha256 is not the manifest's (damaged or changed since the build); "
+                           "copy the dataset again or rebuild it (helixtok verify says more)")

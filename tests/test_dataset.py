@@ -5,6 +5,7 @@ import hashlib
 import json
 import os
 import pickle
+import re
 import shutil
 
 import numpy as np
@@ -306,23 +307,31 @@ def test_a_format_1_dataset_still_reads_alike(dev_packed, tmp_path):
 
 
 def test_a_damaged_bestfit_index_is_named_never_read(dev_bestfit, tmp_path):
-    """The index is a file the readers trust: one that lists an item past the stream is refused by
-    the dataset when it opens it; one whose bytes differ but stay plausible (two items swapped
-    between chunks) is read (it could be an index), and `helixtok verify` names it: it is not
-    the placement the documents' lengths give.  A version 2 bestfit dataset (chunks packed per
-    window) is refused by every reader in one line."""
+    """The index is a file the readers trust: one whose bytes differ from the manifest's sha256 is
+    refused when the dataset first reads it (two items swapped between chunks used to be read: it
+    could be an index), and `helixtok verify` names it; one the manifest's sha256 agrees with that
+    lists an item past the stream is refused by its structure.  A version 2 bestfit dataset (chunks
+    packed per window) is refused by every reader in one line.  (Form: the plausible swap was
+    read before the index was hashed on first read.)"""
+    import hashlib
+
     from helixtok.verify import verify
 
     out = copy_dataset(dev_bestfit, tmp_path / "d")
     items = np.fromfile(os.path.join(out, "train.items"), dtype="<u8").reshape(-1, 2)
+    m = json.load(open(os.path.join(out, "manifest.json")))
     bad = items.copy()
     bad[5, 0] = 1 << 40
     bad.tofile(os.path.join(out, "train.items"))
+    m["splits"]["train"]["index"]["items"]["sha256"] = hashlib.sha256(bad.tobytes()).hexdigest()
+    json.dump(m, open(os.path.join(out, "manifest.json"), "w"))
     with pytest.raises(DatasetError, match=r"train.items: an item lies outside the split's \d+ tokens"):
         MemmapChunkDataset(out)[0]
     swapped = items.copy()
     swapped[[0, -1]] = swapped[[-1, 0]]
     swapped.tofile(os.path.join(out, "train.items"))
+    with pytest.raises(DatasetError, match=r"train.items: its sha256 is not the manifest's"):
+        MemmapChunkDataset(out)[0]
     report = verify(out)
     assert not report.ok and "train.items: sha256 mismatch (corrupt or modified)" in report.problems
     assert verify(dev_bestfit).ok
@@ -355,3 +364,29 @@ def test_a_bestfit_index_that_is_not_the_lengths_placement_fails_verify(dev_best
     json.dump(m, open(mp, "w"))
     report = verify(out)
     assert report.problems == ["train: its index is not the one its documents' lengths give (docs/format.md); rebuild"]
+
+
+@pytest.mark.parametrize("packing, damaged", [("bestfit", "items"), ("bestfit", "chunks"), ("packed", "docs"),
+                                              ("document", "valid")])
+def test_a_damaged_index_or_sidecar_is_named_by_every_reader_never_read(tmp_path, small_corpus, small_tok,
+                                                                        packing, damaged):
+    """One item of a bestfit index moved 5 tokens on (still in range, so its structure checked out)
+    gave every chunk its items' tokens from the wrong place, with no error, as would a flipped byte
+    in a .docs or .valid sidecar; only verify said so.  These small files are hashed as they are
+    first read: the dataset and show name the file."""
+    from helixtok.builder import build
+    from helixtok.config import BuildConfig
+
+    out = tmp_path / "out"
+    build([str(small_corpus)], str(out), small_tok, BuildConfig(seq_len=64, workers=1, packing=packing))
+    s = json.loads((out / "manifest.json").read_text())["splits"]["train"]
+    path = out / (s["index"][damaged]["path"] if damaged in ("items", "chunks") else s["shards"][0][damaged]["path"])
+    data = bytearray(path.read_bytes())
+    data[16 if damaged == "items" else 8 if damaged == "chunks" else 0] ^= 4
+    path.write_bytes(bytes(data))
+    want = f"{path}: its sha256 is not the manifest's (damaged or changed since the build)"
+    ds = MemmapChunkDataset(str(out), position_ids=packing == "packed")
+    with pytest.raises(DatasetError, match=re.escape(want)):
+        ds[0]
+    r = CliRunner().invoke(main, ["show", str(out), "0"])
+    assert r.exit_code == 1 and want in r.output and "Traceback" not in r.output, r.output
