@@ -20,7 +20,7 @@ BACKENDS = ("auto", "hf", "fastokens", "gigatoken", "tiktoken")
 SPECIAL_POLICIES = ("text", "extract")  # what special-token strings inside documents become
 # Input per worker process when --workers is left to helixtok: a forked worker costs milliseconds
 # to start (pool.py's fork server loads the tokenizer once), so one per ~0.1 s of tokenizing with
-# each library (fastokens 100-300 MB/s a core, gigatoken 50-80; tiktoken ~10 and tokenizers 2-4
+# each library (fastokens 75-120 MB/s a core on unseen text, gigatoken 50-80; tiktoken ~10 and tokenizers 2-4
 # get WORKER_BYTES_SLOW).  Below one worker's share the build tokenizes in its own process.
 WORKER_BYTES = {"fastokens": 16 << 20, "gigatoken": 16 << 20}
 WORKER_BYTES_SLOW = 1 << 20
