@@ -14,10 +14,24 @@ import gzip
 import json
 import os
 import shutil
+import signal
 import tempfile
 from pathlib import Path
 
 import pytest
+
+
+def _children_get_ctrl_c() -> None:
+    """A suite started in the background (`cmd &` in a script, nohup) inherits SIGINT ignored, and
+    so would every process a test starts: helixtok keeps an inherited ignore (as nohup asks), so the
+    tests that press Ctrl-C on a build would see it go on.  A handler here makes the children start
+    with SIGINT at its default, as from a terminal."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+_children_get_ctrl_c()
+
 
 def _few_malloc_arenas() -> None:
     """This one process runs hundreds of builds, each with threads of its own (assembly, hashing,
