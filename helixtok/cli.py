@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import click
 
+from . import __version__
 from .commands import build, inspect, transfer
 
 
+# The code's own version, not the installed metadata's: an editable install keeps the version it
+# was installed at (it said 0.2.0 for 0.3.0's code) until it is installed again.
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(package_name="helixtok")
+@click.version_option(version=__version__, prog_name="helixtok")
 def main():
     """Pre-tokenize text corpora into memory-mappable token shards with exact counts.
 

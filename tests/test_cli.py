@@ -149,6 +149,17 @@ def test_tokenizers_1_0s_reworked_api_is_refused_in_one_line(tmp_path, corpus, s
     assert not (tmp_path / "out").exists()
 
 
+def test_version_is_the_codes_and_the_projects():
+    """`helixtok --version` said the version an editable install was made at (0.2.0), not the
+    code's (0.3.0): it reports helixtok.__version__, which pyproject.toml states too."""
+    from helixtok import __version__
+
+    r = run("--version")
+    assert r.exit_code == 0 and r.output.strip() == f"helixtok, version {__version__}"
+    with open(os.path.join(os.path.dirname(__file__), "..", "pyproject.toml"), encoding="utf-8") as fh:
+        assert re.search(r'^version = "([^"]+)"$', fh.read(), re.M).group(1) == __version__  # (no tomllib on 3.10)
+
+
 def test_non_empty_out(tmp_path, corpus, small_tok):
     out = tmp_path / "out"
     out.mkdir()
