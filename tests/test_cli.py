@@ -139,7 +139,8 @@ def test_tokenizers_1_0s_reworked_api_is_refused_in_one_line(tmp_path, corpus, s
         "class Tokenizer:\n"
         "    @staticmethod\n"
         "    def from_file(path): raise AssertionError('not reached')\n")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path / "site"), os.environ.get("PYTHONPATH", "")])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(tmp_path / "site"), os.environ.get("PYTHONPATH"))
+                                                       if p)}
     r = subprocess.run([sys.executable, "-m", "helixtok.cli", "build", str(corpus), str(tmp_path / "out"), "-t",
                         small_tok, "-q"], capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
