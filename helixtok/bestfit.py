@@ -11,6 +11,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .errors import DatasetError
+from .manifest import check_small_file
+
 ITEM_DTYPE = np.dtype("<u8")  # .items: (stream position, tokens) per item, in chunk order
 CHUNK_DTYPE = np.dtype("<u8")  # .chunks: each chunk's first item, then the number of items
 
@@ -97,19 +100,6 @@ def place(sizes: np.ndarray, capacity: int) -> np.ndarray:
     return out
 
 
-def best_fit(sizes, capacity: int) -> list[list[int]]:
-    """place() as lists of item numbers per bin, in bin order (each in the order placed).
-
-    Example: best_fit([3, 2, 2, 1], 4) -> [[0, 3], [1, 2]].
-    """
-    sizes = np.asarray(sizes, dtype=np.int64)
-    bins = place(sizes, capacity)
-    out: list[list[int]] = [[] for _ in range(int(bins.max()) + 1 if len(bins) else 0)]
-    for i in np.lexsort((np.arange(len(sizes)), -sizes)).tolist():
-        out[bins[i]].append(i)
-    return out
-
-
 def build_index(doc_pos: np.ndarray, doc_len: np.ndarray, seq_len: int, min_tail: int) -> Index:
     """The split's chunks from its documents (stream position and tokens, EOS included, in corpus order).
 
@@ -193,6 +183,22 @@ def write_index(folder: str, split: str, idx: Index) -> dict:
         entry[kind] = {"path": name, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(),
                        **({"count": len(idx.pos)} if kind == "items" else {})}
     return entry
+
+
+def load_index(read, entry: dict, seq_len: int, stream: int, root: str) -> Index:
+    """A split's index (`entry`: its manifest's "index"), each file's bytes from read(path), refused
+    in one line unless each has the manifest's sha256 and the index fits the split's `stream` tokens
+    (`root`: where the paths are, for the message)."""
+    data = {}
+    for k in ("items", "chunks"):
+        data[k] = read(entry[k]["path"])
+        check_small_file(os.path.join(root, entry[k]["path"]), data[k], entry[k].get("sha256"))
+    idx = from_bytes(data["items"], data["chunks"])
+    why = idx.problem(seq_len, stream)
+    if why:
+        raise DatasetError(f"{os.path.join(root, entry['items']['path'])}: {why}; the index is damaged: rebuild the "
+                           "dataset (helixtok verify says more)")
+    return idx
 
 
 def from_bytes(items: bytes | np.ndarray, chunks: bytes | np.ndarray) -> Index:

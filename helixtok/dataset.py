@@ -13,7 +13,7 @@ from . import require_torch
 torch = require_torch()
 from torch.utils.data import Dataset  # noqa: E402
 
-from .bestfit import CHUNK_DTYPE, ITEM_DTYPE, doc_spans, from_bytes
+from .bestfit import CHUNK_DTYPE, ITEM_DTYPE, doc_spans, load_index
 from .errors import DatasetError
 from .layout import Pieces, bestfit_pieces, shuffled_documents
 from .manifest import DTYPES, INDEX_FILES, MANIFEST, SIDES, check_small_file, load_manifest, shard_tokens, split_entry
@@ -153,7 +153,7 @@ class MemmapChunkDataset(Dataset):
         self._shards = [(os.path.join(self.path, e["path"]), shard_tokens(e, self.seq_len), e) for e in s["shards"]]
         self._index_paths = {k: os.path.join(self.path, s["index"][k]["path"]) for k in INDEX_FILES} \
             if self.packing == "bestfit" else {}
-        self._index_sha = {k: s["index"][k].get("sha256") for k in self._index_paths}
+        self._index_entry = s.get("index") if self._index_paths else None  # its manifest entry
         self._len = int(s["num_chunks"])
         self._check_files(s)
         # What each file is now: a process that opens them later (a DataLoader worker, a pickled
@@ -246,6 +246,11 @@ class MemmapChunkDataset(Dataset):
                                "replaced or deleted?); create the dataset and its DataLoader again")
         return fh
 
+    def _read_whole(self, rel: str) -> bytes:
+        """A (small) file of the dataset, by its path in the manifest, read whole (_checked)."""
+        with self._checked(os.path.join(self.path, rel)) as fh:
+            return fh.read()
+
     def _open(self) -> list:
         self._checked(os.path.join(self.path, MANIFEST)).close()
         maps = []
@@ -256,25 +261,16 @@ class MemmapChunkDataset(Dataset):
                     np.empty(0, self.dtype)
             side = {}
             for x in self._sides():
-                sp = os.path.join(self.path, e[x]["path"])
-                with self._checked(sp) as fh:
-                    raw = np.fromfile(fh, dtype=DOCS_DTYPE if x == "docs" else VALID_DTYPE)
-                check_small_file(sp, raw, e[x].get("sha256"))
+                data = self._read_whole(e[x]["path"])
+                check_small_file(os.path.join(self.path, e[x]["path"]), data, e[x].get("sha256"))
+                raw = np.frombuffer(data, dtype=DOCS_DTYPE if x == "docs" else VALID_DTYPE)
                 side[x] = raw.astype(np.int64) if x == "docs" else raw
             maps.append((mm, side))
         self._maps = maps
         self._layouts = {}
         if self._index_paths:
-            raw = {}
-            for k, p in self._index_paths.items():
-                with self._checked(p) as fh:
-                    raw[k] = fh.read()
-                check_small_file(p, raw[k], self._index_sha[k])
-            self._bestfit = from_bytes(raw["items"], raw["chunks"])
-            why = self._bestfit.problem(self.seq_len, int(self._starts[-1]))
-            if why:
-                raise DatasetError(f"{self._index_paths['items']}: {why}; the index is damaged: rebuild the dataset "
-                                   "(helixtok verify says more)")
+            self._bestfit = load_index(self._read_whole, self._index_entry, self.seq_len, int(self._starts[-1]),
+                                       self.path)
         return maps
 
     def set_epoch(self, epoch: int) -> None:

@@ -100,14 +100,23 @@ def manifest_files(m: dict) -> dict[str, str]:
 
 
 def split_files(s: dict):
-    """Every file entry ({"path", "bytes", "sha256", ...}) of a split: its shards, their sidecars, its index."""
-    for e in s["shards"]:
+    """Every file entry ({"path", "bytes", "sha256", ...}) of a split: its shards, their sidecars, its
+    index.  Anything of a damaged manifest that is not an object is passed over (outdir reads OUT's
+    manifest before it is validated)."""
+    if not isinstance(s, dict):
+        return
+    shards = s.get("shards")
+    for e in shards if isinstance(shards, list) else []:
+        if not isinstance(e, dict):
+            continue
         yield e
         for side in ("docs", "valid"):
             if isinstance(e.get(side), dict):
                 yield e[side]
-    for x in (s.get("index") or {}).values():
-        yield x
+    index = s.get("index")
+    for x in index.values() if isinstance(index, dict) else []:
+        if isinstance(x, dict):
+            yield x
 
 
 def with_paths(s: dict, move) -> dict:

@@ -10,7 +10,7 @@ import socket
 import time
 
 from .errors import ConfigError
-from .manifest import MANIFEST, write_json_atomic
+from .manifest import MANIFEST, split_files, write_json_atomic
 from .planid import PLAN_FILE
 
 STATE = ".helixtok-partial"  # everything an unfinished build keeps; only helixtok writes inside
@@ -111,11 +111,7 @@ def _manifest_files(out: str) -> list[str]:
     names += [p for p in merged if isinstance(p, str)] if isinstance(merged, list) else []
     splits = m.get("splits")
     for s in splits.values() if isinstance(splits, dict) else []:
-        files = [e for e in s.get("shards") or [] if isinstance(e, dict)] if isinstance(s, dict) else []
-        files += [x for e in files for x in (e.get("docs"), e.get("valid")) if isinstance(x, dict)]
-        index = s.get("index") if isinstance(s, dict) else None
-        files += [x for x in index.values() if isinstance(x, dict)] if isinstance(index, dict) else []
-        for p in (x.get("path") for x in files):
+        for p in (x.get("path") for x in split_files(s)):
             if isinstance(p, str):  # only files directly in OUT (a merged dataset's are in its parts)
                 names.append(p)
     return [n for n in names if os.sep not in n and n not in ("", ".", "..")]

@@ -7,7 +7,7 @@ import os
 
 import numpy as np
 
-from .bestfit import CHUNK_DTYPE, ITEM_DTYPE, Index, from_bytes
+from .bestfit import CHUNK_DTYPE, ITEM_DTYPE, Index, load_index
 from .errors import ConfigError, DatasetError
 from .layout import Pieces, bestfit_pieces
 from .manifest import DTYPES, check_small_file, shard_tokens, split_entry
@@ -34,8 +34,8 @@ class SplitView:
         self._maps: dict[tuple[int, str], np.ndarray] = {}
         self._pieces: Pieces | None = None
 
-    def _read(self, path: str, want: int, sha: str | None) -> bytes:
-        """A whole (small) file of the dataset, refused unless it has the manifest's size and sha256."""
+    def _read(self, path: str, want: int) -> bytes:
+        """A whole (small) file of the dataset, refused unless it has the manifest's size."""
         if self.folder is not None:
             size = self.folder.size(path)
             data = None
@@ -53,20 +53,14 @@ class SplitView:
             raise DatasetError(f"{os.path.join(self.root, path)}: {'missing or not a file' if size is None else f'{size} bytes'}"
                                f", the manifest says {want}; copy the dataset again or rebuild it "
                                "(helixtok verify says more)")
-        check_small_file(os.path.join(self.root, path), data, sha)
         return data
 
     def bestfit_index(self) -> Index:
         """A bestfit split's index (its two files, read whole)."""
         x = self.s["index"]
-        idx = from_bytes(self._read(x["items"]["path"], x["items"]["count"] * 2 * ITEM_DTYPE.itemsize,
-                                    x["items"].get("sha256")),
-                         self._read(x["chunks"]["path"], (self.num_chunks + 1) * CHUNK_DTYPE.itemsize,
-                                    x["chunks"].get("sha256")))
-        why = idx.problem(self.L, self._starts[-1])
-        if why:
-            raise DatasetError(f"{os.path.join(self.root, x['items']['path'])}: {why}; rebuild the dataset")
-        return idx
+        size = {x["items"]["path"]: x["items"]["count"] * 2 * ITEM_DTYPE.itemsize,
+                x["chunks"]["path"]: (self.num_chunks + 1) * CHUNK_DTYPE.itemsize}
+        return load_index(lambda p: self._read(p, size[p]), x, self.L, self._starts[-1], self.root)
 
     def pieces(self) -> Pieces | None:
         """Where a bestfit split's chunks lie (None: chunks are cut from the stream in order)."""

@@ -145,7 +145,7 @@ def verify(out: str, *, sample: int = 0, seed: int = 0) -> VerifyReport:
 def _check_index(d: Folder, m: dict, split: str, s: dict, doc_offsets: list) -> list[str]:
     """A bestfit split's index: its files' sha256, and the very index its documents' lengths give."""
     out = []
-    for k, x in s["index"].items():
+    for x in s["index"].values():
         if d.size(x["path"]) is None:
             return [f"{x['path']}: missing (the split's bestfit index)"]
         with d.open(x["path"]) as fh:

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from helixtok import shards
-from helixtok.bestfit import best_fit, build_index, epoch_order
+from helixtok.bestfit import build_index, epoch_order, place
 from helixtok.layout import bestfit_pieces, shuffled_documents
 from helixtok.pack import PACKERS, document_chunks
 
@@ -101,6 +101,16 @@ def test_shard_hash_behind_the_writes_is_the_files_sha256(tmp_path_factory, size
     assert [at for at, _ in started] == ([0] + ends[:-1] if started else []) and all(n >= behind for _, n in started)
     assert len(seen) - (ends[-1] if ends else 0) < behind  # all but the last `behind` bytes are on their way
     assert not os.path.exists(shards._tmp_of(str(d / "s.bin")))
+
+
+def best_fit(sizes, capacity: int) -> list[list[int]]:
+    """place() as lists of item numbers per bin, in bin order (each in the order placed)."""
+    sizes = np.asarray(sizes, dtype=np.int64)
+    bins = place(sizes, capacity)
+    out: list[list[int]] = [[] for _ in range(int(bins.max()) + 1 if len(bins) else 0)]
+    for i in np.lexsort((np.arange(len(sizes)), -sizes)).tolist():
+        out[bins[i]].append(i)
+    return out
 
 
 def test_best_fit_hand_made():
