@@ -368,8 +368,8 @@ def _tokenize(run: Run, info, verdict: Future | None) -> tuple[dict, list[dict],
     if not resume:
         write_json_atomic(os.path.join(state, "plan.json"), plan)
     remote = run.remote  # (URL, folder) by now: see _build_in
-    trusted = trusted_results(out, state, units, remote and remote_sizes(*remote, config.stall_seconds)) \
-        if resume else {}
+    trusted, placed = trusted_results(out, state, units, run.groups,
+                                      remote and remote_sizes(*remote, config.stall_seconds)) if resume else ({}, {})
     pending = [u for u in units if u.index not in trusted]
     done_bytes = sum(u.est_bytes for u in units if u.index in trusted)
     refs = LineRefs(units)
@@ -389,7 +389,7 @@ def _tokenize(run: Run, info, verdict: Future | None) -> tuple[dict, list[dict],
         run.workers = UnitPool(want[0], config, state, run.run_id, tokenizer_bytes(info.sha256), load_likely=False)
     elif run.workers is None:
         run.processes = want
-    joins = Joins(run.groups, trusted, run.workers, state, run.run_id, info.dtype, config, remote)
+    joins = Joins(run.groups, trusted, placed, run.workers, state, run.run_id, info.dtype, config, remote)
 
     def done(r: dict) -> None:
         refs.record(r["index"], r["lines"])
@@ -469,8 +469,8 @@ def _read_docs(run: Run, d: dict) -> np.ndarray:
     else:
         with open(os.path.join(run.state, d["state"]), "rb") as fh:
             data = fh.read()
-    if len(data) != d["bytes"]:
-        raise DatasetError(f"{d['path']}: {len(data)} bytes, its join wrote {d['bytes']}; rerun the same command")
+    if len(data) != d["bytes"] or hashlib.sha256(data).hexdigest() != d["sha256"]:
+        raise DatasetError(f"{d['path']}: not the bytes its join wrote (its sha256 differs); rerun the same command")
     return np.frombuffer(data, dtype=DOCS_DTYPE)
 
 

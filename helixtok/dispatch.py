@@ -3,7 +3,6 @@ each journal entry handed on as it comes, with progress and a clean stop on a si
 
 from __future__ import annotations
 
-import contextlib
 import queue
 import signal
 import threading
@@ -15,7 +14,7 @@ from typing import Callable
 from .backends import FAST
 from .config import BuildConfig, worker_bytes
 from .errors import HelixtokError, InputError, Interrupted
-from .join import GroupWriter, join_group, join_uploaded
+from .join import close_group, join_group, join_uploaded, offsets_after, place_unit
 from .pool import WorkerPool
 from .tokenizer import TokenizerInfo
 from .unit import _init_worker, _LocalCounters, _where, end_worker, prepare_worker, run_unit
@@ -179,93 +178,136 @@ def run_units(units: list[Unit], pending: list[Unit], info: TokenizerInfo, confi
 
 
 class Joins:
-    """Every shard group's join (join.py).  Locally each group has a thread of this process that
-    appends its units' outputs in unit order as they come in, beside the tokenizing: by the time a
-    group's last unit is done, all but that unit are in its shards (copying and hashing release the
-    GIL).  On Ray a group's join is a task of the cluster, once its last unit is done.
-    groups: (number, units [a, b)); `done`: the journal entries finished before (a resume)."""
+    """Every shard group's shards (join.py).  Locally a unit is placed as soon as every unit before it
+    in its group is tokenized (its offset is then known): a task for any worker, ahead of the units
+    still to tokenize; a group is closed, a task too, once all of its units are placed.  This
+    process only keeps count (a thread of it, so that no pool callback waits on the pool).  On Ray
+    a group's join is one task of the cluster, once its last unit is done.  Without workers it all
+    runs here, in turn.  groups: (number, units [a, b)); `done`: the journal entries finished
+    before (a resume), `placed`: their placements that are still good."""
 
-    def __init__(self, groups: list[tuple[int, int, int]], done: dict[int, dict], workers, state: str, run_id: str,
-                 dtype, config: BuildConfig, remote: tuple[str, str] | None):
+    def __init__(self, groups: list[tuple[int, int, int]], done: dict[int, dict], placed: dict[int, dict], workers,
+                 state: str, run_id: str, dtype, config: BuildConfig, remote: tuple[str, str] | None):
         self.groups, self.workers, self.remote = groups, workers, remote
         self._args = (state, run_id, dtype, config)
-        self.results = dict(done)
+        self.results, self.placed = dict(done), dict(placed)
         self.local = not getattr(workers, "remote_joins", False)
         self.units = {g: (a, b) for g, a, b in groups}
-        self.waiting = {g: {i for i in range(a, b) if i not in done} for g, a, b in groups}
         self.group = {i: g for g, a, b in groups for i in range(a, b)}
-        self.futures: dict[int, Future] = {}
-        self._ready = {i: threading.Event() for _, a, b in groups for i in range(a, b)}
-        for i in done:
-            if i in self._ready:
-                self._ready[i].set()
-        self._stop = False
+        self.next = {g: a for g, a, _ in groups}  # the first unit of g whose offset is not known yet
+        self.pos: dict[int, dict[str, int]] = {g: {} for g, _, _ in groups}  # ... and that offset, per split
+        self.futures = {g: Future() for g, _, _ in groups}  # each group's entry
+        self.started: set[int] = set()
+        self._events: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = None
+        if workers is not None:
+            self._thread = threading.Thread(target=self._serve, daemon=True, name="helixtok-joins")
+            self._thread.start()
+        for g, _, _ in groups:
+            self._later(self._advance, g)
+
+    def _later(self, fn, *args) -> None:
+        """fn(*args) in the joins' thread (or now, without workers)."""
+        if self._thread is None:
+            fn(*args)
+        else:
+            self._events.put((fn, args))
+
+    def _serve(self) -> None:
+        while (ev := self._events.get()) is not None:
+            try:
+                ev[0](*ev[1])
+            except BaseException as e:  # noqa: BLE001 - every group still open fails with it
+                for f in self.futures.values():
+                    if not f.done():
+                        f.set_exception(e)
 
     def unit_done(self, r: dict) -> None:
+        self._later(self._unit_done, r)
+
+    def _unit_done(self, r: dict) -> None:
         i = r["index"]
         self.results[i] = r
-        g = self.group.get(i)
-        if g is None:
-            return
-        self.waiting[g].discard(i)
-        self._ready[i].set()
-        if self.local and g not in self.futures:
-            self._start(g)  # with its first unit: it appends them as they come
-        elif not self.local and not self.waiting[g]:
-            self._start(g)
+        if (g := self.group.get(i)) is not None:
+            self._advance(g)
 
-    def _start(self, g: int) -> None:
+    def _advance(self, g: int) -> None:
+        a, b = self.units[g]
+        if g in self.started or self.futures[g].done():
+            return
+        if not self.local:  # Ray: one task per group, once all of its units are in
+            if all(i in self.results for i in range(a, b)):
+                self.started.add(g)
+                self._chain(g, self._ray_join(g))
+            return
+        state, run_id, dtype, config = self._args
+        while self.next[g] < b and self.next[g] in self.results:
+            i = self.next[g]
+            r = self.results[i]
+            if i not in self.placed:
+                if self.workers is None:
+                    self.placed[i] = place_unit(r, g, self.pos[g], state, dtype, config)
+                else:
+                    f = self.workers.submit(place_unit, r, g, self.pos[g], state, dtype, config, urgent=True,
+                                            what=f"placing work unit {i} in shard {g}")
+                    f.add_done_callback(lambda f, g=g, i=i: self._later(self._placed, g, i, f))
+            self.pos[g] = offsets_after(r, self.pos[g])
+            self.next[g] += 1
+        if self.next[g] == b and all(i in self.placed for i in range(a, b)):
+            self.started.add(g)
+            args = (g, [self.results[i] for i in range(a, b)], [self.placed[i] for i in range(a, b)], state, run_id,
+                    dtype, config)
+            if self.workers is None:
+                self.futures[g].set_result(close_group(*args))
+            else:
+                self._chain(g, self.workers.submit(close_group, *args, urgent=True, what=f"closing shard {g}"))
+
+    def _placed(self, g: int, i: int, f: Future) -> None:
+        try:
+            self.placed[i] = _result(f, None)
+        except BaseException as e:  # noqa: BLE001 - the group's entry says it
+            if not self.futures[g].done():
+                self.futures[g].set_exception(e)
+            return
+        self._advance(g)
+
+    def _chain(self, g: int, f: Future) -> None:
+        def done(f: Future) -> None:
+            try:
+                self.futures[g].set_result(_result(f, None))
+            except BaseException as e:  # noqa: BLE001 - raised by finish()
+                self.futures[g].set_exception(e)
+        f.add_done_callback(done)
+
+    def _ray_join(self, g: int) -> Future:
         a, b = self.units[g]
         state, run_id, dtype, config = self._args
-        if self.local:
-            self.futures[g] = f = Future()
-            threading.Thread(target=self._stream, args=(f, g, a, b), daemon=True, name=f"helixtok-join-{g}").start()
-            return
         rs = [self.results[i] for i in range(a, b)]
         fn, args = ((join_uploaded, (g, rs, run_id, dtype, config, self.remote)) if self.remote else
                     (join_group, (g, rs, state, run_id, dtype, config)))
-        self.futures[g] = self.workers.submit(fn, *args, what=f"joining work units {a}-{b - 1} into shard {g}")
-
-    def _stream(self, f: Future, g: int, a: int, b: int) -> None:
-        state, run_id, dtype, config = self._args
-        w = None
-        try:
-            w = GroupWriter(g, state, run_id, dtype, config)
-            for i in range(a, b):
-                self._ready[i].wait()
-                if self._stop:
-                    raise HelixtokError("the build stopped")
-                w.append(self.results[i])
-            f.set_result(w.close())
-        except BaseException as e:  # noqa: BLE001 - handed to finish()
-            if w is not None:
-                w.abort()
-            f.set_exception(e)
+        return self.workers.submit(fn, *args, what=f"joining work units {a}-{b - 1} into shard {g}")
 
     def finish(self) -> list[dict]:
         """Every group's entry, in order, once all are joined; then the workers end."""
         try:
-            for g, _, _ in self.groups:
-                if g not in self.futures and not self.waiting[g]:  # all of its units were done before
-                    self._start(g)
-            out = [_result(self.futures[g], None) for g, _, _ in self.groups]
+            out = [self.futures[g].result() for g, _, _ in self.groups]
         except BaseException:
             self.abort()
             raise
+        self._stop()
         if self.workers is not None:
             self.workers.close()
         return out
 
     def abort(self) -> None:
-        """Stop the local joins (their files removed) and wait for them."""
-        self._stop = True
-        for e in self._ready.values():
-            e.set()
-        if not self.local:  # the cluster's tasks end with the executor (its kill)
-            return
-        for f in list(self.futures.values()):  # a thread ends within the block it is copying
-            with contextlib.suppress(BaseException):
-                f.exception(timeout=30)
+        """Stop keeping count (the tasks it handed out end with the workers: the caller kills them)."""
+        self._stop()
+
+    def _stop(self) -> None:
+        if self._thread is not None:
+            self._events.put(None)
+            self._thread.join()
+            self._thread = None
 
 
 def _judged_by(verdict: Future | None, info: TokenizerInfo) -> None:

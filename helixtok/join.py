@@ -1,21 +1,32 @@
-"""Shard groups: consecutive work units whose outputs are joined into shards of about --shard-size,
-planned from the input alone, and the join that writes them (dispatch.Joins says where it runs)."""
+"""Shard groups: consecutive work units whose outputs make shards of about --shard-size, planned from
+the input alone; placing a unit's output at its offset in its group's shards, and closing a group.
+
+A unit's place in its group's stream is the sum of the tokens of the units before it, known as soon
+as they are tokenized (not written): so units are placed in any order, by any process, each read
+once, hashed once and written once (pwrite at its offset).  Each placed range is a *segment* of its
+shard, recorded with the sha256 of its bytes, computed from the very bytes written while checking
+them against the sha256 its unit recorded: a shard's integrity is its segments' digests
+(docs/format.md), so no shard is ever read back to be hashed.  dispatch.Joins says where it runs.
+"""
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 
 import numpy as np
 
 from .errors import HelixtokError
-from .shards import DOCS_DTYPE, VALID_DTYPE, ShardFiles
+from .manifest import write_json_atomic
+from .shards import DOCS_DTYPE, VALID_DTYPE, HashedFile, start_writeback
 
 # Text bytes per token, to size shard groups before anything is tokenized: English with a 32k-128k
 # BPE gives 3.5-4.5 (the dev corpus with Llama-3.2: 3.9), code ~3, CJK ~1.5-2 (shards then up to
-# 2x the size asked for: the join never writes one larger, it starts a second).
+# 2x the size asked for: past that a group's stream goes on in a second piece).
 BYTES_PER_TOKEN = 4
 LIMIT = 2  # no shard holds more than LIMIT x --shard-size bytes
+BLOCK_BYTES = 1 << 20  # read, hashed and written per step: memory stays flat however large a unit
 
 
 def shard_groups(units, shard_bytes: int, itemsize: int) -> list[tuple[int, int]]:
@@ -34,65 +45,199 @@ def shard_groups(units, shard_bytes: int, itemsize: int) -> list[tuple[int, int]
     return groups
 
 
-BLOCK_TOKENS = 1 << 20  # read per step: memory stays flat however large a unit's output
+def piece_tokens(config, itemsize: int) -> int:
+    """Tokens a shard (a piece of its group's stream) holds at most: whole chunks."""
+    return max(1, LIMIT * config.shard_bytes // (config.seq_len * itemsize)) * config.seq_len
 
 
-class GroupWriter:
-    """One shard group's shards being written, per split, in `state`: its units' outputs (journal
-    entries) appended in unit order, read in blocks, hashed as written.  `opener(x)`: the unit
-    file of entry x opened for reading (default: x's name in `state`)."""
+def piece_name(g: int, split: str, k: int) -> str:
+    """A shard's name in STATE while its group is placed.  Not named for the run: a resumed build
+    places its remaining units into the pieces the interrupted one left (their trusted segments
+    re-hashed first, resume.py); every writer writes the same bytes at the same offsets."""
+    return f"g{g:06d}.{split}.{k:04d}.bin"
 
-    def __init__(self, g: int, state: str, run: str, dtype, config, opener=None):
-        from .pack import PACKERS
 
-        self.g, self.run = g, run
-        self.opener = opener or (lambda x: open(os.path.join(state, x["state"]), "rb"))
-        self.dtype, self.L = np.dtype(dtype), config.seq_len
-        cap = max(1, LIMIT * config.shard_bytes // (self.L * self.dtype.itemsize)) * self.L
-        splits = ("train", "val") if config.val_fraction > 0 else ("train",)
-        self.files = {s: ShardFiles(os.path.join(state, f"g{g:06d}.{run}.{s}"), f"{s}-{g:06d}", self.dtype, self.L,
-                                    cap, PACKERS[config.packing].sides) for s in splits}
+def placed_path(state: str, index: int) -> str:
+    return os.path.join(state, f"u{index:06d}.placed.json")
 
-    def append(self, r: dict) -> None:
-        step = max(1, BLOCK_TOKENS // self.L) * self.L  # whole chunks: .valid is per chunk
+
+def placed_from(r: dict) -> list:
+    """The unit files a placement copied, [state name, sha256] each: a resume trusts a placement
+    only with the very journal entry it was made from."""
+    return [[e["state"], e["sha256"]] for entries in r["shards"].values() for e in entries]
+
+
+def _unit_file(state: str):
+    return lambda x: open(os.path.join(state, x["state"]), "rb")
+
+
+def place_unit(r: dict, g: int, offsets: dict[str, int], state: str, dtype, config, opener=None,
+               drop: bool = True) -> dict:
+    """Write unit `r`'s ids (its journal entry) into group `g`'s shards in `state`, starting at
+    `offsets` (per split: tokens of the group's units before it); returns and journals its
+    placement {"index", "group", "segments": {split: [[piece, byte offset, bytes, sha256], ...]},
+    "from": placed_from(r)}.
+    Each of its files is checked against the sha256 its unit recorded as it is copied (a file
+    changed in between stops the build); `drop`: the unit's .bin files are deleted once placed
+    (its sidecars stay for close_group)."""
+    opener = opener or _unit_file(state)
+    item = np.dtype(dtype).itemsize
+    cap = piece_tokens(config, item)
+    buf = bytearray(BLOCK_BYTES // item * item)
+    segments: dict[str, list] = {}
+    fds: dict[str, int] = {}
+    try:
         for split, entries in r["shards"].items():
-            files = self.files[split]
+            pos, segs = offsets.get(split, 0), segments.setdefault(split, [])
             for e in entries:
-                n = e["num_tokens"]
-                starts = _whole(self.opener, e["docs"], DOCS_DTYPE).astype(np.int64) if "docs" in e else None
-                valid = _whole(self.opener, e["valid"], VALID_DTYPE) if "valid" in e else None
-                h = hashlib.sha256()  # what is copied is what the unit wrote, or the build stops
-                with self.opener(e) as fh:
-                    for a in range(0, n, step):
-                        b = min(n, a + step)
-                        buf = fh.read((b - a) * self.dtype.itemsize)
-                        h.update(buf)
-                        ids = np.frombuffer(buf, dtype=self.dtype)
-                        if len(ids) != b - a:
-                            raise OSError(f"{e['state']}: shorter than the {n} tokens its unit wrote")
-                        files.write(ids, starts=None if starts is None else starts[(starts >= a) & (starts < b)] - a,
-                                    valid=None if valid is None else valid[a // self.L: b // self.L])
-                _same(e, h.hexdigest())
+                ranges = []  # (piece, byte offset in it, bytes) this file's ids go to
+                a, left = pos, e["num_tokens"]
+                while left:
+                    k, at = divmod(a, cap)
+                    n = min(left, cap - at)
+                    ranges.append((k, at * item, n * item))
+                    a, left = a + n, left - n
+                whole = hashlib.sha256()
+                with opener(e) as src:
+                    for k, off, n in ranges:
+                        name = piece_name(g, split, k)
+                        if name not in fds:
+                            fds[name] = os.open(os.path.join(state, name), os.O_WRONLY | os.O_CREAT, 0o644)
+                        h = whole if len(ranges) == 1 else hashlib.sha256()  # one range: one hash serves both
+                        _copy(src, fds[name], off, n, buf, h, whole if h is not whole else None, e)
+                        segs.append([k, off, n, h.hexdigest()])
+                    if src.read(1):
+                        raise HelixtokError(f"{e['state']}: longer than the {e['num_tokens']} tokens its work unit "
+                                            "wrote; rerun the same command: the unit is tokenized again")
+                _same(e, whole.hexdigest())
+                pos += e["num_tokens"]
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    placed = {"index": r["index"], "group": g, "segments": segments, "from": placed_from(r)}
+    write_json_atomic(placed_path(state, r["index"]), placed, durable=False)
+    if drop:
+        for entries in r["shards"].values():
+            for e in entries:
+                try:
+                    os.remove(os.path.join(state, e["state"]))
+                except FileNotFoundError:
+                    pass
+    return placed
 
-    def close(self) -> dict:
-        """The group's entry: {"group", "run", "shards": {split: [shard entries, "state" names beside]}}."""
-        return {"group": self.g, "run": self.run, "shards": {s: f.close() for s, f in self.files.items()}}
 
-    def abort(self) -> None:
-        for f in self.files.values():
-            f.abort()
+def _copy(src, fd: int, off: int, n: int, buf: bytearray, h, also, e: dict) -> None:
+    """n bytes of `src` to `fd` at `off`, hashed into h (and `also`), written back to disk as they go."""
+    view = memoryview(buf)
+    done = 0
+    while done < n:
+        got = src.readinto(view[: min(len(buf), n - done)])
+        if not got:
+            raise HelixtokError(f"{e['state']}: shorter than the {e['num_tokens']} tokens its work unit wrote; "
+                                "rerun the same command: the unit is tokenized again")
+        chunk = view[:got]
+        h.update(chunk)
+        if also is not None:
+            also.update(chunk)
+        w = 0
+        while w < got:
+            w += os.pwrite(fd, chunk[w:], off + done + w)
+        done += got
+    if (start := start_writeback()) is not None:
+        start(fd, off, n, 2)  # a hint: the group's fsync finds little left to write
+
+
+def close_group(g: int, results: list[dict], placements: list[dict], state: str, run: str, dtype, config,
+                opener=None) -> dict:
+    """Group `g`'s entry once every unit of it (journal entries `results`, in unit order) is placed
+    (`placements`, the same order): each shard's segments checked to cover it exactly, the shard
+    fsynced, its sidecars (.docs offsets moved to the shard's, .valid) written from the units'
+    (each checked against its sha256): {"group", "run", "shards": {split: [shard entries, each
+    with its "state" name]}}."""
+    from .pack import PACKERS
+
+    opener = opener or _unit_file(state)
+    item = np.dtype(dtype).itemsize
+    L, cap = config.seq_len, piece_tokens(config, item)
+    sides = PACKERS[config.packing].sides
+    splits = ("train", "val") if config.val_fraction > 0 else ("train",)
+    out = {}
+    for s in splits:
+        pos, starts, valid = 0, [], []
+        for r in results:
+            for e in r["shards"].get(s, []):
+                if "docs" in e:
+                    starts.append(_whole(opener, e["docs"], DOCS_DTYPE).astype(np.int64) + pos)
+                if "valid" in e:
+                    valid.append(_whole(opener, e["valid"], VALID_DTYPE))
+                pos += e["num_tokens"]
+        starts_all = np.concatenate(starts) if starts else np.empty(0, np.int64)
+        valid_all = np.concatenate(valid) if valid else np.empty(0, VALID_DTYPE)
+        by_piece: dict[int, list] = {}
+        for p in placements:
+            for k, off, n, sha in p["segments"].get(s, []):
+                by_piece.setdefault(k, []).append((off, n, sha))
+        entries = []
+        for k in range(-(-pos // cap)):
+            ntok = min(cap, pos - k * cap)
+            segs = by_piece.get(k, [])
+            at = 0
+            for off, n, _ in segs:
+                at = at + n if off == at else -1
+            if at != ntok * item:
+                raise HelixtokError(f"shard {s}-{g:06d}-{k:04d}: its placed segments do not cover it; rerun the "
+                                    "same command")
+            name = piece_name(g, s, k)
+            fd = os.open(os.path.join(state, name), os.O_RDWR)
+            try:
+                if os.fstat(fd).st_size != ntok * item:
+                    raise HelixtokError(f"{name}: {os.fstat(fd).st_size} bytes where its segments hold {ntok * item}"
+                                        "; rerun the same command")
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            e = {"path": f"{s}-{g:06d}-{k:04d}.bin", "state": name, "bytes": ntok * item, "num_tokens": ntok,
+                 "segments": [[n, sha] for _, n, sha in segs]}
+            lo, hi = k * cap, k * cap + ntok
+            for side in sides:
+                stem = f"g{g:06d}.{run}.{s}.{k:04d}.{side}"
+                f = HashedFile(os.path.join(state, stem))
+                try:
+                    if side == "docs":
+                        a, b = np.searchsorted(starts_all, [lo, hi])
+                        f.write((starts_all[a:b] - lo).astype(DOCS_DTYPE))
+                    else:
+                        a, b = lo // L, hi // L
+                        f.write(valid_all[a:b])
+                    got = f.commit()
+                except BaseException:
+                    f.abort()
+                    raise
+                e[side] = {"path": f"{s}-{g:06d}-{k:04d}.{side}", "state": stem, **got}
+                if side == "docs":
+                    e[side]["count"] = int(b - a)
+            entries.append(e)
+        out[s] = entries
+    return {"group": g, "run": run, "shards": out}
 
 
 def join_group(g: int, results: list[dict], state: str, run: str, dtype, config, opener=None) -> dict:
-    """Group `g`'s shards from its units' journal entries (in unit order), at once."""
-    w = GroupWriter(g, state, run, dtype, config, opener)
-    try:
-        for r in results:
-            w.append(r)
-        return w.close()
-    except BaseException:
-        w.abort()
-        raise
+    """Group `g`'s shards from its units' journal entries (in unit order), in one process: each
+    placed in turn, then the group closed (a Ray task's join; a resumed group's)."""
+    pos: dict[str, int] = {}
+    placements = []
+    for r in results:
+        placements.append(place_unit(r, g, pos, state, dtype, config, opener, drop=opener is None))
+        pos = offsets_after(r, pos)
+    return close_group(g, results, placements, state, run, dtype, config, opener)
+
+
+def offsets_after(r: dict, pos: dict[str, int]) -> dict[str, int]:
+    """The group stream offsets after unit `r`, from those before it."""
+    out = dict(pos)
+    for s, entries in r["shards"].items():
+        out[s] = out.get(s, 0) + sum(e["num_tokens"] for e in entries)
+    return out
 
 
 def _whole(opener, x: dict, dtype) -> np.ndarray:
@@ -107,6 +252,27 @@ def _same(x: dict, sha: str) -> None:
     if sha != x["sha256"]:
         raise HelixtokError(f"{x['state']}: changed since its work unit wrote it (sha256 differs); rerun the same "
                             "command: the unit is tokenized again")
+
+
+def segments_hold(path: str, segments: list) -> bool:
+    """Whether the file at `path` holds `segments` ([piece-relative byte offset, bytes, sha256] each)
+    where they say: a resumed build's check of what an interrupted one placed."""
+    try:
+        with open(path, "rb") as fh:
+            for off, n, sha in segments:
+                fh.seek(off)
+                h, left = hashlib.sha256(), n
+                while left:
+                    block = fh.read(min(left, BLOCK_BYTES))
+                    if not block:
+                        return False
+                    h.update(block)
+                    left -= len(block)
+                if h.hexdigest() != sha:
+                    return False
+    except OSError:
+        return False
+    return True
 
 
 def join_uploaded(g: int, results: list[dict], run: str, dtype, config, remote: tuple[str, str]) -> dict:
@@ -130,3 +296,13 @@ def join_uploaded(g: int, results: list[dict], run: str, dtype, config, remote: 
         return entry
     finally:
         shutil.rmtree(local, ignore_errors=True)
+
+
+def load_placed(state: str, index: int) -> dict | None:
+    """An interrupted build's placement of unit `index`, if it journaled one."""
+    try:
+        with open(placed_path(state, index)) as fh:
+            p = json.load(fh)
+    except (OSError, ValueError):
+        return None
+    return p if isinstance(p, dict) and p.get("index") == index else None

@@ -9,8 +9,8 @@ import os
 from .errors import DatasetError
 from .objstore import filesystem, is_url, redact, reports_storage_errors
 
-FORMAT_VERSION = 3  # what build writes; 1 and 2 are still read (but a version 2 bestfit build: docs/format.md)
-READABLE = (1, 2, 3)
+FORMAT_VERSION = 4  # what build writes; 1 to 3 are still read (but a version 2 bestfit build: docs/format.md)
+READABLE = (1, 2, 3, 4)
 MANIFEST = "manifest.json"
 DTYPES = {"uint16": "<u2", "uint32": "<u4"}
 # Reasons a document is skipped (counted in totals.skipped_documents) or repaired (still used).
@@ -63,7 +63,7 @@ def load_manifest(out_dir: str) -> dict:
         raise DatasetError(f"{path}: not a helixtok manifest (a JSON {type(m).__name__}); rebuild the dataset")
     v = m.get("format_version")
     if v not in READABLE:
-        raise DatasetError(f"{path}: format_version {v!r}, this helixtok reads versions 1 to 3; "
+        raise DatasetError(f"{path}: format_version {v!r}, this helixtok reads versions 1 to 4; "
                            "upgrade helixtok or rebuild the dataset")
     if v == 2 and m.get("packing") == "bestfit":
         raise DatasetError(f"{path}: a version 2 bestfit dataset (chunks packed within windows of one work unit); "
@@ -90,13 +90,51 @@ def sum_sources(parts) -> dict:
     return dict(sorted(total.items()))
 
 
-def manifest_files(m: dict) -> dict[str, str]:
-    """Every file a (validated) manifest names, relative path -> sha256: tokenizer, shards, sidecars, indexes."""
-    files = {m["tokenizer"]["file"]: m["tokenizer"]["sha256"]}
+def manifest_files(m: dict) -> dict[str, dict]:
+    """Every file a (validated) manifest names, relative path -> its entry (what Digest checks it by):
+    tokenizer, shards, sidecars, indexes."""
+    files = {m["tokenizer"]["file"]: {"sha256": m["tokenizer"]["sha256"]}}
     for s in m["splits"].values():
         for x in split_files(s):
-            files[x["path"]] = x["sha256"]
+            files[x["path"]] = x
     return files
+
+
+class Digest:
+    """A file's bytes, fed in order, checked against its manifest entry: its "sha256", or (a version 4
+    shard) its "segments", [bytes, sha256] each, back to back (docs/format.md)."""
+
+    def __init__(self, x: dict):
+        self._segs = [(int(n), sha) for n, sha in x["segments"]] if "segments" in x else None
+        self._sha = x.get("sha256")
+        self._h, self._i, self._in, self._ok = hashlib.sha256(), 0, 0, True
+
+    def update(self, buf) -> None:
+        buf = memoryview(buf).cast("B")
+        if self._segs is None:
+            self._h.update(buf)
+            return
+        while len(buf):
+            self._close_full()
+            if self._i == len(self._segs):  # more bytes than the segments hold
+                self._ok = False
+                return
+            take = min(len(buf), self._segs[self._i][0] - self._in)
+            self._h.update(buf[:take])
+            self._in += take
+            buf = buf[take:]
+
+    def _close_full(self) -> None:
+        while self._i < len(self._segs) and self._in == self._segs[self._i][0]:
+            self._ok &= self._h.hexdigest() == self._segs[self._i][1]
+            self._h, self._i, self._in = hashlib.sha256(), self._i + 1, 0
+
+    def ok(self) -> bool:
+        """Every byte fed: the file is what the entry says."""
+        if self._segs is None:
+            return self._h.hexdigest() == self._sha
+        self._close_full()
+        return self._ok and self._i == len(self._segs)
 
 
 def split_files(s: dict):
@@ -195,7 +233,11 @@ def schema_problems(m: dict) -> list[str]:
             need(e, "path", inside, "a relative path inside the dataset", we)
             need(e, "num_tokens" if m.get("format_version") != 1 else "num_chunks", _int, "a non-negative integer", we)
             need(e, "bytes", _int, "a non-negative integer", we)
-            need(e, "sha256", lambda v: isinstance(v, str) and len(v) == 64, "a sha256 hex digest", we)
+            if m.get("format_version", 0) >= 4:
+                need(e, "segments", lambda v: _segments(v, e.get("bytes")), "a list of [bytes, sha256] that sum to "
+                     "the shard's bytes", we)
+            else:
+                need(e, "sha256", lambda v: isinstance(v, str) and len(v) == 64, "a sha256 hex digest", we)
             for side in SIDES.get(m.get("packing"), ()):
                 if need(e, side, lambda v: isinstance(v, dict), "an object", we):
                     need(e[side], "path", inside, "a relative path inside the dataset", f"{we}{side}.")
@@ -212,6 +254,11 @@ def schema_problems(m: dict) -> list[str]:
                     need(s["index"][k], "sha256", lambda v: isinstance(v, str) and len(v) == 64,
                          "a sha256 hex digest", wi)
     return out
+
+
+def _segments(v, size) -> bool:
+    return (isinstance(v, list) and all(isinstance(x, list) and len(x) == 2 and _int(x[0]) and isinstance(x[1], str)
+                                        and len(x[1]) == 64 for x in v) and sum(x[0] for x in v) == size)
 
 
 def _rel_path(v) -> bool:

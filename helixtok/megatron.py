@@ -168,7 +168,10 @@ def import_megatron(prefix: str, out: str, tokenizer: str, *, seq_len: int, shar
         for e in shards:  # written as train.NNNN.bin: named as a build names its shards
             for x in (e, e["docs"]):
                 os.replace(os.path.join(out, x["state"]), os.path.join(out, x["path"]))
-        shards = [published(e) for e in shards]
+        # One writer: each shard is one segment (docs/format.md, version 4).
+        shards = [{**published(e), "segments": [[e["bytes"], e["sha256"]]]} for e in shards]
+        for e in shards:
+            del e["sha256"]
     except BaseException:
         writer.abort()
         if created:  # it was not there (or empty) before: leave nothing behind

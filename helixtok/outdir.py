@@ -167,6 +167,25 @@ def remove_owned(out: str, keep: set[str] | None = None, protect: list[str] = ()
         shutil.rmtree(state)
 
 
+def unpublish(out: str) -> None:
+    """A build stopped while publishing: what it moved into OUT goes back to its name in STATE,
+    where the resumed build checks it (a group's shard is trusted by its units' segments) and
+    publishes it again."""
+    state = os.path.join(out, STATE)
+    try:
+        with open(os.path.join(state, PUBLISH)) as fh:
+            moves = json.load(fh).get("moves", [])
+    except (OSError, ValueError, AttributeError):
+        return
+    for m in moves if isinstance(moves, list) else []:
+        if not (isinstance(m, list) and len(m) == 2 and all(isinstance(x, str) and x and os.path.basename(x) == x
+                                                             for x in m)):
+            continue
+        n, p = m
+        if os.path.isfile(os.path.join(out, p)) and not os.path.exists(os.path.join(state, n)):
+            os.replace(os.path.join(out, p), os.path.join(state, n))
+
+
 def publish(out: str, moves: list[tuple[str, str]], manifest: dict) -> None:
     """Move a build's files (name in STATE, name in OUT) into OUT, then write the manifest, last
     and atomically, and remove STATE.
@@ -175,7 +194,7 @@ def publish(out: str, moves: list[tuple[str, str]], manifest: dict) -> None:
     rerun finds the moved shards there and publishes again; --overwrite removes them).
     """
     state = os.path.join(out, STATE)
-    write_json_atomic(os.path.join(state, PUBLISH), {"files": [p for _, p in moves]})
+    write_json_atomic(os.path.join(state, PUBLISH), {"files": [p for _, p in moves], "moves": moves})
     for n, p in moves:
         if os.path.exists(os.path.join(state, n)):  # else moved by a build stopped while publishing
             os.replace(os.path.join(state, n), os.path.join(out, p))

@@ -21,11 +21,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from .errors import ConfigError, DatasetError, HelixtokError
-from .manifest import MANIFEST, load_manifest, manifest_files, with_paths, write_json_atomic
+from .manifest import MANIFEST, Digest, load_manifest, manifest_files, with_paths, write_json_atomic
 from .objstore import filesystem, redact, reports_storage_errors
 from .outdir import OutLock, fsync_dir
 from .planid import PLAN_FILE, plan_folder
-from .tokenizer import sha256_file
 
 UPLOAD_THREADS = 4  # objects in flight; each large one is itself a multipart upload
 COPY_BLOCK = 8 << 20
@@ -246,7 +245,7 @@ def pull(url: str, dest: str) -> dict:
     """Copy the dataset at `url` to the local folder `dest`, checking each file's sha256 as it arrives;
     the manifest is written last, so `dest` is a dataset only once every file is complete."""
     m = load_manifest(url)
-    want = manifest_files(m)  # relative path -> sha256
+    want = manifest_files(m)  # relative path -> its entry (Digest)
     bad = [p for p in want if ".." in p.split("/") or os.path.isabs(p)]
     if bad:
         raise DatasetError(f"{redact(url)}: manifest names {bad[0]!r}, outside the dataset; refusing to copy it")
@@ -258,18 +257,18 @@ def pull(url: str, dest: str) -> dict:
         _refuse_others(dest, {p.split("/")[0] for p in want})
         for p in want:
             target = os.path.join(dest, *p.split("/"))
-            if os.path.isfile(target) and sha256_file(target) == want[p]:
+            if os.path.isfile(target) and _holds(target, want[p]):
                 continue  # a rerun after an interrupted pull keeps what already arrived intact
             os.makedirs(os.path.dirname(target), exist_ok=True)
             tmp = target + ".part"
-            h = hashlib.sha256()
+            h = Digest(want[p])
             with fs.open(posixpath.join(root, p), "rb", block_size=COPY_BLOCK) as src, open(tmp, "wb") as out:
                 while block := src.read(COPY_BLOCK):
                     h.update(block)
                     out.write(block)
                 out.flush()
                 os.fsync(out.fileno())
-            if h.hexdigest() != want[p]:
+            if not h.ok():
                 os.unlink(tmp)
                 raise DatasetError(f"{redact(url)}: {p} arrived with another sha256 than the manifest's "
                                    "(changed or corrupt at the source); nothing was published")
@@ -277,6 +276,14 @@ def pull(url: str, dest: str) -> dict:
             fsync_dir(os.path.dirname(target))
         write_json_atomic(os.path.join(dest, MANIFEST), m)
     return m
+
+
+def _holds(path: str, x: dict) -> bool:
+    h = Digest(x)
+    with open(path, "rb") as fh:
+        while block := fh.read(COPY_BLOCK):
+            h.update(block)
+    return h.ok()
 
 
 def _refuse_others(dest: str, tops: set[str]) -> None:

@@ -11,7 +11,7 @@ import shutil
 
 from .errors import ConfigError
 from .manifest import load_manifest, manifest_files, split_files
-from .outdir import STATE, refuse_foreign, remove_owned
+from .outdir import STATE, refuse_foreign, remove_owned, unpublish
 from .planid import PLAN_FILE, describe_change
 from .unit import done_path, state_files
 from .units import Unit
@@ -60,6 +60,7 @@ def prepare_out(out: str, plan: dict, overwrite: bool, protect: list[str]) -> bo
         except ValueError:
             old = None
         if old == plan:
+            unpublish(out)
             return True
         if old is not None:
             raise ConfigError(f"{out}: holds an unfinished build with other inputs or options "
@@ -69,36 +70,58 @@ def prepare_out(out: str, plan: dict, overwrite: bool, protect: list[str]) -> bo
     return False
 
 
-def trusted_results(out: str, state: str, units: list[Unit], uploaded: dict[str, int] | None = None
-                     ) -> dict[int, dict]:
-    """Journal entries of finished units whose files are all there with the sizes and sha256 the
-    worker recorded as it wrote them: in STATE (they stay there until the build is published: the
-    joins copy them into the shards), or (uploaded: object name -> size) in object storage (their
-    upload was checked).  Local files are read again: a file replaced by other
-    bytes of the same size (a damaged disk, a copy from another run) is not trusted, and its unit
-    is tokenized again -- reading a shard costs a fraction of tokenizing it.
+def trusted_results(out: str, state: str, units: list[Unit], groups: list[tuple[int, int, int]],
+                    uploaded: dict[str, int] | None = None) -> tuple[dict[int, dict], dict[int, dict]]:
+    """Journal entries of finished units that are still good, and the placements of those already in
+    their group's shards: a unit is good when its files are all there with the sizes and sha256 its
+    worker recorded as it wrote them -- or, once placed (its .bin deleted), when every segment its
+    placement records still hashes to its digest in the group's shard and its sidecars are good.
+    Object storage (uploaded: object name -> size): each file uploaded with its size (the upload was
+    checked).  Everything is read again: a file replaced by other bytes of the same size (a damaged
+    disk, a copy from another run) is not trusted, and its unit is tokenized again -- reading costs
+    a fraction of tokenizing.
 
-    Read once, at start: the lock guarantees no other build writes here, and an orphan that
-    journals late only ever names its own run's files, which this run then does not use.
+    Read once, at start: the lock guarantees no other build writes here.  Files nothing trusted
+    names are deleted; so are the groups' sidecars (each group is closed again).
     """
+    from .join import load_placed, piece_name, placed_from, placed_path, segments_hold
+
+    group = {i: g for g, a, b in groups for i in range(a, b)}
     trusted: dict[int, dict] = {}
+    placed: dict[int, dict] = {}
     for u in units:
         try:
             with open(done_path(state, u.index)) as fh:
                 r = json.load(fh)
-            ok = r["index"] == u.index and "lines" in r and "sources" in r and "counts" in r and all(
-                uploaded.get(p) == size if uploaded is not None else _has(os.path.join(state, n), size, sha)
-                for n, p, size, sha in state_files(r, with_sha=True))
+            if not (r["index"] == u.index and "lines" in r and "sources" in r and "counts" in r):
+                continue
+            files = list(state_files(r, with_sha=True))
+            if uploaded is not None:
+                ok = all(uploaded.get(p) == size for _, p, size, _ in files)
+            elif all(_has(os.path.join(state, n), size, sha) for n, _, size, sha in files):
+                ok = True
+            else:  # placed: its ids are in the group's shards, its sidecars still here
+                p = load_placed(state, u.index)
+                ok = (p is not None and p.get("group") == group.get(u.index) and p.get("from") == placed_from(r)
+                      and all(_has(os.path.join(state, n), size, sha) for n, _, size, sha in files
+                              if not n.endswith(".bin"))
+                      and all(segments_hold(os.path.join(state, piece_name(p["group"], s, k)), [(off, n, sha)])
+                              for s, segs in p["segments"].items() for k, off, n, sha in segs))
+                if ok:
+                    placed[u.index] = p
         except (OSError, ValueError, KeyError, TypeError):
             ok = False
         if ok:
             trusted[u.index] = r
     keep = {n for r in trusted.values() for n, _, _ in state_files(r)}
-    for e in os.listdir(state):  # files of units not finished, and every join's (this run joins again)
-        if (e.startswith("g") or e.startswith("u") and e not in keep) and not e.endswith(".done.json"):
+    keep |= {os.path.basename(placed_path(state, i)) for i in placed}
+    keep |= {piece_name(p["group"], s, k) for p in placed.values() for s, segs in p["segments"].items()
+             for k, *_ in segs}
+    for e in os.listdir(state):  # files of units not finished or not good, the groups' sidecars
+        if (e.startswith("g") or e.startswith("u")) and e not in keep and not e.endswith(".done.json"):
             with contextlib.suppress(OSError):
                 os.remove(os.path.join(state, e))
-    return trusted
+    return trusted, placed
 
 
 def _has(path: str, size: int, sha: str) -> bool:

@@ -82,7 +82,7 @@ WRITEBACK_BYTES = 1 << 20  # written since the last start of write-back
 
 
 @functools.lru_cache(maxsize=1)
-def _start_writeback():
+def start_writeback():
     """Linux's sync_file_range(fd, start, n, SYNC_FILE_RANGE_WRITE): starts writing a range of a
     file back to disk without waiting for it, so the fsync at commit finds little left to write
     (160 files of 2.9 MB: fsync waits 0.22-0.30 s in all, 0.10 s with it).  None elsewhere."""
@@ -113,7 +113,7 @@ class HashedFile:
         self.fh.write(buf)
         self.hasher.update(buf)
         self.bytes += buf.nbytes
-        if self.durable and self.bytes - self._behind >= WRITEBACK_BYTES and (start := _start_writeback()) is not None:
+        if self.durable and self.bytes - self._behind >= WRITEBACK_BYTES and (start := start_writeback()) is not None:
             self.fh.flush()
             start(self.fh.fileno(), self._behind, self.bytes - self._behind, 2)  # only a hint: its result does not matter
             self._behind = self.bytes

@@ -41,6 +41,18 @@ def start_cli(corpus, out, tok, *extra):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+def unit_ids(out, i: int, split: str = "train") -> tuple[str, int, int]:
+    """Where unit i's ids are in STATE (path, byte offset, bytes): its own .bin, or (once placed) its
+    segment of its group's shard."""
+    own = glob.glob(os.path.join(out, STATE, f"u{i:06d}.*.{split}.0000.bin"))
+    if own:
+        return own[0], 0, os.path.getsize(own[0])
+    with open(os.path.join(out, STATE, f"u{i:06d}.placed.json")) as fh:
+        p = json.load(fh)
+    (k, off, n, _), = p["segments"][split]
+    return os.path.join(out, STATE, f"g{p['group']:06d}.{split}.{k:04d}.bin"), off, n
+
+
 def wait_for(pattern, proc, timeout=120):
     t = time.time()
     while not glob.glob(pattern):
@@ -73,8 +85,9 @@ def test_kill_9_then_resume_is_byte_identical(tmp_path, dev_corpus, tokenizer_pa
 
 def test_a_build_stopped_before_publishing_resumes_identically(tmp_path, dev_corpus, tokenizer_path, dev_packed,
                                                                 monkeypatch):
-    """Every unit's shards are final where its worker wrote them (in STATE until published): a
-    build stopped before publishing shows nothing in OUT, and the rerun tokenizes nothing."""
+    """Every unit's ids are placed in its group's shard where a worker wrote them (in STATE until
+    published; the unit's own .bin is gone once placed): a build stopped before publishing shows
+    nothing in OUT, and the rerun tokenizes nothing."""
     def stop(*a, **kw):
         raise KeyboardInterrupt
 
@@ -83,7 +96,9 @@ def test_a_build_stopped_before_publishing_resumes_identically(tmp_path, dev_cor
     cfg = BuildConfig(seq_len=512, workers=2, shard_bytes=1 << 20, unit_bytes=UNIT)
     with pytest.raises(KeyboardInterrupt):
         build([str(dev_corpus)], out, tokenizer_path, cfg)
-    assert glob.glob(os.path.join(out, STATE, "u000000.*.train.0000.bin"))
+    assert os.path.isfile(os.path.join(out, STATE, "u000000.placed.json"))
+    assert os.path.isfile(os.path.join(out, STATE, "g000000.train.0000.bin"))
+    assert not glob.glob(os.path.join(out, STATE, "u000000.*.train.0000.bin"))
     assert os.listdir(out) == [STATE]
     monkeypatch.undo()
     seen = []
@@ -144,7 +159,8 @@ def test_a_unit_whose_shards_do_not_match_its_entry_is_tokenized_again(tmp_path,
     ran = _stopped_after(5, monkeypatch)
     with pytest.raises(KeyboardInterrupt):
         build([str(dev_corpus)], out, tokenizer_path, cfg)
-    (shard,) = glob.glob(os.path.join(out, STATE, f"u000002.*.train.0000.{'docs' if 'sidecar' in damage else 'bin'}"))
+    shard = unit_ids(out, 2)[0] if "sidecar" not in damage else \
+        glob.glob(os.path.join(out, STATE, "u000002.*.train.0000.docs"))[0]
     if damage == "cut short":
         with open(shard, "r+b") as fh:
             fh.truncate(os.path.getsize(shard) - 2)
@@ -835,18 +851,21 @@ def test_a_resumed_build_rehashes_the_shards_it_trusts_and_redoes_a_damaged_unit
         build([str(small_corpus)], str(out), small_tok, cfg)
     monkeypatch.undo()
     state = out / STATE
-    bins = sorted(state.glob("u*.train.*.bin"))
-    victim = bins[2]
+    # (Format 4: a placed unit's ids are its segment of its group's shard; they were its own .bin.)
+    path, off, n = unit_ids(str(out), 2)
+    data = bytearray(open(path, "rb").read())
     if damage == "zeros":
-        victim.write_bytes(bytes(victim.stat().st_size))
+        data[off: off + n] = bytes(n)
     elif damage == "another unit's bytes":
-        other = next(b for b in bins if b != victim and b.stat().st_size != victim.stat().st_size)
-        victim.write_bytes((other.read_bytes() * 64)[:victim.stat().st_size])
+        o_path, o_off, o_n = next(x for x in map(lambda i: unit_ids(str(out), i), range(7)) if x[2] != n)
+        other = open(o_path, "rb").read()[o_off: o_off + o_n]
+        data[off: off + n] = (other * 64)[:n]
     else:
-        victim = sorted(state.glob("u*.train.*.docs"))[2]
-        offsets = np.fromfile(victim, dtype="<u8")
-        (offsets + 1).astype("<u8").tofile(victim)
-    assert victim.stat().st_size > 0
+        path = sorted(state.glob("u*.train.*.docs"))[2]
+        offsets = np.fromfile(path, dtype="<u8")
+        data = (offsets + 1).astype("<u8").tobytes()
+    assert n > 0 and len(data) == os.path.getsize(path)
+    open(path, "wb").write(data)
     m = build([str(small_corpus)], str(out), small_tok, cfg)
     assert (m.reused_units, m.units) == (6, 7)
     for n in sorted(os.listdir(ref)):
@@ -904,33 +923,60 @@ def test_stress_a_tokenizer_replaced_at_random_moments_never_gives_a_wrong_datas
 
 def test_a_unit_file_changed_before_its_join_stops_the_build_and_the_rerun_is_right(tmp_path, small_corpus, small_tok,
                                                                                      monkeypatch):
-    """The join copies a unit's output into the shards: a file that no longer hashes to what its
-    unit recorded (changed in STATE between the two) stops the build in one line, never a
+    """Placing copies a unit's output into its group's shard: a file that no longer hashes to what
+    its unit recorded (changed in STATE between the two) stops the build in one line, never a
     dataset of its bytes; the same command then tokenizes that unit again and gives the build
-    an undisturbed run gives."""
+    an undisturbed run gives.  (Form: the join's GroupWriter.append became join.place_unit.)"""
     from helixtok.errors import HelixtokError
-    from helixtok.join import GroupWriter
 
     cfg = BuildConfig(seq_len=16, workers=1, unit_bytes=1, shard_bytes=1 << 20)
     clean = build([str(small_corpus)], str(tmp_path / "clean"), small_tok, cfg)
-    real = GroupWriter.append
+    real = hdisp.place_unit
     hit = []
 
-    def tampered(self, r):
-        if not hit:
+    def tampered(r, *a, **kw):  # the last unit's: those before it are placed by then
+        if not hit and r["index"] == clean.units - 1:
             e = r["shards"]["train"][0]
             p = os.path.join(str(tmp_path / "out" / STATE), e["state"])
             data = bytearray(open(p, "rb").read())
             data[3] ^= 1
             open(p, "wb").write(bytes(data))
             hit.append(e["state"])
-        return real(self, r)
+        return real(r, *a, **kw)
 
-    monkeypatch.setattr(GroupWriter, "append", tampered)
+    monkeypatch.setattr(hdisp, "place_unit", tampered)
     with pytest.raises(HelixtokError, match=r"changed since its work unit wrote it \(sha256 differs\); rerun the same"):
         build([str(small_corpus)], str(tmp_path / "out"), small_tok, cfg)
     assert hit and not os.path.exists(tmp_path / "out" / "manifest.json")
-    monkeypatch.setattr(GroupWriter, "append", real)
+    monkeypatch.setattr(hdisp, "place_unit", real)
     again = build([str(small_corpus)], str(tmp_path / "out"), small_tok, cfg)
     assert again.reused_units == again.units - 1  # the tampered unit was tokenized again
     assert again["splits"] == clean["splits"]
+
+
+def test_a_build_needs_about_the_datasets_size_on_disk(tmp_path, dev_corpus, tokenizer_path):
+    """Each unit's ids are deleted from STATE once placed in its group's shard, so a build fits in
+    a disk of 1.15x the dataset plus one unit's ids (the join that copied them needed twice the
+    dataset): built into a tmpfs of that size, it gives the very files of an unlimited build."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a size-limited tmpfs needs root")
+    ref = tmp_path / "ref"
+    cfg = BuildConfig(seq_len=512, workers=2, unit_bytes=UNIT)  # one shard group, several units in it
+    build([str(dev_corpus)], str(ref), tokenizer_path, cfg)
+    m = json.loads((ref / "manifest.json").read_text())
+    [shard] = m["splits"]["train"]["shards"]
+    assert len(shard["segments"]) > 4
+    size = sum(f.stat().st_size for f in ref.iterdir() if f.is_file())
+    limit = int(1.15 * size) + max(n for n, _ in shard["segments"])
+    assert limit < 1.5 * size
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={limit}", "tmpfs", str(disk)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+    try:
+        build([str(dev_corpus)], str(disk / "out"), tokenizer_path, cfg)
+        same_folder(disk / "out", ref)
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)

@@ -98,10 +98,14 @@ def test_stale_unit_shards_and_journal_entries_are_never_trusted(tmp_path, small
     assert len(done) >= 2
     # What an orphan of the killed run could leave: one finished unit's token file cut short
     # (as a rerun's truncation would), and a late journal entry naming files that do not exist.
+    # (Format 4: a placed unit's ids are its segment of its group's shard; that segment is damaged.)
     victim = done[0]
-    tok_file = os.path.join(state, victim["shards"]["train"][0]["state"])
-    with open(tok_file, "r+b") as fh:
-        fh.truncate(os.path.getsize(tok_file) // 2)
+    with open(os.path.join(state, f"u{victim['index']:06d}.placed.json")) as fh:
+        placed = json.load(fh)
+    (k, off, n, _), = placed["segments"]["train"]
+    with open(os.path.join(state, f"g{placed['group']:06d}.train.{k:04d}.bin"), "r+b") as fh:
+        fh.seek(off + n // 2)
+        fh.write(bytes(n - n // 2))
     ghost_shard = {**done[1]["shards"]["train"][0], "state": "u999999.rX.train.0000.bin"}
     ghost = dict(done[1], shards={"train": [ghost_shard]})
     with open(done_path(state, done[1]["index"]), "w") as fh:
@@ -270,7 +274,10 @@ def test_corpus_inside_out_is_named(tmp_path, small_tok):
 
 BAD_MANIFESTS = {
     "a list": ([], "not a helixtok manifest (a JSON list)"),
-    "no sha256": (lambda m: m["splits"]["train"]["shards"][0].pop("sha256"), "shards[0].sha256: missing"),
+    # (Form: version 4 shards check by their segments' sha256, no longer one sha256.)
+    "no segments": (lambda m: m["splits"]["train"]["shards"][0].pop("segments"), "shards[0].segments: missing"),
+    "segments short of the shard": (lambda m: m["splits"]["train"]["shards"][0]["segments"][0].__setitem__(
+        0, m["splits"]["train"]["shards"][0]["segments"][0][0] - 2), "shards[0].segments: [["),
     "string seq_len": (lambda m: m.update(seq_len="512"), "seq_len: '512' is not a positive integer"),
     "splits list": (lambda m: m.update(splits=[]), "splits: [] is not a non-empty object"),
     "shards null": (lambda m: m["splits"]["train"].update(shards=None), "splits.train.shards: None is not a list"),

@@ -74,7 +74,7 @@ def test_shard_hash_behind_the_writes_is_the_files_sha256(tmp_path_factory, size
     consecutive ranges of at least `behind` bytes, each already in the file when started."""
     d = tmp_path_factory.mktemp("sha")
     rng = np.random.default_rng(len(sizes))
-    real, started = shards._start_writeback(), []
+    real, started = shards.start_writeback(), []
 
     def start(fd, at, n, flags):
         assert os.fstat(fd).st_size >= at + n and flags == 2
@@ -84,7 +84,7 @@ def test_shard_hash_behind_the_writes_is_the_files_sha256(tmp_path_factory, size
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(shards._Sha256Behind, "QUEUED_BYTES", queued)
         mp.setattr(shards, "WRITEBACK_BYTES", behind)
-        mp.setattr(shards, "_start_writeback", lambda: start)
+        mp.setattr(shards, "start_writeback", lambda: start)
         f = shards.HashedFile(str(d / "s.bin"))
         want, seen = hashlib.sha256(), b""
         for i, n in enumerate(sizes):
