@@ -396,8 +396,10 @@ def _tokenize(run: Run, info, verdict: Future | None) -> tuple[dict, list[dict],
         joins.unit_done(r)
 
     try:
+        # Locally each unit may place its own ids as it ends (its group known); Ray tasks never do.
+        where = {} if not joins.local else {i: (g, a) for g, a, b in run.groups for i in range(a, b)}
         fresh = run_units(units, pending, info, config, state, run.run_id, run.on_progress, done_bytes, done,
-                          run.workers, verdict)
+                          run.workers, verdict, where)
     except BaseException as e:
         joins.abort()
         if isinstance(e, InputError):  # a worker names a .jsonl line by its place in the unit

@@ -3,6 +3,8 @@ each journal entry handed on as it comes, with progress and a clean stop on a si
 
 from __future__ import annotations
 
+import contextlib
+import os
 import queue
 import signal
 import threading
@@ -11,13 +13,15 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
+
 from .backends import FAST
 from .config import BuildConfig, worker_bytes
 from .errors import HelixtokError, InputError, Interrupted
-from .join import close_group, join_group, join_uploaded, offsets_after, place_unit
+from .join import close_group, join_group, join_uploaded, offsets_after, place_unit, placed_path
 from .pool import WorkerPool
 from .tokenizer import TokenizerInfo
-from .unit import _init_worker, _LocalCounters, _where, end_worker, prepare_worker, run_unit
+from .unit import _init_worker, _LocalCounters, _where, done_path, end_worker, prepare_worker, run_unit
 from .units import Unit
 
 
@@ -90,11 +94,16 @@ class UnitPool(WorkerPool):
 
 def run_units(units: list[Unit], pending: list[Unit], info: TokenizerInfo, config: BuildConfig, state: str,
                run_id: str, on_progress: Callable[[Progress], None] | None, done_bytes: int,
-               on_result: Callable[[dict], None], workers: UnitPool | None, verdict: Future | None = None
-               ) -> list[dict]:
+               on_result: Callable[[dict], None], workers: UnitPool | None, verdict: Future | None = None,
+               where: dict[int, tuple[int, int]] | None = None) -> list[dict]:
     """Tokenize the pending units; each journal entry goes to `on_result` as soon as it is in.
     `verdict`: the backend check's, coming while they tokenize; one that picks another library than
-    `info` names stops them (BackendRejected)."""
+    `info` names stops them (BackendRejected).  `where`: unit -> (its shard group, the group's first
+    unit), for the units that place their own ids as they end (run_unit)."""
+    where = where or {}
+
+    def args(u: Unit) -> tuple:
+        return (u, info, where[u.index]) if u.index in where else (u, info)
     total_bytes = sum(u.est_bytes for u in units)
     # One process: corpus order (a bad input is found where a reader expects it, and nothing is gained
     # by another order).
@@ -119,7 +128,7 @@ def run_units(units: list[Unit], pending: list[Unit], info: TokenizerInfo, confi
             for u in order:
                 if verdict is not None and verdict.done():
                     verdict_for(info, verdict)
-                results.append(run_unit(u, info))
+                results.append(run_unit(*args(u)))
                 on_result(results[-1])
                 units_done += 1
                 report(counters, units_done, force=True)
@@ -135,7 +144,7 @@ def run_units(units: list[Unit], pending: list[Unit], info: TokenizerInfo, confi
         with Interrupt() as interrupt:
             # The pool bounds every wait: a unit's future fails once its worker dies or stalls
             # (config.stall_seconds without progress), naming that unit.
-            futures = {workers.submit(run_unit, u, info, what=f"tokenizing {_where(u)}", beats=True): u
+            futures = {workers.submit(run_unit, *args(u), what=f"tokenizing {_where(u)}", beats=True): u
                        for u in order}
             # Each future reports itself done into one queue: a wait costs the same for 10 units as
             # for 10,000 (concurrent.futures.wait installs a waiter on every pending future, each
@@ -228,6 +237,8 @@ class Joins:
     def _unit_done(self, r: dict) -> None:
         i = r["index"]
         self.results[i] = r
+        if (p := r.pop("placed", None)) is not None:  # its process placed it as it ended
+            self.placed[i] = p
         if (g := self.group.get(i)) is not None:
             self._advance(g)
 
@@ -244,6 +255,18 @@ class Joins:
         while self.next[g] < b and self.next[g] in self.results:
             i = self.next[g]
             r = self.results[i]
+            item = np.dtype(dtype).itemsize
+            if any(e["bytes"] != e["num_tokens"] * item for es in r["shards"].values() for e in es) or (
+                    i in self.placed and (self.placed[i]["at"] != {s: self.pos[g].get(s, 0) for s in r["shards"]} or
+                                          any(sum(x[2] for x in self.placed[i]["segments"].get(s, [])) !=
+                                              sum(e["bytes"] for e in es) for s, es in r["shards"].items()))):
+                # Damaged (the offsets a unit's process read from the journal, or a journal entry itself):
+                # forgotten, so that the same command tokenizes the unit again.
+                for path in (placed_path(state, i), done_path(state, i)):
+                    with contextlib.suppress(OSError):
+                        os.remove(path)
+                raise HelixtokError(f"work unit {i}: its journal entry or placement in shard {g} disagrees with the "
+                                    "units before it (damaged); rerun the same command: it is tokenized again")
             if i not in self.placed:
                 if self.workers is None:
                     self.placed[i] = place_unit(r, g, self.pos[g], state, dtype, config)

@@ -73,49 +73,20 @@ def _unit_file(state: str):
 
 def place_unit(r: dict, g: int, offsets: dict[str, int], state: str, dtype, config, opener=None,
                drop: bool = True) -> dict:
-    """Write unit `r`'s ids (its journal entry) into group `g`'s shards in `state`, starting at
-    `offsets` (per split: tokens of the group's units before it); returns and journals its
-    placement {"index", "group", "segments": {split: [[piece, byte offset, bytes, sha256], ...]},
-    "from": placed_from(r)}.
-    Each of its files is checked against the sha256 its unit recorded as it is copied (a file
-    changed in between stops the build); `drop`: the unit's .bin files are deleted once placed
-    (its sidecars stay for close_group)."""
+    """Write unit `r`'s ids (its journal entry; its files in `state`, or opened by `opener`) into
+    group `g`'s shards in `state`, starting at `offsets` (per split: tokens of the group's units
+    before it); returns and journals its placement (placement()).  Each file is checked against
+    the sha256 its unit recorded as it is copied (a file changed in between stops the build);
+    `drop`: the unit's .bin files are deleted once placed (its sidecars stay for close_group)."""
     opener = opener or _unit_file(state)
-    item = np.dtype(dtype).itemsize
-    cap = piece_tokens(config, item)
-    buf = bytearray(BLOCK_BYTES // item * item)
-    segments: dict[str, list] = {}
-    fds: dict[str, int] = {}
-    try:
-        for split, entries in r["shards"].items():
-            pos, segs = offsets.get(split, 0), segments.setdefault(split, [])
-            for e in entries:
-                ranges = []  # (piece, byte offset in it, bytes) this file's ids go to
-                a, left = pos, e["num_tokens"]
-                while left:
-                    k, at = divmod(a, cap)
-                    n = min(left, cap - at)
-                    ranges.append((k, at * item, n * item))
-                    a, left = a + n, left - n
-                whole = hashlib.sha256()
-                with opener(e) as src:
-                    for k, off, n in ranges:
-                        name = piece_name(g, split, k)
-                        if name not in fds:
-                            fds[name] = os.open(os.path.join(state, name), os.O_WRONLY | os.O_CREAT, 0o644)
-                        h = whole if len(ranges) == 1 else hashlib.sha256()  # one range: one hash serves both
-                        _copy(src, fds[name], off, n, buf, h, whole if h is not whole else None, e)
-                        segs.append([k, off, n, h.hexdigest()])
-                    if src.read(1):
-                        raise HelixtokError(f"{e['state']}: longer than the {e['num_tokens']} tokens its work unit "
-                                            "wrote; rerun the same command: the unit is tokenized again")
-                _same(e, whole.hexdigest())
-                pos += e["num_tokens"]
-    finally:
-        for fd in fds.values():
-            os.close(fd)
-    placed = {"index": r["index"], "group": g, "segments": segments, "from": placed_from(r)}
-    write_json_atomic(placed_path(state, r["index"]), placed, durable=False)
+    buf = bytearray(BLOCK_BYTES)
+
+    def place(split: str, e: dict, pos: int, put) -> list:
+        with opener(e) as src:
+            segs, sha = put(_file_blocks(src, buf))
+        _same(e, sha)
+        return segs
+    p = _place_all(r, g, offsets, state, dtype, config, place)
     if drop:
         for entries in r["shards"].values():
             for e in entries:
@@ -123,28 +94,109 @@ def place_unit(r: dict, g: int, offsets: dict[str, int], state: str, dtype, conf
                     os.remove(os.path.join(state, e["state"]))
                 except FileNotFoundError:
                     pass
+    return p
+
+
+def place_held(r: dict, held: dict, g: int, offsets: dict[str, int], state: str, dtype, config) -> dict:
+    """place_unit for a unit whose ids its process still holds (`held`: split -> shards.HeldIds,
+    for the entries of `r` without a "sha256"): written straight from memory, hashed as they are;
+    each entry gets its "sha256"."""
+    def place(split: str, e: dict, pos: int, put) -> list:
+        segs, e["sha256"] = put(held[split].blocks())
+        return segs
+    return _place_all(r, g, offsets, state, dtype, config, place)
+
+
+def _place_all(r: dict, g: int, offsets: dict[str, int], state: str, dtype, config, place) -> dict:
+    """The placement of unit `r` ({"index", "group", "at": its offsets, "segments": {split: [[piece,
+    byte offset, bytes, sha256], ...]}, "from": placed_from(r)}), each of its entries written by
+    place(split, entry, offset, put), put(blocks) writing the blocks: journaled."""
+    item = np.dtype(dtype).itemsize
+    cap = piece_tokens(config, item)
+    segments: dict[str, list] = {}
+    fds: dict[str, int] = {}
+    try:
+        for split, entries in r["shards"].items():
+            pos, segs = offsets.get(split, 0), segments.setdefault(split, [])
+            for e in entries:
+                def put(blocks, split=split, e=e, pos=pos):
+                    return _write_ranges(e, blocks, g, split, pos, cap, item, state, fds)
+                segs += place(split, e, pos, put)
+                pos += e["num_tokens"]
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    placed = {"index": r["index"], "group": g, "at": {s: offsets.get(s, 0) for s in r["shards"]},
+              "segments": segments, "from": placed_from(r)}
+    write_json_atomic(placed_path(state, r["index"]), placed, durable=False)
     return placed
 
 
-def _copy(src, fd: int, off: int, n: int, buf: bytearray, h, also, e: dict) -> None:
-    """n bytes of `src` to `fd` at `off`, hashed into h (and `also`), written back to disk as they go."""
+def _file_blocks(src, buf: bytearray):
     view = memoryview(buf)
-    done = 0
-    while done < n:
-        got = src.readinto(view[: min(len(buf), n - done)])
-        if not got:
+    while got := src.readinto(view):
+        yield view[:got]  # the same buffer each time: used before the next is read
+
+
+def _write_ranges(e: dict, blocks, g: int, split: str, pos: int, cap: int, item: int, state: str,
+                  fds: dict) -> tuple[list, str]:
+    """One unit file's ids (entry `e`, given as byte `blocks` in order) written at token `pos` of
+    group g's `split` stream, piece by piece: its segments and the sha256 of all of its bytes."""
+    ranges = []  # (piece, byte offset in it, bytes)
+    a, left = pos, e["num_tokens"]
+    while left:
+        k, at = divmod(a, cap)
+        n = min(left, cap - at)
+        ranges.append((k, at * item, n * item))
+        a, left = a + n, left - n
+    whole, segs = hashlib.sha256(), []
+    stream = _Exact(blocks)
+    for k, off, n in ranges:
+        name = piece_name(g, split, k)
+        if name not in fds:
+            fds[name] = os.open(os.path.join(state, name), os.O_WRONLY | os.O_CREAT, 0o644)
+        fd = fds[name]
+        h = whole if len(ranges) == 1 else hashlib.sha256()  # one range: one hash serves both
+        done = 0
+        for chunk in stream.take(n):
+            h.update(chunk)
+            if h is not whole:
+                whole.update(chunk)
+            w = 0
+            while w < len(chunk):
+                w += os.pwrite(fd, chunk[w:], off + done + w)
+            done += len(chunk)
+        if done != n:
             raise HelixtokError(f"{e['state']}: shorter than the {e['num_tokens']} tokens its work unit wrote; "
                                 "rerun the same command: the unit is tokenized again")
-        chunk = view[:got]
-        h.update(chunk)
-        if also is not None:
-            also.update(chunk)
-        w = 0
-        while w < got:
-            w += os.pwrite(fd, chunk[w:], off + done + w)
-        done += got
-    if (start := start_writeback()) is not None:
-        start(fd, off, n, 2)  # a hint: the group's fsync finds little left to write
+        if (start := start_writeback()) is not None:
+            start(fd, off, n, 2)  # a hint: the group's fsync finds little left to write
+        segs.append([k, off, n, h.hexdigest()])
+    if stream.more():
+        raise HelixtokError(f"{e['state']}: longer than the {e['num_tokens']} tokens its work unit wrote; "
+                            "rerun the same command: the unit is tokenized again")
+    return segs, whole.hexdigest()
+
+
+class _Exact:
+    """Byte views from an iterator of them, taken n bytes at a time."""
+
+    def __init__(self, blocks):
+        self._it, self._rest = iter(blocks), memoryview(b"")
+
+    def take(self, n: int):
+        while n:
+            if not len(self._rest):
+                self._rest = next(self._it, None)
+                if self._rest is None:
+                    self._rest = memoryview(b"")
+                    return
+            chunk, self._rest = self._rest[:n], self._rest[n:]
+            n -= len(chunk)
+            yield chunk
+
+    def more(self) -> bool:
+        return bool(len(self._rest)) or any(len(b) for b in self._it)
 
 
 def close_group(g: int, results: list[dict], placements: list[dict], state: str, run: str, dtype, config,
@@ -238,6 +290,27 @@ def offsets_after(r: dict, pos: dict[str, int]) -> dict[str, int]:
     for s, entries in r["shards"].items():
         out[s] = out.get(s, 0) + sum(e["num_tokens"] for e in entries)
     return out
+
+
+def known_offsets(state: str, g: int, a: int, i: int, cache: dict) -> dict[str, int] | None:
+    """Unit i's offsets in group g (whose first unit is a), if every unit before it in the group is
+    journaled: their entries in `state` say how many tokens each holds (a function of the plan: the
+    build's own process checks each placement's offsets against its own count).  `cache`: what was
+    read, per group (one run's)."""
+    from .unit import done_path
+
+    known = cache.setdefault(g, [{}])  # known[j - a]: unit j's offsets
+    while len(known) <= i - a:
+        j = a + len(known) - 1
+        try:
+            with open(done_path(state, j)) as fh:
+                r = json.load(fh)
+            if r["index"] != j:
+                return None
+            known.append(offsets_after(r, known[-1]))
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+    return known[i - a]
 
 
 def _whole(opener, x: dict, dtype) -> np.ndarray:

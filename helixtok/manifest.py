@@ -6,6 +6,8 @@ import hashlib
 import json
 import os
 
+import orjson
+
 from .errors import DatasetError
 from .objstore import filesystem, is_url, redact, reports_storage_errors
 
@@ -19,14 +21,19 @@ REPAIRS = ("invalid_utf8_repaired", "lone_surrogate_repaired")
 
 
 def write_json_atomic(path: str, obj: dict, *, durable: bool = True) -> None:
-    """Readers see the old file or the whole new one; durable: on disk before the rename."""
+    """Readers see the old file or the whole new one; durable: on disk before the rename.  Not
+    durable (a journal entry, written per work unit): compact, by orjson."""
     tmp = os.path.join(os.path.dirname(path) or ".", "." + os.path.basename(path) + ".tmp")
+    if not durable:
+        with open(tmp, "wb") as fh:
+            fh.write(orjson.dumps(obj))
+        os.replace(tmp, path)
+        return
     with open(tmp, "w") as fh:
         json.dump(obj, fh, indent=2, sort_keys=False)
         fh.write("\n")
-        if durable:
-            fh.flush()
-            os.fsync(fh.fileno())
+        fh.flush()
+        os.fsync(fh.fileno())
     os.replace(tmp, path)
 
 

@@ -76,11 +76,13 @@ class _Out:
 
     sides: tuple[str, ...] = ()
 
-    def __init__(self, stem: str, final: str, dtype, seq_len: int, cap: int, min_tail: int, pad_id: int):
+    def __init__(self, stem: str, final: str, dtype, seq_len: int, cap: int, min_tail: int, pad_id: int,
+                 hold: int = 0):
         self.L, self.dtype, self.min_tail, self.pad_id = seq_len, np.dtype(dtype), min_tail, pad_id
-        # Not fsynced: a unit's output is read once more by its join, whose shards are; a resume
+        # Not fsynced: a unit's output is placed into its group's shards, which are; a resume
         # re-hashes it (a file a crash tore is tokenized again), and it may never reach the disk.
-        self.files = ShardFiles(stem, final, self.dtype, seq_len, cap, self.sides, durable=False)
+        # hold: its ids kept in memory up to that many bytes (placed from there: unit.py).
+        self.files = ShardFiles(stem, final, self.dtype, seq_len, cap, self.sides, durable=False, hold=hold)
         self.counts = PackCounts()
 
     def close(self) -> list[dict]:

@@ -138,6 +138,58 @@ class HashedFile:
             os.remove(self.tmp)
 
 
+class HeldIds:
+    """A work unit's ids kept in memory, up to `limit` bytes, so that they are written once: where
+    they belong in their group's shard, when their place is known as the unit ends (join.place_held).
+    Past the limit, or when their place is not known yet, they go to the file `final`
+    (a HashedFile) instead: `spill`."""
+
+    def __init__(self, final: str, limit: int, durable: bool):
+        self.final, self.limit, self.durable = final, limit, durable
+        self.parts: list[np.ndarray] = []  # the arrays given (fresh from the encoder: never written into again)
+        self.bytes = 0
+        self.file: HashedFile | None = None
+
+    def write(self, arr: np.ndarray) -> None:
+        arr = np.ascontiguousarray(arr)
+        if self.file is None and self.bytes + arr.nbytes > self.limit:
+            self._to_file()
+        if self.file is not None:
+            self.file.write(arr)
+        else:
+            self.parts.append(arr)
+        self.bytes += arr.nbytes
+
+    def _to_file(self) -> None:
+        self.file = HashedFile(self.final, self.durable)
+        for a in self.parts:
+            self.file.write(a)
+        self.parts = []
+
+    @property
+    def held(self) -> bool:
+        return self.file is None
+
+    def commit(self) -> dict:
+        """{"bytes"} while held, else the file's {"bytes", "sha256"}."""
+        return {"bytes": self.bytes} if self.file is None else self.file.commit()
+
+    def spill(self) -> dict:
+        """The held ids into the file, after all: its {"bytes", "sha256"}."""
+        self._to_file()
+        return self.file.commit()
+
+    def blocks(self):
+        """The held ids as byte views, in order (no copy)."""
+        for a in self.parts:
+            yield memoryview(a).cast("B")
+
+    def abort(self) -> None:
+        self.parts = []
+        if self.file is not None:
+            self.file.abort()
+
+
 class ShardFiles:
     """One split's tokens (a work unit's output, or a shard group's join of them) in files of at
     most `cap` tokens (a multiple of seq_len), each with its sidecars (`sides`: "docs" and/or
@@ -148,9 +200,11 @@ class ShardFiles:
     """
 
     def __init__(self, stem: str, final: str, dtype: np.dtype, seq_len: int, cap: int, sides: tuple[str, ...],
-                 durable: bool = True):
+                 durable: bool = True, hold: int = 0):
         self.stem, self.final, self.dtype, self.seq_len, self.cap, self.sides = stem, final, dtype, seq_len, cap, sides
         self.durable = durable
+        self.hold = hold  # a unit's output: its ids kept in memory up to this many bytes (HeldIds)
+        self.held: HeldIds | None = None  # the last shard's ids, still in memory once closed
         self.tokens = 0  # written so far, over all shards
         self.shards: list[dict] = []  # committed: manifest entries with "state" names beside
         self._open: dict[str, HashedFile] | None = None
@@ -167,7 +221,9 @@ class ShardFiles:
         done, n, L = 0, len(ids), self.seq_len
         while done < n:
             if self._open is None:
-                self._open = {ext: HashedFile(self._names(ext)[0], self.durable) for ext in ("bin", *self.sides)}
+                self._open = {ext: HashedFile(self._names(ext)[0], self.durable) for ext in self.sides}
+                name = self._names("bin")[0]
+                self._open["bin"] = HeldIds(name, self.hold, self.durable) if self.hold else HashedFile(name, self.durable)
                 self._in = self._docs = 0
             take = min(self.cap - self._in, n - done)
             self._open["bin"].write(ids[done: done + take].astype(self.dtype, copy=False))
@@ -185,6 +241,8 @@ class ShardFiles:
 
     def _commit(self) -> None:
         files = {ext: f.commit() for ext, f in self._open.items()}
+        ids = self._open["bin"]
+        self.held = ids if isinstance(ids, HeldIds) and ids.held else None
         state, final = self._names("bin")
         e = {"path": os.path.basename(final), "state": os.path.basename(state), **files["bin"], "num_tokens": self._in}
         for ext in self.sides:

@@ -14,6 +14,7 @@ from .compressed import drop_index
 from .config import BuildConfig
 from .encode import Encoder
 from .errors import HelixtokError, InputError
+from .join import known_offsets, place_held
 from .longdoc import LongText, stripped, utf8_len
 from .manifest import SOURCE_COUNTS, write_json_atomic
 from .objstore import expired
@@ -36,6 +37,7 @@ class Worker:
     counters: object  # pool.Beat (a worker), _LocalCounters (no workers) or None (a Ray task)
     encoder: Encoder | None = None
     encoder_info: TokenizerInfo | None = None  # what `encoder` was made for
+    offsets: dict = dataclasses.field(default_factory=dict)  # join.known_offsets' cache
 
 
 # Per thread, not per process: two builds without workers in two threads of one program must never
@@ -97,6 +99,9 @@ def _bump(counters, b: int, d: int, t: int) -> None:
 
 
 _HASH_STEP = 1 << 20
+# A unit's ids kept in memory up to this size, to be written once, into their group's shard, as the
+# unit ends (a 4 MiB unit of text gives ~4 MB of uint32 ids); a larger output goes to a file first.
+HOLD_BYTES = 16 << 20
 UNIT_FILE_TOKENS = 1 << 60  # a unit's output stays one file per split, whatever its size
 
 
@@ -135,22 +140,26 @@ def done_path(state: str, index: int) -> str:
     return os.path.join(state, f"u{index:06d}.done.json")
 
 
-def run_unit(unit: Unit, info: TokenizerInfo) -> dict:
+def run_unit(unit: Unit, info: TokenizerInfo, where: tuple[int, int] | None = None) -> dict:
     """Tokenize one unit into its shards, named for this run; returns (and journals) what they hold.
+    where: (its shard group, the group's first unit): when every unit before it in the group is
+    journaled as it ends, its ids go straight from memory to their place in the group's shards
+    (its entry then carries the placement as "placed"); else they are written to its own file,
+    and placed from there later (join.place_unit).
 
     Every failure leaves as a HelixtokError naming the unit: a Rust panic or MemoryError could
     not even be pickled back to the parent.
     """
     try:
         try:
-            return _run_unit(unit, info)
+            return _run_unit(unit, info, where)
         except StaleRange:
             if not unit.aux:
                 raise
             # The cached seek index led elsewhere than planned: drop it and read the range again
             # without it (decompressing up to it); what the first reading wrote is replaced.
             drop_index(unit.aux)
-            return _run_unit(dataclasses.replace(unit, aux=""), info)
+            return _run_unit(dataclasses.replace(unit, aux=""), info, where)
     except StaleRange:
         raise InputError(f"{_where(unit)}: changed while the build read it (the range read does not match "
                          "the plan); rerun when the corpus is stable") from None
@@ -169,7 +178,7 @@ def run_unit(unit: Unit, info: TokenizerInfo) -> dict:
         raise HelixtokError(f"tokenizing {_where(unit)} failed: {type(e).__name__}: {msg}") from None
 
 
-def _run_unit(unit: Unit, info: TokenizerInfo) -> dict:
+def _run_unit(unit: Unit, info: TokenizerInfo, where: tuple[int, int] | None) -> dict:
     w: Worker = _here.worker
     enc = _encoder(w, info)
     cfg, state, counters, run = w.config, w.state, w.counters, w.run
@@ -180,7 +189,8 @@ def _run_unit(unit: Unit, info: TokenizerInfo) -> dict:
     # the published shards (join.py).  `path` names it apart from those ("u..."): where a Ray
     # task uploads it.
     outs = {s: PACKERS[cfg.packing](os.path.join(state, f"u{unit.index:06d}.{run}.{s}"), f"u{unit.index:06d}-{s}",
-                                    info.dtype, L, UNIT_FILE_TOKENS // L * L, cfg.tail_len, info.pad_id)
+                                    info.dtype, L, UNIT_FILE_TOKENS // L * L, cfg.tail_len, info.pad_id,
+                                    hold=HOLD_BYTES if where else 0)
             for s in splits}
     docs = {s: 0 for s in splits}
     tokens = {s: 0 for s in splits}
@@ -274,6 +284,8 @@ def _run_unit(unit: Unit, info: TokenizerInfo) -> dict:
     try:
         read_all()
         shards = {s: outs[s].close() for s in splits}
+        placed = _place_or_spill(unit, shards, {s: o.files.held for s, o in outs.items() if o.files.held}, where,
+                                 w, info)
     except BaseException as e:
         for o in outs.values():
             o.abort()  # closed now: a retry of this unit writes the same paths afresh
@@ -288,7 +300,20 @@ def _run_unit(unit: Unit, info: TokenizerInfo) -> dict:
               "text_bytes": text_bytes, "lines": reader.lines, "skipped": tally.to_json(),
               "sources": {k: dict(zip(SOURCE_COUNTS, v)) for k, v in sources.items()}}
     write_json_atomic(done_path(state, unit.index), result, durable=False)
-    return result
+    return {**result, "placed": placed} if placed else result
+
+
+def _place_or_spill(unit: Unit, shards: dict, held: dict, where, w: Worker, info: TokenizerInfo) -> dict | None:
+    """The unit's ids still in memory (`held`: split -> HeldIds) written once: into its group's
+    shards if its offsets are known now (its placement), else into its own files (None)."""
+    if not held:
+        return None
+    pos = known_offsets(w.state, where[0], where[1], unit.index, w.offsets) if where else None
+    if pos is not None:
+        return place_held({"index": unit.index, "shards": shards}, held, where[0], pos, w.state, info.dtype, w.config)
+    for s, ids in held.items():
+        shards[s][-1].update(ids.spill())
+    return None
 
 
 def state_files(result: dict, with_sha: bool = False):

@@ -33,7 +33,7 @@ def documents(corpus: str, n: int) -> list[str]:
     return docs[:n]
 
 
-LIBRARIES = ("tokenizers", "fastokens")
+LIBRARIES = ("tokenizers", "fastokens", "splintr")
 
 
 def encoder(lib: str, path: str):
@@ -45,6 +45,16 @@ def encoder(lib: str, path: str):
         tk = tokenizers.Tokenizer.from_file(path)
         return (lambda docs: [tk.encode(d, add_special_tokens=False) for d in docs],
                 lambda encs: [e.ids for e in encs], f"tokenizers {tokenizers.__version__}")
+    if lib == "splintr":  # splintr-rs: loads a tokenizer.json; encode_ordinary keeps special-token strings as text
+        try:
+            import splintr
+            from importlib.metadata import version
+        except ImportError:
+            return None
+        st = splintr.from_json(path)
+        lead = len(st.encode_ordinary(""))  # what its post-processor puts before every text (Llama 3's BOS)
+        return (lambda docs: [st.encode_ordinary(d) for d in docs], lambda encs: [e[lead:] for e in encs],
+                f"splintr {version('splintr-rs')}")
     try:
         import fastokens
     except ImportError:

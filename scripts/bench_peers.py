@@ -278,7 +278,13 @@ def main() -> None:
                   f"{nbytes / dt / (w * nbytes / t_lim):6.2f} {n:12,}{mark}")
         for name, runs in cpus.items():
             coord, cpu = min(runs, key=lambda r: r[1])
-            print(f"{name:48} CPU: coordinator {coord:.2f} s of {cpu:.2f} s for the whole build ({100 * coord / cpu:.1f}%)")
+            print(f"{name:48} CPU: coordinator {coord:.2f} s of {cpu:.2f} s for the whole build ({100 * coord / cpu:.1f}%); "
+                  f"the rest {cpu - coord:.2f} s = {(cpu - coord) / t_lim:.2f}x the limit row")
+        walls = {w: best[name][0] for name, kind, w, _ in jobs if kind == "helixtok" and "auto" in name and best[name][0]}
+        for w, dt in sorted(walls.items()):
+            if w in whole:
+                print(f"helixtok -j {w}: {whole[w][0] / dt:.2f} of the limit split over {w} timed whole"
+                      + (f"; wall {dt / walls[1]:.2f}x -j 1's" if 1 in walls and w > 1 else ""))
         print("ratio: MB/s / (N x the limit row); tokens: ids + one EOS per document (helixtok: totals.tokens); "
               "'limit split over N processes': what N of this machine's cores give for the limit's work (timed from "
               "a barrier; 'timed whole': from their start, each importing and loading its tokenizer)")

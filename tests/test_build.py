@@ -117,11 +117,11 @@ def test_two_builds_in_threads_of_one_program_keep_to_their_own_options(tmp_path
         alone.append(files(str(tmp_path / f"alone{k}")))
     barrier, first, real = threading.Barrier(2, timeout=60), threading.local(), hb._run_unit
 
-    def both_set_up(unit, info):
+    def both_set_up(unit, info, *where):
         if not getattr(first, "passed", False):
             first.passed = True
             barrier.wait()
-        return real(unit, info)
+        return real(unit, info, *where)
     monkeypatch.setattr(hb, "_run_unit", both_set_up)
     errors = []
 

@@ -113,11 +113,11 @@ def _stopped_after(n_units: int, monkeypatch):
     ran, real = [], hdisp.run_unit
     stop = [True]
 
-    def counted(unit, info):
+    def counted(unit, info, *where):
         if len(ran) == n_units and stop and stop.pop():  # once
             raise KeyboardInterrupt
         ran.append(unit.index)
-        return real(unit, info)
+        return real(unit, info, *where)
     monkeypatch.setattr(hdisp, "run_unit", counted)
     return ran
 
@@ -380,9 +380,9 @@ def test_a_one_process_build_stops_at_a_failed_write_and_leaves_nothing_half_wri
             raise OSError(errno.ENOSPC, "No space left on device", self.tmp)
         real_write(self, arr)
 
-    def run_unit(unit, info):
+    def run_unit(unit, info, *where):
         ran.append(unit.index)
-        return real_run(unit, info)
+        return real_run(unit, info, *where)
 
     real_run = hdisp.run_unit
     monkeypatch.setattr(shards.HashedFile, "write", write)
@@ -926,8 +926,12 @@ def test_a_unit_file_changed_before_its_join_stops_the_build_and_the_rerun_is_ri
     """Placing copies a unit's output into its group's shard: a file that no longer hashes to what
     its unit recorded (changed in STATE between the two) stops the build in one line, never a
     dataset of its bytes; the same command then tokenizes that unit again and gives the build
-    an undisturbed run gives.  (Form: the join's GroupWriter.append became join.place_unit.)"""
+    an undisturbed run gives.  (Form: the join's GroupWriter.append became join.place_unit, which
+    places the units that wrote their ids to a file: none is held in memory here.)"""
+    import helixtok.unit as hu
     from helixtok.errors import HelixtokError
+
+    monkeypatch.setattr(hu, "HOLD_BYTES", 0)
 
     cfg = BuildConfig(seq_len=16, workers=1, unit_bytes=1, shard_bytes=1 << 20)
     clean = build([str(small_corpus)], str(tmp_path / "clean"), small_tok, cfg)
@@ -980,3 +984,73 @@ def test_a_build_needs_about_the_datasets_size_on_disk(tmp_path, dev_corpus, tok
         same_folder(disk / "out", ref)
     finally:
         subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+def test_units_placed_as_they_end_write_their_ids_once(tmp_path, dev_corpus, tokenizer_path, dev_packed,
+                                                       monkeypatch):
+    """Without workers every unit's offset is known as it ends: its ids go from memory straight to
+    their place in the group's shard, never into a file of their own; the dataset is the pool's."""
+    import helixtok.shards as hs
+
+    spilled, real = [], hs.HeldIds.spill
+    monkeypatch.setattr(hs.HeldIds, "spill", lambda self: spilled.append(self.final) or real(self))
+    opened, real_open = [], hs.HashedFile.__init__
+    monkeypatch.setattr(hs.HashedFile, "__init__", lambda self, final, *a: opened.append(final) or real_open(
+        self, final, *a))
+    out = str(tmp_path / "out")
+    build([str(dev_corpus)], out, tokenizer_path, BuildConfig(seq_len=512, workers=1, shard_bytes=1 << 20,
+                                                              unit_bytes=UNIT))
+    assert spilled == [] and opened and not [f for f in opened if f.endswith(".bin")]
+    same_folder(out, dev_packed)
+
+
+@pytest.mark.parametrize("packing", ["packed", "document", "bestfit"])
+def test_units_too_large_to_hold_are_written_then_placed(tmp_path, dev_corpus, tokenizer_path, monkeypatch, packing):
+    """A unit whose ids pass the memory it may hold writes them to its own file and is placed from
+    there (checked against its sha256 as it is copied), its file then deleted: the same dataset."""
+    import helixtok.unit as hu
+
+    cfg = BuildConfig(seq_len=512, workers=1, shard_bytes=1 << 20, unit_bytes=UNIT, packing=packing,
+                      val_fraction=0.1)
+    ref = str(tmp_path / "ref")
+    build([str(dev_corpus)], ref, tokenizer_path, cfg)
+    monkeypatch.setattr(hu, "HOLD_BYTES", 1000)
+    placed, real = [], hdisp.place_unit
+    monkeypatch.setattr(hdisp, "place_unit", lambda r, *a, **kw: placed.append(r["index"]) or real(r, *a, **kw))
+    out = str(tmp_path / "out")
+    m = build([str(dev_corpus)], out, tokenizer_path, cfg)
+    assert sorted(placed) == list(range(m["inputs"]["units"]))
+    same_folder(out, ref)
+
+
+@pytest.mark.parametrize("damage", ["placed elsewhere", "sizes of its entry"])
+def test_a_placement_that_disagrees_with_the_units_before_it_is_refused_then_redone(
+        tmp_path, dev_corpus, tokenizer_path, monkeypatch, damage):
+    """A unit's placement records where its process put its ids (from the journal entries of the
+    units before it): one that disagrees with the build's own count (a damaged journal) stops the
+    build in one line, never a dataset; the same command then tokenizes that unit again."""
+    cfg = BuildConfig(**{**SMALL_SHARDS, "shard_bytes": 1 << 30})  # one group: offsets matter
+    ref = str(tmp_path / "ref")
+    build([str(dev_corpus)], ref, tokenizer_path, cfg)
+    out = str(tmp_path / "out")
+    ran = _stopped_after(4, monkeypatch)
+    with pytest.raises(KeyboardInterrupt):
+        build([str(dev_corpus)], out, tokenizer_path, cfg)
+    state = os.path.join(out, STATE)
+    if damage == "placed elsewhere":
+        path = os.path.join(state, "u000002.placed.json")
+        p = json.load(open(path))
+        p["at"]["train"] += 1
+    else:
+        path = os.path.join(state, "u000002.done.json")
+        p = json.load(open(path))
+        p["shards"]["train"][0]["num_tokens"] += 1
+    json.dump(p, open(path, "w"))
+    with pytest.raises(HelixtokError, match=r"work unit 2: its journal entry or placement in shard 0 disagrees with "
+                                            r"the units before it \(damaged\); rerun the same command"):
+        build([str(dev_corpus)], out, tokenizer_path, cfg)
+    assert not os.path.exists(os.path.join(out, "manifest.json"))
+    ran.clear()
+    build([str(dev_corpus)], out, tokenizer_path, cfg)
+    assert ran[0] == 2 and not set(ran) & {0, 1, 3}
+    same_folder(out, ref)
