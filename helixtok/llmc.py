@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import numpy as np
@@ -33,9 +34,14 @@ def export_llmc(src: str, dest: str, *, split: str = "train") -> dict:
     tmp = dest + ".tmp"
     view = SplitView(src, m, split)
     step = 1 << 24
-    with open(tmp, "wb") as out:
-        out.write(header.tobytes())
-        for a in range(0, n, step):  # the chunks' tokens: not the stream's last partial chunk
-            out.write(view.tokens(a, min(n, a + step)).tobytes())
+    try:
+        with open(tmp, "wb") as out:
+            out.write(header.tobytes())
+            for a in range(0, n, step):  # the chunks' tokens: not the stream's last partial chunk
+                out.write(view.tokens(a, min(n, a + step)).tobytes())
+    except BaseException:  # a refusal (a damaged shard) or a full disk leaves nothing in the user's folder
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
     os.replace(tmp, dest)
     return {"tokens": n, "dtype": m["dtype"], "magic": magic, "version": version}

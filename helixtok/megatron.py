@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import struct
 
 import numpy as np
 
-from .errors import ConfigError, InputError
+from .errors import ConfigError, DatasetError, InputError
 from .manifest import load_manifest, split_entry
 from .splitview import SplitView
 
@@ -62,21 +63,30 @@ def export_megatron(src: str, prefix: str, *, split: str = "train") -> dict:
     os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
     tmp = prefix + ".bin.tmp"
     how = "copied"
-    if m["packing"] == "bestfit":
-        lengths = _write_items(view, tmp, dtype)
-    else:
-        lengths = view.document_lengths()
-        shards = [os.path.join(src, e["path"]) for e in s["shards"]]
-        if len(shards) == 1 and np.dtype(dtype) == ours:
-            try:
-                os.link(shards[0], tmp)
-                how = "linked"
-            except OSError:
-                shutil.copyfile(shards[0], tmp)
+    try:
+        if m["packing"] == "bestfit":
+            lengths = _write_items(view, tmp, dtype)
         else:
-            with open(tmp, "wb") as out:
-                for ids in view.iter_stream(SLICE):
-                    out.write(ids.astype(dtype, copy=False).tobytes())
+            lengths = view.document_lengths()
+            shards = [os.path.join(src, e["path"]) for e in s["shards"]]
+            if len(shards) == 1 and np.dtype(dtype) == ours:
+                size = os.path.getsize(shards[0])  # linked as it is: its size is checked here
+                if size != s["shards"][0]["bytes"]:
+                    raise DatasetError(f"{shards[0]}: {size} bytes, its manifest says {s['shards'][0]['bytes']} "
+                                       "(damaged or changed since the build); copy the dataset again or rebuild it")
+                try:
+                    os.link(shards[0], tmp)
+                    how = "linked"
+                except OSError:
+                    shutil.copyfile(shards[0], tmp)
+            else:
+                with open(tmp, "wb") as out:
+                    for ids in view.iter_stream(SLICE):
+                        out.write(ids.astype(dtype, copy=False).tobytes())
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
     os.replace(tmp, prefix + ".bin")
     write_index(prefix + ".idx", dtype, lengths)  # last: a prefix with an .idx is complete
     return {"documents": len(lengths), "tokens": int(lengths.sum()), "dtype": np.dtype(dtype).name, "bin": how}

@@ -173,6 +173,7 @@ def _merge(parts: list[str], out: str, overwrite: bool) -> dict:
         raise ConfigError("give at least one part to merge")
     ms = [load_manifest(p) for p in parts]
     _check_parts(parts, ms)
+    _refuse_repeats(parts)
     tasks = [m.get("partition") for m in ms]
     if any(tasks):
         if not all(tasks) or len({t["num_tasks"] for t in tasks}) != 1:
@@ -208,6 +209,31 @@ def _merge(parts: list[str], out: str, overwrite: bool) -> dict:
         if overwrite:
             remove_owned(out, keep=inside)
         return _merge_locked(parts, ms, out, tokenizer)
+
+
+def _docs_of(out: str, d: dict) -> np.ndarray:
+    """A part's .docs sidecar, which places the merged bestfit index: checked against its sha256."""
+    path = os.path.join(out, d["path"])
+    with open(path, "rb") as fh:
+        data = fh.read()
+    if hashlib.sha256(data).hexdigest() != d["sha256"]:
+        raise DatasetError(f"{os.path.normpath(path)}: its sha256 is not its part's manifest's (damaged or changed "
+                           "since the build); rebuild that part")
+    return np.frombuffer(data, dtype=DOCS_DTYPE)
+
+
+def _refuse_repeats(parts: list[str]) -> None:
+    """A dataset given twice (the same folder, or a copy: the same manifest) would be in the merged
+    one twice, every chunk twice an epoch."""
+    seen: dict[str, str] = {}
+    for p in parts:
+        with open(os.path.join(p, MANIFEST), "rb") as fh:
+            keys = (os.path.realpath(p), hashlib.sha256(fh.read()).hexdigest())
+        for k in keys:
+            if k in seen:
+                raise DatasetError(f"{p}: the same dataset as {seen[k]} (given twice, its chunks would be in the "
+                                   "merged dataset twice); give each part once")
+            seen[k] = p
 
 
 def _check_files(part: str, m: dict) -> None:
@@ -252,8 +278,7 @@ def _merge_locked(parts: list[str], ms: list[dict], out: str, tokenizer: bytes) 
     indexes = {}
     if first["packing"] == "bestfit":
         for name in pieces:
-            spans = doc_spans([(e["num_tokens"], np.fromfile(os.path.join(out, e["docs"]["path"]), dtype=DOCS_DTYPE))
-                               for e in shards.get(name, [])])
+            spans = doc_spans([(e["num_tokens"], _docs_of(out, e["docs"])) for e in shards.get(name, [])])
             indexes[name] = build_index(*spans, first["seq_len"], first["min_tail_len"])
     # What is about to be written is recorded first (as a build's publish.json): a merge killed
     # before its manifest leaves files a rerun knows as helixtok's, to replace or delete.

@@ -132,14 +132,15 @@ def _unreachable(address: str | None, e: BaseException) -> str:
     return f"{where}: cannot reach the Ray cluster ({msg}); start it (ray start --head) or fix the address"
 
 
-def _connect(ray, address: str | None, stall: float, log: str) -> None:
+def _connect(ray, address: str | None, stall: float, log: str) -> threading.Event:
     """ray.init, bounded by `stall`: a head that dies while the driver connects left Ray's own
     connect retrying in C++ for many minutes.  It runs in a thread of its own (a daemon: one that
     never returns is left behind when the build fails), which also keeps Ray's SIGTERM handler
     (sys.exit) off the build's main thread.  Meanwhile the process's stderr goes to `log`: Ray's
     C++ client writes a warning there every few seconds it cannot connect ($HELIXTOK_RAY_LOGS=1:
-    to the terminal)."""
+    to the terminal).  Returns the event that ends that thread: set it once Ray is shut down."""
     box: list = []
+    hold, answered = threading.Event(), threading.Event()
 
     def connect() -> None:
         try:
@@ -148,6 +149,13 @@ def _connect(ray, address: str | None, stall: float, log: str) -> None:
             box.append(None)
         except BaseException as e:  # noqa: BLE001 - said below, in one line
             box.append(e)
+            return
+        finally:
+            answered.set()
+        # Without an address ray.init starts a local cluster, whose processes die with the thread
+        # that started them (Linux's parent-death signal follows the thread): this one lives as long
+        # as the build uses Ray.
+        hold.wait()
     quiet = logging.getLogger("ray._private.worker")  # "SIGTERM handler is not set ...": ours, on purpose
     level = quiet.level
     quiet.setLevel(logging.ERROR)
@@ -161,7 +169,7 @@ def _connect(ray, address: str | None, stall: float, log: str) -> None:
             os.close(fd)
         t = threading.Thread(target=connect, daemon=True, name="helixtok-ray-connect")
         t.start()
-        t.join(stall)
+        answered.wait(stall)
     finally:
         if saved is not None:
             os.dup2(saved, 2)
@@ -176,6 +184,7 @@ def _connect(ray, address: str | None, stall: float, log: str) -> None:
         if isinstance(box[0], (ConnectionError, ValueError, RuntimeError)) or "auth" in str(box[0]).lower():
             raise ConfigError(_unreachable(address, box[0])) from None
         raise box[0]
+    return hold
 
 
 class RayExecutor:
@@ -188,8 +197,9 @@ class RayExecutor:
                  remote: tuple[str, str] | None = None):
         self.ray = ray = require_ray()
         self._started = not ray.is_initialized()
+        self._hold = None
         if self._started:
-            _connect(ray, address, config.stall_seconds, os.path.join(state, "ray-driver.log"))
+            self._hold = _connect(ray, address, config.stall_seconds, os.path.join(state, "ray-driver.log"))
         self.n = max(1, int(ray.cluster_resources().get("CPU", 1)))
         self.counters = [0, 0, 0]  # bytes, documents, tokens of the units finished
         self.stall = config.stall_seconds
@@ -311,3 +321,5 @@ class RayExecutor:
         self._closed.set()
         if self._started and self.ray.is_initialized():
             self.ray.shutdown()
+        if self._hold is not None:
+            self._hold.set()

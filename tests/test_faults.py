@@ -1054,3 +1054,34 @@ def test_a_placement_that_disagrees_with_the_units_before_it_is_refused_then_red
     build([str(dev_corpus)], out, tokenizer_path, cfg)
     assert ran[0] == 2 and not set(ran) & {0, 1, 3}
     same_folder(out, ref)
+
+
+@pytest.mark.parametrize("packing", ["packed", "document", "bestfit"])
+def test_the_builds_own_process_never_reads_or_writes_a_token(tmp_path, dev_corpus, tokenizer_path, dev_packed,
+                                                              monkeypatch, packing):
+    """With workers, every id is read, hashed and written by them (tokenized, placed, its group
+    closed): the build's own process opens no unit's or shard's .bin at all -- it only moves them
+    into OUT -- so its CPU does not grow with the corpus (issue 46)."""
+    import builtins
+
+    opened = []
+    real_open, real_os_open = builtins.open, os.open
+
+    def watch(path, *a, **kw):
+        if str(path).endswith(".bin"):
+            opened.append(str(path))
+        return real_open(path, *a, **kw)
+
+    def watch_os(path, *a, **kw):
+        if str(path).endswith(".bin"):
+            opened.append(str(path))
+        return real_os_open(path, *a, **kw)
+    monkeypatch.setattr(builtins, "open", watch)
+    monkeypatch.setattr(os, "open", watch_os)
+    out = str(tmp_path / "out")
+    m = build([str(dev_corpus)], out, tokenizer_path, BuildConfig(seq_len=512, workers=2, shard_bytes=1 << 20,
+                                                                  unit_bytes=UNIT, packing=packing))
+    monkeypatch.undo()
+    assert m["inputs"]["units"] > 4 and opened == []
+    if packing == "packed":
+        same_folder(out, dev_packed)

@@ -321,3 +321,42 @@ def test_a_merge_killed_before_its_manifest_is_finished_by_the_rerun(tmp_path, s
     m = merge([str(p) for p in parts], str(out))
     assert m["totals"]["documents"] == 7 and sorted(os.listdir(out)) == ["manifest.json", "tokenizer.json"]
     assert verify(str(out)).ok
+
+
+def test_a_dataset_given_twice_is_refused(tmp_path, txt_corpus, tokenizer_path):
+    """`merge A A OUT` (or A and a copy of it) would put every chunk in the merged dataset twice:
+    refused in one line, nothing written; two independent builds merge (data appended)."""
+    cfg = BuildConfig(seq_len=256, workers=1, shard_bytes=1 << 20)
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    build([txt_corpus], a, tokenizer_path, cfg)
+    shutil.copytree(a, str(tmp_path / "copy"))
+    for parts in ([a, a], [a, str(tmp_path / "copy")]):
+        with pytest.raises(DatasetError, match=r"the same dataset as .*a \(given twice, its chunks would be in the "
+                                               r"merged dataset twice\); give each part once"):
+            merge(parts, str(tmp_path / "out"))
+        assert not os.path.exists(tmp_path / "out")
+    r = CliRunner().invoke(main, ["merge", a, a, str(tmp_path / "out")])
+    assert r.exit_code != 0 and "given twice" in r.output and "Traceback" not in r.output
+    build([os.path.join(txt_corpus, sorted(os.listdir(txt_corpus))[0])], b, tokenizer_path, cfg)
+    m = merge([a, b], str(tmp_path / "both"))
+    ma, mb = (json.load(open(os.path.join(x, "manifest.json"))) for x in (a, b))
+    assert m["totals"]["documents"] == ma["totals"]["documents"] + mb["totals"]["documents"]
+
+
+def test_a_bestfit_merge_refuses_a_damaged_docs_sidecar(tmp_path, txt_corpus, tokenizer_path):
+    """The merged bestfit index is placed from the parts' .docs: one whose bytes are not its
+    manifest's (an offset moved) stops the merge in one line, never a wrong index."""
+    cfg = BuildConfig(seq_len=256, workers=1, packing="bestfit", unit_bytes=64 << 10, shard_bytes=64 << 10)
+    root = tmp_path / "parts"
+    parts = [str(root / f"part-{k:05d}") for k in range(2)]
+    for k, p in enumerate(parts):
+        build([txt_corpus], p, tokenizer_path, cfg, task=(k, 2))
+    m = json.load(open(os.path.join(parts[1], "manifest.json")))
+    assert m["splits"]["train"]["shards"]
+    docs = os.path.join(parts[1], m["splits"]["train"]["shards"][0]["docs"]["path"])
+    offsets = np.fromfile(docs, dtype="<u8")
+    offsets[1:] += 7  # still sorted and in range
+    offsets.tofile(docs)
+    with pytest.raises(DatasetError, match=r"train-\d+-0000\.docs: its sha256 is not its part's manifest's"):
+        merge(parts, str(root))
+    assert not os.path.exists(root / "manifest.json")

@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -260,3 +261,29 @@ def test_a_cluster_that_never_answers_the_connect_fails_within_the_stall_timeout
         silent.close()
     assert r.returncode == 1 and time.time() - t < 60, r.stderr
     assert "no answer from the Ray cluster within 2 s while connecting" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_ray_without_an_address_starts_a_local_cluster_for_the_build(tmp_path, dev_corpus, tokenizer_path, local):
+    """`--executor ray` with no address and no $RAY_ADDRESS: ray.init starts a local cluster for the
+    build (its processes die with the thread that started it: the build keeps that thread until it
+    is done with Ray), and the dataset is the local build's.  Isolated like `cluster`: its own
+    HOME and temp folder, its own processes killed at the end."""
+    mark = f"local-{os.getpid()}"
+    home = str(tmp_path / "home")
+    os.makedirs(home)
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    short = tempfile.mkdtemp(prefix="hxr")  # Ray's socket paths must stay under 108 bytes
+    env.update({"RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled", "HOME": home, MARK: mark,
+                "RAY_TMPDIR": short})
+    out = str(tmp_path / "out")
+    try:
+        r = subprocess.run([sys.executable, "-m", "helixtok.cli", "build", str(dev_corpus / "txt"), out, "-t",
+                            tokenizer_path, "--executor", "ray", *ARGS], capture_output=True, text=True, env=env,
+                           timeout=240)
+        assert r.returncode == 0, r.stderr[-2000:]
+        same_folder(out, local)
+    finally:
+        for pid in _ours(mark, home):
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        shutil.rmtree(short, ignore_errors=True)
