@@ -3,7 +3,7 @@
 Data flow: files (discover.py) -> units (units.py) -> what OUT holds: up to date, or a build to
 resume (resume.py) -> the pending units run (dispatch.py: in this process, pool.py's processes or
 on Ray, rayexec.py), each read (sources.py), tokenized, packed and written with its journal entry
-(unit.py, pack.py, shards.py), its shard group's join appending it to the shards (join.py) ->
+(unit.py, pack.py, shards.py), its ids placed at their offset in its shard group's shards (join.py) ->
 the manifest from the journal entries (catalog.py; bestfit's index: bestfit.py) -> publish: the
 shards renamed into OUT, the manifest last (outdir.py).
 No step here touches a token.  The journal makes an interrupted build resumable: finished units
@@ -307,7 +307,7 @@ def _build_started(run: Run, info) -> dict:
         run_info, backend_check = choose_backend(info, run.units, config, run.workers)
         if run.workers is not None:  # the workers tokenize: the main process needs no fast tokenizer now
             forget_fast_tokenizers()
-    # Consecutive units whose outputs the join makes one shard of --shard-size: planned from the
+    # Consecutive units whose ids make one shard of --shard-size: planned from the
     # input alone, so every task of a partitioned build draws the same groups.
     groups = shard_groups(run.units, config.shard_bytes, info.dtype.itemsize)
     if run.part is not None:
@@ -351,7 +351,7 @@ def _build_started(run: Run, info) -> dict:
 
 
 def _tokenize(run: Run, info, verdict: Future | None) -> tuple[dict, list[dict], list[dict], LineRefs]:
-    """Resume or start in OUT, then tokenize the units not journaled yet, each shard group joined as
+    """Resume or start in OUT, then tokenize the units not journaled yet, each shard group closed as
     soon as its units are: (trusted entries, every unit's entry in unit order, every group's entry
     in order, the line references).  `verdict`: the check's, still coming."""
     config, out, state, units = run.config, run.out, run.state, run.units

@@ -2,11 +2,13 @@
 the input alone; placing a unit's output at its offset in its group's shards, and closing a group.
 
 A unit's place in its group's stream is the sum of the tokens of the units before it, known as soon
-as they are tokenized (not written): so units are placed in any order, by any process, each read
-once, hashed once and written once (pwrite at its offset).  Each placed range is a *segment* of its
-shard, recorded with the sha256 of its bytes, computed from the very bytes written while checking
-them against the sha256 its unit recorded: a shard's integrity is its segments' digests
-(docs/format.md), so no shard is ever read back to be hashed.  dispatch.Joins says where it runs.
+as they are tokenized (journaled, not written): so units are placed in any order, by any process.
+The process that tokenized a unit places it from memory as it ends when it can (place_held: its
+ids written once); otherwise it writes them to its own file and a worker copies that file into
+place (place_unit), checking it against the sha256 its unit recorded.  Each placed range is a
+*segment* of its shard, recorded with the sha256 of the very bytes written: a shard's integrity
+is its segments' digests (docs/format.md), so no shard is ever read back to be hashed.
+dispatch.Joins says where each step runs.
 """
 
 from __future__ import annotations
@@ -275,7 +277,7 @@ def close_group(g: int, results: list[dict], placements: list[dict], state: str,
 
 def join_group(g: int, results: list[dict], state: str, run: str, dtype, config, opener=None) -> dict:
     """Group `g`'s shards from its units' journal entries (in unit order), in one process: each
-    placed in turn, then the group closed (a Ray task's join; a resumed group's)."""
+    placed in turn, then the group closed (a Ray task's join)."""
     pos: dict[str, int] = {}
     placements = []
     for r in results:
@@ -297,7 +299,7 @@ def known_offsets(state: str, g: int, a: int, i: int, cache: dict) -> dict[str, 
     journaled: their entries in `state` say how many tokens each holds (a function of the plan: the
     build's own process checks each placement's offsets against its own count).  `cache`: what was
     read, per group (one run's)."""
-    from .unit import done_path
+    from .unit import done_path  # (unit.py imports this module)
 
     known = cache.setdefault(g, [{}])  # known[j - a]: unit j's offsets
     while len(known) <= i - a:

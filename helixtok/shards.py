@@ -191,7 +191,7 @@ class HeldIds:
 
 
 class ShardFiles:
-    """One split's tokens (a work unit's output, or a shard group's join of them) in files of at
+    """One split's tokens (a work unit's output, or an imported Megatron dataset) in files of at
     most `cap` tokens (a multiple of seq_len), each with its sidecars (`sides`: "docs" and/or
     "valid").
 
