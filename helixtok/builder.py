@@ -433,6 +433,8 @@ def _publish(run: Run, info, backend_check: dict, trusted: dict, results: list[d
         if splits["train"]["documents"] == 0 and val:
             raise InputError(f"--val-fraction {config.val_fraction:g} put every one of the {val:,} documents in the "
                              "val split, leaving none to train on; lower --val-fraction or add documents")
+        if splits["train"]["documents"] == 0 and (why := _nothing_read(tally, config.text_field)):
+            raise InputError(why)
         raise InputError(f"the corpus gave {splits['train']['tokens']} tokens, not one chunk of "
                          f"--seq-len {config.seq_len}; lower --seq-len or add text")
     _check_unchanged(run.files)
@@ -453,6 +455,28 @@ def _publish(run: Run, info, backend_check: dict, trusted: dict, results: list[d
     built.notes = run.notes + _tokenizer_moved(info)
     built.processes = run.processes
     return built
+
+
+# Why a record gave no document, as the one line a build that read none says (with the fix).
+_SKIPPED = {
+    "non_string_text": ("records whose {f!r} is not text", "--text-field names the field holding each "
+                        "document's text (a list of chat messages is not text)"),
+    "missing_text": ("records without a {f!r} field", "--text-field names the field holding each document's text"),
+    "null_text": ("records whose {f!r} is null", "fill the field, or give --text-field another one"),
+    "empty": ("empty or blank documents", "give files that hold text"),
+    "malformed_json": ("lines that are not JSON", "give JSON lines (one object per line)"),
+    "not_an_object": ("JSON values that are not objects", "give one JSON object per line"),
+}
+
+
+def _nothing_read(tally: Tally, field: str) -> str | None:
+    """The line for a corpus that gave no document at all, naming what was skipped, how often and
+    where first (the likeliest fix last); None when nothing was skipped."""
+    got = sorted(((n, r) for r, n in tally.counts.items() if r in _SKIPPED), reverse=True)
+    if not got:
+        return None
+    parts = [f"{n:,} {_SKIPPED[r][0].format(f=field)} (e.g. {tally.examples[r][0]})" for n, r in got]
+    return f"the corpus gave no document to tokenize: {'; '.join(parts)}; {_SKIPPED[got[0][1]][1]}"
 
 
 def _bestfit_index(run: Run, shards: list[dict], split: str):

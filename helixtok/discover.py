@@ -72,6 +72,18 @@ def _left_out(warnings) -> str:
 _GLOB_CHARS = set("*?[")
 
 
+def _is_dataset(folder: str) -> bool:
+    """A helixtok dataset (its manifest.json, as every writer starts it) or an unfinished build."""
+    if os.path.isdir(os.path.join(folder, ".helixtok-partial")):
+        return True
+    try:
+        with open(os.path.join(folder, "manifest.json"), "rb") as fh:
+            head = fh.read(256)
+    except OSError:
+        return False
+    return b'"format_version"' in head and b'"helixtok_version"' in head
+
+
 def file_kind(path: str) -> str | None:
     low = path.lower()
     for suffix in sorted(SUFFIXES, key=len, reverse=True):
@@ -154,6 +166,9 @@ def discover(paths: list[str], *, exclude: str | None = None) -> tuple[list[Inpu
             if stat.S_ISDIR(st.st_mode):
                 if e.is_symlink() and not any(inside(real, r) for r in roots):
                     warnings.add("link_outside_corpus", os.path.abspath(p))
+                    continue
+                if _is_dataset(p):  # an earlier build's output: ids and JSON, not text
+                    warnings.add("helixtok_dataset", os.path.abspath(p))
                     continue
                 enter_dir(p, st)
             else:

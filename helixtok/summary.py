@@ -40,9 +40,18 @@ def alerts(m: dict) -> list[str]:
             out.append(f"{toks:.1%} of tokens were dropped (the last partial chunk of --seq-len {m['seq_len']}): "
                        "lower --seq-len or add text")
     pad = _share(t["pad_tokens"], t["chunks"] * m["seq_len"])
-    if pad > PAD_WARN:
-        out.append(f"{pad:.1%} of the stored tokens are padding ({m['packing']} packing pads chunks): --pack bestfit "
-                   "fills chunks with whole documents (about 2% padding), --pack packed stores none")
+    if pad > PAD_WARN and m["packing"] == "bestfit":
+        out.append(f"{pad:.1%} of the stored tokens are padding: bestfit never cuts a document of up to --seq-len "
+                   f"{m['seq_len']} tokens (longer ones are cut into --seq-len pieces), so what the documents leave "
+                   "is padded; a shorter --seq-len, or more documents to combine, lowers it, --pack packed stores "
+                   "none (documents then run across chunks)")
+    elif pad > PAD_WARN:
+        out.append(f"{pad:.1%} of the stored tokens are padding (document packing pads each document's last "
+                   "chunk): --pack bestfit fills chunks with whole documents, several to a chunk (far less padding: "
+                   "docs/packing.md), --pack packed stores none")
+    if m["seq_len"] < 2:
+        out.append(f"--seq-len {m['seq_len']}: each chunk is one token, with no next-token target inside it; fine "
+                   "for looking at ids, not for training: build with the context length you train at")
     return out
 
 

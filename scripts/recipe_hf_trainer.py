@@ -41,8 +41,12 @@ def main() -> int:
     a = ap.parse_args()
     ds = MemmapChunkDataset(a.out)
     st = stats_for(a.out, batch_size=a.batch_size, grad_accum=a.grad_accum, epochs=a.epochs)
-    vocab = json.load(open(os.path.join(a.out, "manifest.json")))["tokenizer"]["vocab_size"]
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=vocab, n_positions=ds.seq_len, n_embd=32, n_layer=1, n_head=2))
+    tok = json.load(open(os.path.join(a.out, "manifest.json")))["tokenizer"]
+    # The dataset's own special ids (GPT2Config's defaults, 50256, lie outside a smaller vocabulary).
+    eos = tok["eos_id"]
+    bos = tok["bos_id"] if tok.get("bos_id") is not None else eos
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=tok["vocab_size"], n_positions=ds.seq_len, n_embd=32, n_layer=1,
+                                       n_head=2, bos_token_id=bos, eos_token_id=eos, pad_token_id=tok["pad_id"]))
     args = TrainingArguments(output_dir=a.output_dir or os.path.join(a.out, "..", "hf-trainer-run"),
                              per_device_train_batch_size=a.batch_size, gradient_accumulation_steps=a.grad_accum,
                              num_train_epochs=a.epochs, max_steps=st.total_optimizer_steps if a.max_steps else -1,

@@ -65,7 +65,7 @@ def cache_knowing_the_tokenizers(folder: Path) -> str:
 @contextlib.contextmanager
 def on_a_pool():
     """Builds of a few kilobytes start their --workers processes all the same: a build starts
-    one per 64 MiB of input (build.worker_count), so without this they tokenize in one process."""
+    one per 16 MiB of input (dispatch.worker_count), so without this they tokenize in one process."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("HELIXTOK_WORKER_BYTES", "1")
         yield

@@ -599,3 +599,94 @@ def test_hints_that_run(tmp_path, corpus, small_tok, monkeypatch):
     r = CliRunner().invoke(main, ["build", str(one), str(tmp_path / "s"), "-t", small_tok, "-L", "4", "-q"])
     assert r.exit_code == 0, r.output
     assert "$SLURM_ARRAY_TASK_ID is 3 but --num-tasks is not given" in r.output and "--seq-len 4 holds" in r.output
+
+
+@pytest.mark.parametrize("case", ["chat messages", "blank"])
+def test_a_corpus_of_skipped_records_says_what_was_skipped_not_seq_len(tmp_path, small_tok, case):
+    """Every record skipped: the build names how many, why and where first, and the fix (it
+    blamed --seq-len: 'the corpus gave 0 tokens ... lower --seq-len')."""
+    c = tmp_path / "c"
+    c.mkdir()
+    if case == "chat messages":
+        (c / "chat.jsonl").write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"hi {i}"}]})
+                                              + "\n" for i in range(200)))
+        extra, want = ["--text-field", "messages"], (r"the corpus gave no document to tokenize: 200 records whose "
+                                                      r"'messages' is not text \(e\.g\. chat\.jsonl:1 \(list\)\); "
+                                                      r"--text-field names the field")
+    else:
+        (c / "b.jsonl").write_text('{"text": ""}\n{"text": "  "}\n')
+        extra, want = [], r"the corpus gave no document to tokenize: 2 empty or blank documents \(e\.g\. b\.jsonl:1\)"
+    r = CliRunner().invoke(main, ["build", str(c), str(tmp_path / "out"), "-t", small_tok, "-L", "16", "-q", *extra])
+    assert r.exit_code == 1 and re.search(want, r.output), r.output
+    assert "seq-len" not in r.output and "Traceback" not in r.output
+
+
+def test_summary_alerts_say_what_is_true_of_the_packing(small_tok):
+    """bestfit's padding alert no longer recommends bestfit ('about 2% padding' beside 33.7%); a
+    one-token --seq-len is said; --workers' help gives the shares the build uses."""
+    from helixtok.summary import alerts
+
+    m = {"packing": "bestfit", "seq_len": 2048, "min_tail_len": 0,
+         "totals": {"documents": 10, "tokens": 1000, "dropped_documents": 0, "dropped_tokens": 0,
+                    "pad_tokens": 3000, "chunks": 2}}
+    [line] = alerts(m)
+    assert line.startswith("73.2% of the stored tokens are padding: bestfit never cuts a document") and "about 2%" not in line
+    assert "--pack bestfit" not in line
+    m.update(packing="document", min_tail_len=512)
+    [line] = alerts(m)
+    assert "--pack bestfit fills chunks with whole documents" in line and "about 2%" not in line
+    m.update(packing="packed", seq_len=1, min_tail_len=None, totals={**m["totals"], "pad_tokens": 0, "chunks": 1000})
+    assert alerts(m) == ["--seq-len 1: each chunk is one token, with no next-token target inside it; fine for "
+                         "looking at ids, not for training: build with the context length you train at"]
+    r = CliRunner().invoke(main, ["build", "--help"])
+    assert "per 16 MiB of input with fastokens" in " ".join(r.output.split()) and "64 MiB" not in r.output
+
+
+def test_an_earlier_output_folder_inside_the_corpus_is_left_out_with_a_note(tmp_path, small_corpus, small_tok):
+    """A build into corpus/out, then another of corpus/ elsewhere: the first's dataset (and an
+    unfinished build's folder) is not read as text -- it broke the build with a --text-field error
+    -- but left out with a counted warning; the dataset is the corpus's own."""
+    c = tmp_path / "c"
+    shutil.copytree(small_corpus, c)
+    ref = tmp_path / "ref"
+    args = ["-t", small_tok, "-L", "16", "-q", "-j", "1"]
+    assert CliRunner().invoke(main, ["build", str(c), str(ref), *args]).exit_code == 0
+    assert CliRunner().invoke(main, ["build", str(c), str(c / "out"), *args]).exit_code == 0
+    (c / "half" / ".helixtok-partial").mkdir(parents=True)
+    (c / "half" / ".helixtok-partial" / "plan.json").write_text("{}")
+    r = CliRunner().invoke(main, ["build", str(c), str(tmp_path / "again"), *args])
+    assert r.exit_code == 0, r.output
+    assert "2 x helixtok dataset" in r.output
+    m = json.loads((tmp_path / "again" / "manifest.json").read_text())
+    assert m["warnings"]["helixtok_dataset"] == {"count": 2, "examples": ["half", "out"]}
+    assert m["splits"] == json.loads((ref / "manifest.json").read_text())["splits"]
+
+
+def test_documents_dropped_by_default_are_the_summarys_first_line(tmp_path, small_tok):
+    """--pack document drops documents shorter than --min-tail-len by default: the summary's first
+    line says how many and that --pack bestfit keeps every document (it came last, after the table)."""
+    c = tmp_path / "c"
+    c.mkdir()
+    (c / "a.jsonl").write_text("".join(json.dumps({"text": f"short document {i}"}) + "\n" for i in range(30))
+                               + json.dumps({"text": "a longer one " * 200}) + "\n")
+    r = CliRunner().invoke(main, ["build", str(c), str(tmp_path / "out"), "-t", small_tok, "-L", "64", "-q",
+                                  "--pack", "document"])
+    assert r.exit_code == 0, r.output
+    assert re.match(r"warning: 96\.8% of documents \(30\) and [\d.]+% of tokens were dropped: document packing",
+                    " ".join(r.output.split()))  # (the console wraps the line)
+    assert "--pack bestfit keeps every document whole" in " ".join(r.output.split())
+
+
+def test_the_html_reports_source_chart_names_the_top_level_files(tmp_path, small_tok):
+    """Files directly in the corpus folder are the source "." in the manifest; the chart says so in
+    words (its one bar was labelled '.')."""
+    c = tmp_path / "c"
+    c.mkdir()
+    (c / "a.txt").write_text("the quick brown fox jumps over the lazy dog. " * 50)
+    out, page = tmp_path / "out", tmp_path / "r.html"
+    assert CliRunner().invoke(main, ["build", str(c), str(out), "-t", small_tok, "-L", "16", "-q"]).exit_code == 0
+    assert list(json.loads((out / "manifest.json").read_text())["sources"]) == ["."]
+    r = CliRunner().invoke(main, ["info", str(out), "--html", str(page)])
+    assert r.exit_code == 0, r.output
+    text = page.read_text()
+    assert "(top-level files)</text>" in text and ">.</text>" not in text

@@ -171,6 +171,12 @@ def test_repacking_sources_give_each_pass_its_own_packing_and_stats_match_the_co
     r = CliRunner().invoke(main, ["stats", "--mixture", str(f), "-b", "3", "-w", "2"])
     assert r.exit_code == 1 and len(r.output.strip().splitlines()) == 1
     assert r.output.strip() == f"Error: {f}: batch_size 8 (global), but the command gives 6 (batch size x world size x grad accum)"
+    # Without -b the file's global batch is shared out: the same counts as -b 2 -w 2 -g 2.
+    r = CliRunner().invoke(main, ["stats", "--mixture", str(f), "-w", "2", "-g", "2", "--json"])
+    assert r.exit_code == 0 and json.loads(r.output) == got, r.output
+    r = CliRunner().invoke(main, ["stats", "--mixture", str(f), "-w", "3"])
+    assert r.exit_code == 1 and r.output.strip() == (f"Error: {f}: batch_size 8 (global) does not divide into "
+                                                     "--grad-accum 1 x --world-size 3; give -b (per-rank batch size)")
 
 
 def test_document_masks_come_through_the_mixture_and_a_yaml_file_reads_as_json(dev_packed, dev_bestfit, tmp_path):

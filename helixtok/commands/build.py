@@ -38,8 +38,8 @@ from .common import console, handle_errors, parse_size, print_summary
 @click.option("--unit-size", callback=parse_size, default="4MiB", show_default=True,
               help="Input bytes per work unit (scheduling only: the shards do not depend on it).")
 @click.option("--workers", "-j", type=click.IntRange(min=0), default=0,
-              help="Tokenizing processes at most [default: all cores]; no more than one per 64 MiB of input "
-                   "(4 MiB with tiktoken or tokenizers).")
+              help="Tokenizing processes (at most one per work unit) [default: all cores, but no more than one "
+                   "per 16 MiB of input with fastokens or gigatoken, 1 MiB with tiktoken or tokenizers].")
 @click.option("--overwrite", is_flag=True, help="Replace a dataset or unfinished build in OUT.")
 @click.option("--strict", is_flag=True, help="Fail instead of skipping any bad document or file.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress (bar or log lines); warnings and the summary still print.")

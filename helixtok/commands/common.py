@@ -102,6 +102,8 @@ def print_summary(m, out, as_json, con, up_to_date=None, elapsed=None, reused=0,
     from rich.markup import escape
     from rich.table import Table
 
+    for a in summ["alerts"]:  # first: documents dropped or chunks mostly padding decide whether to train on it
+        con.print("[yellow]warning[/]: " + escape(a))
     tab = Table(title=escape(f"{out}  ({m['packing']}, seq_len {m['seq_len']}, {m['dtype']})"), show_header=True)
     for col in ("split", "documents", "chunks", "stored tokens", "pad", "dropped"):
         tab.add_column(col, justify="right" if col != "split" else "left")
@@ -122,7 +124,5 @@ def print_summary(m, out, as_json, con, up_to_date=None, elapsed=None, reused=0,
         for reason, v in m[kind].items():
             con.print(f"[yellow]warning[/]: {v['count']:,} x {reason.replace('_', ' ')}, e.g. "
                       + escape("; ".join(v["examples"][:3])))
-    for a in summ["alerts"]:
-        con.print("[yellow]warning[/]: " + escape(a))
     for n in notes:
         con.print("[yellow]note[/]: " + escape(n))

@@ -108,7 +108,8 @@ def info(out, as_json, html_file):
               help="Count a mixture file's run instead (JSON or YAML: sources, stages, budgets, caps; "
                    "docs/training.md): per stage and source.")
 @click.option("--split", default="train", show_default=True, help="Which split to count (train or val).")
-@click.option("--batch-size", "-b", type=click.IntRange(min=1), default=1, show_default=True, help="Per-rank batch size.")
+@click.option("--batch-size", "-b", type=click.IntRange(min=1), default=None,
+              help="Per-rank batch size [default: 1; with --mixture, the file's batch_size / (grad accum x world size)].")
 @click.option("--grad-accum", "-g", type=click.IntRange(min=1), default=1, show_default=True,
               help="Micro-batches per optimizer step (a partial window is flushed at epoch end).")
 @click.option("--world-size", "-w", type=click.IntRange(min=1), default=1, show_default=True,
@@ -142,7 +143,7 @@ def stats(out, mixture_file, split, batch_size, grad_accum, world_size, epochs, 
     if mixture_file:
         return _mixture_stats(mixture_file, split, batch_size, grad_accum, world_size, as_json)
 
-    st = stats_for(out, split=split, batch_size=batch_size, grad_accum=grad_accum, world_size=world_size,
+    st = stats_for(out, split=split, batch_size=batch_size or 1, grad_accum=grad_accum, world_size=world_size,
                    epochs=epochs, drop_last=drop_last, sampler_drop_last=sampler_drop_last,
                    loader_drop_last=loader_drop_last, warmup_ratio=warmup_ratio)
     if as_json:
@@ -161,10 +162,16 @@ def stats(out, mixture_file, split, batch_size, grad_accum, world_size, epochs, 
     Console().print(tab)
 
 
-def _mixture_stats(path: str, split: str, b: int, g: int, w: int, as_json: bool) -> None:
+def _mixture_stats(path: str, split: str, b: int | None, g: int, w: int, as_json: bool) -> None:
+    from ..errors import ConfigError
     from ..schedule import load_mixture
 
-    mix = load_mixture(path, batch_size=b * g * w, split=split)
+    mix = load_mixture(path, batch_size=b * g * w if b else None, split=split)
+    if b is None:  # the file's global batch, shared out over the ranks and accumulation steps
+        if mix.batch_size % (g * w):
+            raise ConfigError(f"{path}: batch_size {mix.batch_size} (global) does not divide into --grad-accum {g} x "
+                              f"--world-size {w}; give -b (per-rank batch size)")
+        b = mix.batch_size // (g * w)
     st = mix.stats(world_size=w, batch_size=b, grad_accum=g)
     if as_json:
         click.echo(json.dumps(st))
