@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import bisect
+import hashlib
+import json
 import os
 from collections.abc import Sequence
 
@@ -121,6 +123,8 @@ class MemmapChunkDataset(Dataset):
             before = None  # load_manifest says what is wrong
         m = load_manifest(self.path)
         s = split_entry(m, split, self.path)
+        # What the dataset is, whatever folder it is in: a mixture's checkpoint records it (identity()).
+        self.manifest_sha256 = hashlib.sha256(json.dumps(m, sort_keys=True).encode()).hexdigest()
         self.seq_len = int(m["seq_len"])
         self.packing = m["packing"]
         self.dtype = np.dtype(DTYPES[m["dtype"]])
@@ -295,6 +299,11 @@ class MemmapChunkDataset(Dataset):
                 self._layouts.pop(next(iter(self._layouts)))
             self._layouts[epoch] = lay
         return lay
+
+    def identity(self) -> dict:
+        """What decides this dataset's samples: its manifest (by sha256), split and repacking."""
+        return {"manifest": self.manifest_sha256[:16], "split": self.split, "repack": bool(self.repack),
+                **({"seed": self.seed} if self.repack else {})}
 
     def __len__(self) -> int:
         return self._len

@@ -230,6 +230,7 @@ class Mixture(Dataset):
         """The schedule as it decides the samples: what a resume compares."""
         return {"seed": self.seed, "batch_size": self.batch_size, "seq_len": self.seq_len,
                 "sources": dict(zip(self.names, self.lens.tolist())),
+                "identities": {n: d.identity() if hasattr(d, "identity") else None for n, d in self.sources.items()},
                 "stages": [{"start_step": p.start // self.batch_size, "end_step": p.end // self.batch_size,
                             "weights": dict(zip(self.names, p.weights.tolist()))} for p in self.plans]}
 
@@ -260,6 +261,11 @@ def schedule_change(old: dict, new: dict, pos: int) -> str | None:
     for n in sorted(used):
         if old["sources"].get(n) != new["sources"].get(n):
             return f"source {n!r} {old['sources'].get(n)} -> {new['sources'].get(n)} chunks"
+        was, now = (old.get("identities") or {}).get(n), (new.get("identities") or {}).get(n)
+        if was is not None and was != now:  # (a checkpoint from before identities were kept has none)
+            diff = [f"{k} {was.get(k)!r} -> {(now or {}).get(k)!r}" for k in sorted(set(was) | set(now or {}))
+                    if was.get(k) != (now or {}).get(k)]
+            return f"source {n!r} is another dataset or is read otherwise ({', '.join(diff)})"
     if list(new["sources"])[:len(old["sources"])] != list(old["sources"]):
         return "the sources or their order (it seeds their permutations): add new ones after the others"
     for i, s in enumerate(begun):

@@ -203,3 +203,34 @@ def test_document_masks_come_through_the_mixture_and_a_yaml_file_reads_as_json(d
     (tmp_path / "bad.yaml").write_text("sources: [")
     with pytest.raises(ConfigError, match="bad.yaml: not valid YAML"):
         load_mixture(str(tmp_path / "bad.yaml"))
+
+
+def test_a_resume_refuses_a_source_that_is_another_dataset_or_read_otherwise(dev_packed, dev_document, tmp_path):
+    """A source already read that changed in what decides its samples -- its repack flag, or
+    another dataset of the same chunk count -- is refused, naming it (it resumed with other
+    samples); the same dataset copied to another folder resumes (its manifest is the same)."""
+    import shutil
+
+    ds = MemmapChunkDataset(dev_packed)
+    stages = [Stage({"web": 1}, until_steps=20)]
+    mix = Mixture({"web": ds}, stages, batch_size=8)
+    s = mix.sampler()
+    state = json.loads(json.dumps(mix.state_dict(s, samples_consumed=5 * 8)))  # as a checkpoint stores it
+    moved = tmp_path / "moved"
+    shutil.copytree(dev_packed, moved)
+    same = Mixture({"web": MemmapChunkDataset(str(moved))}, stages, batch_size=8)
+    same.load_state_dict(state, same.sampler())
+    flipped = Mixture({"web": MemmapChunkDataset(dev_packed, repack=True)}, stages, batch_size=8)
+    with pytest.raises(ConfigError, match=r"source 'web' is another dataset or is read otherwise \(repack False -> "
+                                          r"True, seed None -> 0\)"):
+        flipped.load_state_dict(state, flipped.sampler())
+    other = tmp_path / "other"
+    shutil.copytree(dev_packed, other)
+    m = json.loads((other / "manifest.json").read_text())
+    m["sources"] = {"renamed": next(iter(m["sources"].values()))}  # other data, the same chunk count
+    (other / "manifest.json").write_text(json.dumps(m))
+    swapped = Mixture({"web": MemmapChunkDataset(str(other))}, stages, batch_size=8)
+    with pytest.raises(ConfigError, match=r"source 'web' is another dataset or is read otherwise \(manifest "):
+        swapped.load_state_dict(state, swapped.sampler())
+    old = {**state, "schedule": {k: v for k, v in state["schedule"].items() if k != "identities"}}
+    swapped.load_state_dict(old, swapped.sampler())  # a checkpoint from before identities: as before
