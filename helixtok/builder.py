@@ -178,6 +178,7 @@ class Run:
     run_id: str  # names this run's shard files in STATE: an orphan of another run never writes into them
     part: dict | None = None  # a task of a partitioned build: {task_index, num_tasks, units: [a, b], units_total}
     groups: list = dataclasses.field(default_factory=list)  # this run's shard groups: (number, units [a, b)): join.py
+    copied: int = 0  # units whose ids went to their own file first (their place was not known as they ended)
     notes: list = dataclasses.field(default_factory=list)  # for the user, one line each (Built.notes)
     workers: object | None = None  # the UnitPool or RayExecutor; None: this process tokenizes
     # An object-storage OUT the Ray tasks upload to: its URL, then (URL, folder) once the plan is known.
@@ -244,6 +245,7 @@ class Built(dict):
     units = 0
     notes: list[str] = []  # what the user should know of the run (one line each, on stderr)
     processes: tuple[int, str] | None = None  # how many processes tokenized, and why that many
+    copied = 0  # units of this run whose ids were written to a file of their own, then copied into place
 
 
 class UpToDate(Built):
@@ -406,6 +408,7 @@ def _tokenize(run: Run, info, verdict: Future | None) -> tuple[dict, list[dict],
             raise InputError(refs.resolve(str(e))) from None
         raise
     joined = joins.finish()
+    run.copied = joins.copied
     by_index = {**trusted, **{r["index"]: r for r in fresh}}
     return trusted, [by_index[u.index] for u in units], joined, refs
 
@@ -454,6 +457,7 @@ def _publish(run: Run, info, backend_check: dict, trusted: dict, results: list[d
     built.reused_units, built.units = len(trusted), len(units)
     built.notes = run.notes + _tokenizer_moved(info)
     built.processes = run.processes
+    built.copied = run.copied
     return built
 
 

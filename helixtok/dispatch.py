@@ -207,6 +207,8 @@ class Joins:
         self.pos: dict[int, dict[str, int]] = {g: {} for g, _, _ in groups}  # ... and that offset, per split
         self.futures = {g: Future() for g, _, _ in groups}  # each group's entry
         self.started: set[int] = set()
+        self.copied = 0  # units of this run placed from their own file (their place was not known as they ended)
+        self._before = set(done)
         self._events: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = None
         if workers is not None:
@@ -268,6 +270,7 @@ class Joins:
                 raise HelixtokError(f"work unit {i}: its journal entry or placement in shard {g} disagrees with the "
                                     "units before it (damaged); rerun the same command: it is tokenized again")
             if i not in self.placed:
+                self.copied += i not in self._before
                 if self.workers is None:
                     self.placed[i] = place_unit(r, g, self.pos[g], state, dtype, config)
                 else:

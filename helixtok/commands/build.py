@@ -125,7 +125,8 @@ def build(corpus, out, tokenizer, seq_len, packing, min_tail_len, text_field, bo
     # -q hides the progress, never the summary or its warnings
     print_summary(m, out, as_json, console(), up_to_date=False, elapsed=time.monotonic() - started,
                   reused=getattr(m, "reused_units", 0), units=getattr(m, "units", 0),
-                  processes=getattr(m, "processes", None), notes=getattr(m, "notes", ()))
+                  processes=getattr(m, "processes", None), notes=getattr(m, "notes", ()),
+                  copied=getattr(m, "copied", None))
 
 
 def _build_with_progress(run_build, con, corpus, out, tokenizer, cfg, overwrite, part):

@@ -80,7 +80,7 @@ def console(quiet=False):
 
 
 def print_summary(m, out, as_json, con, up_to_date=None, elapsed=None, reused=0, units=0, processes=None,
-                  notes=()):
+                  notes=(), copied=None):
     """The table of splits, every term of the token arithmetic, what the build did, and warnings."""
     from ..summary import lines, summarize
 
@@ -120,6 +120,9 @@ def print_summary(m, out, as_json, con, up_to_date=None, elapsed=None, reused=0,
         click.echo(line)
     if processes:
         click.echo(f"tokenizing processes: {processes[0]} ({processes[1]})")
+    if copied is not None and units > reused:
+        click.echo(f"work units written once, straight into their shards: {units - reused - copied:,} of "
+                   f"{units - reused:,} (the others' ids went to a file first, then copied into place)")
     for kind in ("skipped", "warnings"):
         for reason, v in m[kind].items():
             con.print(f"[yellow]warning[/]: {v['count']:,} x {reason.replace('_', ' ')}, e.g. "
