@@ -104,9 +104,9 @@ class Mixture(Dataset):
             if unknown:
                 raise ConfigError(f"max_epochs names source {unknown[0]!r}, not one of {', '.join(self.names)}")
             for k, v in max_epochs.items():
-                caps[self.names.index(k)] = float(v)
+                caps[self.names.index(k)] = _number(v, f"max_epochs of {k!r}")
         elif max_epochs is not None:
-            caps[:] = float(max_epochs)
+            caps[:] = _number(max_epochs, "max_epochs")
         if (caps <= 0).any():
             raise ConfigError("max_epochs must be > 0")
         return caps
@@ -241,14 +241,24 @@ class Mixture(Dataset):
     def load_state_dict(self, state: dict, sampler: ChunkSampler) -> None:
         """Continue where `state` stopped.  The schedule may differ only in stages not yet begun
         (and their sources); anything else is refused, naming the change."""
-        pos = int(state["sampler"]["global_consumed"])
-        why = schedule_change(state["schedule"], self.describe(), pos)
+        try:
+            pos = int(state["sampler"]["global_consumed"])
+            why = schedule_change(state["schedule"], self.describe(), pos)
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
+            raise ConfigError(f"not a mixture checkpoint (Mixture.state_dict's): {type(e).__name__} {e}; pass "
+                              "what state_dict returned") from None
         if why:
             raise ConfigError(f"the mixture changed since the checkpoint: {why}; a resume may change only "
                               f"stages not yet begun (the run is at step {pos // self.batch_size})")
         # The sampler checks its dataset's length; a schedule changed only ahead may be longer or
         # shorter, and its positions read so far are the same (a sampler in order, not shuffled).
         sampler.load_state_dict({**state["sampler"], "n": self._n} if pos <= self._n else state["sampler"])
+
+
+def _number(v, what: str) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ConfigError(f"{what} must be a number (epochs), got {v!r}")
+    return float(v)
 
 
 def schedule_change(old: dict, new: dict, pos: int) -> str | None:
@@ -331,6 +341,8 @@ def load_mixture(path: str, *, batch_size: int | None = None, split: str = "trai
     if B is None:
         raise ConfigError(f"{path}: give batch_size (the global batch of one optimizer step)")
     default_cap = spec.get("max_epochs")
-    if default_cap is not None:
+    if isinstance(default_cap, dict):  # per source, as Mixture(max_epochs={...}) takes it
+        caps = {**default_cap, **caps}
+    elif default_cap is not None:
         caps = {n: caps.get(n, default_cap) for n in sources}
     return Mixture(sources, stages, batch_size=int(B), seed=int(spec.get("seed", 0)), max_epochs=caps or None)

@@ -3,6 +3,7 @@
 import json
 import os
 import pickle
+import re
 import signal
 import subprocess
 import sys
@@ -359,3 +360,16 @@ def test_a_panic_inside_the_tokenizer_is_one_line_naming_the_unit(tmp_path, smal
     monkeypatch.setattr(Encoder, "encode", panic)
     with pytest.raises(HelixtokError, match=r"tokenizing .*a.txt.* failed: PanicException: called"):
         build([str(small_corpus)], str(tmp_path / "out"), small_tok, BuildConfig(seq_len=16, workers=1))
+
+
+def test_a_shard_whose_bytes_disagree_with_its_tokens_is_refused_on_load(tmp_path, small_corpus, small_tok):
+    """A manifest whose last shard's num_tokens was halved: every reader refuses it in one line on
+    load (`helixtok show OUT LAST` raised an IndexError traceback)."""
+    out = tmp_path / "out"
+    m = build([str(small_corpus)], str(out), small_tok, BuildConfig(seq_len=16, workers=1))
+    e = m["splits"]["train"]["shards"][-1]
+    e["num_tokens"] //= 2
+    (out / "manifest.json").write_text(json.dumps(m))
+    r = CliRunner().invoke(main, ["show", str(out), str(m["splits"]["train"]["num_chunks"] - 1)])
+    assert r.exit_code != 0 and "Traceback" not in r.output
+    assert re.search(r"shards\[\d+\]\.bytes: \d+ is not num_tokens \d+ x the uint16 size", r.output), r.output

@@ -234,3 +234,23 @@ def test_a_resume_refuses_a_source_that_is_another_dataset_or_read_otherwise(dev
         swapped.load_state_dict(state, swapped.sampler())
     old = {**state, "schedule": {k: v for k, v in state["schedule"].items() if k != "identities"}}
     swapped.load_state_dict(old, swapped.sampler())  # a checkpoint from before identities: as before
+
+
+def test_mixture_inputs_of_the_wrong_shape_are_one_line_each(dev_packed, tmp_path):
+    """A top-level max_epochs given per source (as the Python API takes it) is read so; a cap that
+    is not a number, and a checkpoint that is not a mixture's, are one ConfigError each (they were
+    TypeError and KeyError tracebacks)."""
+    f = tmp_path / "mix.json"
+    spec = {"batch_size": 8, "sources": {"web": os.path.relpath(dev_packed, tmp_path)},
+            "stages": [{"until_steps": 4, "weights": {"web": 1}}], "max_epochs": {"web": 2}}
+    f.write_text(json.dumps(spec))
+    r = CliRunner().invoke(main, ["stats", "--mixture", str(f), "--json"])
+    assert r.exit_code == 0, r.output
+    f.write_text(json.dumps({**spec, "max_epochs": {"web": "two"}}))
+    r = CliRunner().invoke(main, ["stats", "--mixture", str(f)])
+    assert r.exit_code == 1 and r.output.strip() == "Error: max_epochs of 'web' must be a number (epochs), got 'two'"
+    mix = Mixture({"web": MemmapChunkDataset(dev_packed)}, [Stage({"web": 1}, until_steps=4)], batch_size=8)
+    state = mix.state_dict(mix.sampler(), samples_consumed=8)
+    del state["schedule"]["stages"]
+    with pytest.raises(ConfigError, match=r"not a mixture checkpoint \(Mixture.state_dict's\): KeyError 'stages'"):
+        mix.load_state_dict(state, mix.sampler())
