@@ -7,6 +7,11 @@ commands/inspect.py (a dataset: show, info, stats, verify, bench-read), commands
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # `python -m helixtok.cli`: the helixtok command's guard while it imports (entry.py)
+    from helixtok.entry import guard as _guard
+
+    _guarded = _guard()
+
 import click
 
 from . import __version__
@@ -33,4 +38,7 @@ for _command in (build.build, build.train_tokenizer, inspect.show, inspect.info,
 
 
 if __name__ == "__main__":
+    from helixtok.entry import release
+
+    release(_guarded)
     main()

@@ -5,17 +5,28 @@ import signal
 import sys
 
 
-def main():
-    def early(signum, frame):  # nothing has started yet: nothing to stop or resume
-        sys.stderr.write("\ninterrupted before anything started\n")
-        sys.stderr.flush()
-        os._exit(128 + signum)
+def _early(signum, frame):  # nothing has started yet: nothing to stop or resume
+    sys.stderr.write("\ninterrupted before anything started\n")
+    sys.stderr.flush()
+    os._exit(128 + signum)
 
-    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not where Ctrl-C is ignored (nohup, &)
-        signal.signal(signal.SIGINT, early)
-        from .cli import main as cli
 
+def guard() -> bool:
+    """Ctrl-C exits 130 with one line until release(); not where Ctrl-C is ignored (nohup, &)."""
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, _early)
+        return True
+    return False
+
+
+def release(guarded: bool) -> None:
+    if guarded:
         signal.signal(signal.SIGINT, signal.default_int_handler)
-    else:
-        from .cli import main as cli
+
+
+def main():
+    guarded = guard()
+    from .cli import main as cli
+
+    release(guarded)
     return cli()

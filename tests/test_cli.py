@@ -690,3 +690,21 @@ def test_the_html_reports_source_chart_names_the_top_level_files(tmp_path, small
     assert r.exit_code == 0, r.output
     text = page.read_text()
     assert "(top-level files)</text>" in text and ">.</text>" not in text
+
+
+@pytest.mark.parametrize("how", [["-m", "helixtok.cli"], ["-m", "helixtok"]])
+def test_ctrl_c_while_python_m_imports_the_command_line_is_one_line(tmp_path, how):
+    """`python -m helixtok.cli` (and `python -m helixtok`) have the helixtok command's guard: a
+    Ctrl-C while the command line imports exits 130 with one line (it was a 13-line traceback).
+    The Ctrl-C arrives, deterministically, from inside the import of click (a stand-in package)."""
+    import signal as sig
+
+    fake = tmp_path / "fake" / "click"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("import os, signal, time\nos.kill(os.getpid(), signal.SIGINT)\ntime.sleep(5)\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path / "fake"), root])}
+    r = subprocess.run([sys.executable, *how, "--version"], capture_output=True, text=True, env=env, timeout=60,
+                       preexec_fn=lambda: sig.signal(sig.SIGINT, sig.SIG_DFL))  # as from a terminal
+    assert r.returncode == 130, (r.returncode, r.stderr)
+    assert r.stderr.strip() == "interrupted before anything started" and "Traceback" not in r.stderr
