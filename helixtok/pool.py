@@ -229,6 +229,15 @@ def _serve(rfd: int, wfd: int, forked: bool = False) -> None:
 FORK = sys.platform == "linux" and os.environ.get("HELIXTOK_FORK", "1") != "0"
 
 
+def _exited(proc: subprocess.Popen, within: float) -> bool:
+    """Whether `proc` has exited, or does within `within` s (its pipes close before it is reaped)."""
+    try:
+        proc.wait(within)
+        return True
+    except subprocess.TimeoutExpired:
+        return False
+
+
 def _nothing() -> None:
     pass
 
@@ -438,8 +447,10 @@ class WorkerPool:
             w.alive = False
             if not self._stopped:
                 what = "starting" if not w.ready else w.task[1] if w.task else "waiting for work"
-                self._break(HelixtokError(f"a worker process died while {what}; it was killed (out of memory?); "
-                                          "rerun the same command to resume"))
+                who = f"a worker process died while {what}"
+                if self._server is not None and _exited(self._server, 1.0):
+                    who += ": the fork server (the process that loads the tokenizer and forks the workers) died"
+                self._break(HelixtokError(f"{who}; it was killed (out of memory?); rerun the same command to resume"))
             return
         w.since = time.monotonic()
         kind = msg[0]

@@ -529,9 +529,11 @@ def test_a_pool_that_breaks_while_starting_is_one_line_and_leaves_no_worker(tmp_
     monkeypatch.setattr(hp, "_SERVE", "import os\nos._exit(3)\n")
     monkeypatch.setattr(hp, "_FORK_SERVER", "import os\nos._exit(3)\n")  # (form: workers are forked from it)
     monkeypatch.setattr(hb.UnitPool, "__init__", init)
-    with pytest.raises(HelixtokError, match="a worker process died while starting"):
+    with pytest.raises(HelixtokError, match="a worker process died while starting") as e:
         build([str(small_corpus)], str(tmp_path / "out"), small_tok, BuildConfig(seq_len=16, workers=2, unit_bytes=1))
     assert made and all(p.poll() is not None for p in made)
+    if hp.FORK:  # the process that died is named (issue 47 item 11)
+        assert "the fork server (the process that loads the tokenizer and forks the workers) died" in str(e.value)
 
 
 def test_a_failed_pool_build_leaves_no_traceback_from_the_pool_thread(tmp_path, small_tok, monkeypatch):
