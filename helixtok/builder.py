@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import dataclasses
 import os
 import secrets
@@ -304,7 +305,10 @@ def _build_started(run: Run, info) -> dict:
         # Tokenize with the likeliest library while the check runs; if it picks another, the units
         # tokenized meanwhile are discarded and tokenized again with that one.
         check = _Check(info, run.units, config, run.workers)
-        run_info = dataclasses.replace(info, backend=FAST[0], backend_version=backend_version(FAST[0]))
+        # The likeliest: the library an interrupted build of this OUT tokenized with (its check
+        # picked it; the same command goes on with it), else the fastest.
+        likely = (None if run.overwrite else _resumed_backend(run.state)) or FAST[0]
+        run_info = dataclasses.replace(info, backend=likely, backend_version=backend_version(likely))
     else:
         run_info, backend_check = choose_backend(info, run.units, config, run.workers)
         if run.workers is not None:  # the workers tokenize: the main process needs no fast tokenizer now
@@ -350,6 +354,18 @@ def _build_started(run: Run, info) -> dict:
         if check is not None:
             check.end()
     return _publish(run, run_info, backend_check, trusted, results, joined, refs)
+
+
+def _resumed_backend(state: str) -> str | None:
+    """The library an unfinished build in STATE planned with, if this environment has the very
+    version it used (its plan names both)."""
+    try:
+        with open(os.path.join(state, "plan.json")) as fh:
+            t = json.load(fh)["tokenizer"]
+        name, version = t["backend"], t["backend_version"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return name if name in FAST + ("hf",) and backend_version(name) == version else None
 
 
 def _tokenize(run: Run, info, verdict: Future | None) -> tuple[dict, list[dict], list[dict], LineRefs]:

@@ -605,3 +605,42 @@ def test_the_command_line_loads_fastokens_while_it_imports_and_the_build_takes_t
     p = subprocess.run([sys.executable, "-c", "import sys, helixtok.cli; print('numpy' in sys.modules)"],
                        capture_output=True, text=True)
     assert p.stdout.strip() == "False", p.stderr
+
+
+def test_a_build_whose_check_rejected_fastokens_resumes(tmp_path, small_corpus, small_tok, monkeypatch):
+    """fastokens (made wrong) is rejected by the check, the build goes on with the library it picked,
+    and is interrupted: the same command resumes with that library (it refused for ever: 'holds an
+    unfinished build with other inputs or options (backend: ... -> 'fastokens')'), reuses what it
+    had, and gives the uninterrupted build's dataset."""
+    import helixtok.dispatch as hdisp
+    from helixtok import backends
+
+    real_encoder = backends.flat_encoder
+
+    def wrong_fastokens(name, *args):
+        encode, ver, why = real_encoder(name, *args)
+        if name == "fastokens" and encode is not None:
+            return (lambda texts: (lambda r: (r[0] + 1, r[1]))(encode(texts))), ver, why
+        return encode, ver, why
+    monkeypatch.setattr(backends, "flat_encoder", wrong_fastokens)
+    monkeypatch.setenv("HELIXTOK_CACHE", str(tmp_path / "cache"))
+    cfg = BuildConfig(seq_len=16, workers=1, unit_bytes=1)
+    ref = build([str(small_corpus)], str(tmp_path / "ref"), small_tok, cfg)
+    assert ref["tokenizer"]["backend"] != "fastokens" and "fastokens" in ref["tokenizer"]["backend_check"]["rejected"]
+    real_run, seen = hdisp.run_unit, []
+
+    def stop_after_two(unit, info, *where):  # two units with the picked library, then Ctrl-C
+        if info.backend != "fastokens":
+            if len(seen) == 2:
+                raise KeyboardInterrupt
+            seen.append(unit.index)
+        return real_run(unit, info, *where)
+    monkeypatch.setattr(hdisp, "run_unit", stop_after_two)
+    out = tmp_path / "out"
+    with pytest.raises(KeyboardInterrupt):
+        build([str(small_corpus)], str(out), small_tok, cfg)
+    monkeypatch.setattr(hdisp, "run_unit", real_run)
+    m = build([str(small_corpus)], str(out), small_tok, cfg)
+    assert m.reused_units == 2 and m["tokenizer"]["backend"] == ref["tokenizer"]["backend"]
+    for n in sorted(os.listdir(tmp_path / "ref")):
+        assert (out / n).read_bytes() == (tmp_path / "ref" / n).read_bytes(), n
