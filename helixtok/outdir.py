@@ -131,6 +131,20 @@ def foreign_entries(out: str) -> list[str]:
     return sorted(e for e in os.listdir(out) if e not in owned)
 
 
+def refuse_foreign_state(out: str) -> None:
+    """A `.helixtok-partial/` helixtok did not write (no record of a build in it) is left alone."""
+    state = os.path.join(out, STATE)
+    if not os.path.isdir(state) or os.path.islink(state):
+        if os.path.lexists(state) and not os.path.isdir(state):
+            raise ConfigError(f"{state}: is not a folder helixtok wrote; move it away")
+        return
+    names = os.listdir(state)
+    records = {"plan.json", OWNED, PUBLISH}
+    if names and not (records | {f".{n}.tmp" for n in records}) & set(names):  # (a kill while one was written)
+        raise ConfigError(f"{state}: holds {sorted(names)[0]!r}, and no record of a helixtok build (plan.json); "
+                          "helixtok did not write it: move it away (helixtok never deletes files it did not write)")
+
+
 def refuse_foreign(out: str, allowed: set[str] = frozenset()) -> None:
     foreign = [e for e in foreign_entries(out) if e not in allowed]
     if foreign:

@@ -11,7 +11,7 @@ import shutil
 
 from .errors import ConfigError
 from .manifest import load_manifest, manifest_files, split_files
-from .outdir import STATE, refuse_foreign, remove_owned, unpublish
+from .outdir import STATE, refuse_foreign, refuse_foreign_state, remove_owned, unpublish
 from .planid import PLAN_FILE, describe_change
 from .unit import done_path, state_files
 from .units import Unit
@@ -49,6 +49,7 @@ def prepare_out(out: str, plan: dict, overwrite: bool, protect: list[str]) -> bo
     (A finished dataset without --overwrite never gets here: up_to_date says what it is.)"""
     state = os.path.join(out, STATE)
     refuse_foreign(out)
+    refuse_foreign_state(out)
     if overwrite:
         remove_owned(out, protect=protect)
         return False

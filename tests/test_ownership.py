@@ -373,3 +373,18 @@ def test_a_shard_whose_bytes_disagree_with_its_tokens_is_refused_on_load(tmp_pat
     r = CliRunner().invoke(main, ["show", str(out), str(m["splits"]["train"]["num_chunks"] - 1)])
     assert r.exit_code != 0 and "Traceback" not in r.output
     assert re.search(r"shards\[\d+\]\.bytes: \d+ is not num_tokens \d+ x the uint16 size", r.output), r.output
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_a_helixtok_partial_folder_helixtok_did_not_write_is_left_alone(tmp_path, small_corpus, small_tok, overwrite):
+    """OUT/.helixtok-partial/ holding a file of the user's and no record of a build (plan.json): the
+    build refuses in one line and leaves it as it was (it emptied it), --overwrite too."""
+    out = tmp_path / "out"
+    (out / ".helixtok-partial").mkdir(parents=True)
+    (out / ".helixtok-partial" / "notes.txt").write_text("mine")
+    r = CliRunner().invoke(main, ["build", str(small_corpus), str(out), "-t", small_tok, "-L", "16", "-q",
+                                  *(["--overwrite"] if overwrite else [])])
+    assert r.exit_code == 1 and "Traceback" not in r.output, r.output
+    assert "holds 'notes.txt', and no record of a helixtok build (plan.json); helixtok did not write it" in \
+        " ".join(r.output.split())
+    assert (out / ".helixtok-partial" / "notes.txt").read_text() == "mine"
