@@ -5,6 +5,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import re
 import shutil
 import socket
 import time
@@ -138,11 +139,17 @@ def refuse_foreign_state(out: str) -> None:
         if os.path.lexists(state) and not os.path.isdir(state):
             raise ConfigError(f"{state}: is not a folder helixtok wrote; move it away")
         return
-    names = os.listdir(state)
-    records = {"plan.json", OWNED, PUBLISH}
-    if names and not (records | {f".{n}.tmp" for n in records}) & set(names):  # (a kill while one was written)
-        raise ConfigError(f"{state}: holds {sorted(names)[0]!r}, and no record of a helixtok build (plan.json); "
+    if os.path.isfile(os.path.join(state, "plan.json")):
+        return
+    foreign = sorted(n for n in os.listdir(state) if not _STATE_NAMES.fullmatch(n))
+    if foreign:
+        raise ConfigError(f"{state}: holds {foreign[0]!r}, and no record of a helixtok build (plan.json); "
                           "helixtok did not write it: move it away (helixtok never deletes files it did not write)")
+
+
+# What helixtok writes in STATE (and their temp names): a folder holding only these is its own.
+_STATE_NAMES = re.compile(r"\.?(u\d{6}\.\S+|g\d{6}\.\S+|plan\.json|owned\.json|publish\.json|tokenizer\.json|"
+                          r"build-plan\.json|manifest\.json|ray-driver\.log)(\.tmp)?")
 
 
 def refuse_foreign(out: str, allowed: set[str] = frozenset()) -> None:

@@ -30,6 +30,10 @@ class SplitView:
         self.starts = np.concatenate(([0], np.cumsum([shard_tokens(e, self.L) for e in self.shards]))).astype(np.int64)
         self._starts = self.starts.tolist()
         self.num_chunks = int(self.s["num_chunks"])
+        if m["packing"] != "bestfit" and self.num_chunks * self.L > self._starts[-1]:  # (bestfit: its index says)
+            raise DatasetError(f"{self.root}: its {split} shards hold {self._starts[-1]:,} tokens, fewer than its "
+                               f"{self.num_chunks:,} chunks of {self.L} need: the manifest is damaged (a shard's "
+                               "num_tokens?); copy the dataset again or rebuild it")
         self.pad_id = int(m["tokenizer"]["pad_id"])
         self._maps: dict[tuple[int, str], np.ndarray] = {}
         self._pieces: Pieces | None = None

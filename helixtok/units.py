@@ -64,7 +64,8 @@ class Unit:
         return max(0, self.start - 1 - self.seek[1]) if self.kind == "jsonl.zst" and self.stop and not self.frames else 0
 
     def to_json(self) -> dict:
-        return {"kind": self.kind, "files": list(self.names), "start": self.start, "stop": self.stop}
+        return {"kind": self.kind, "files": list(self.names), "start": self.start, "stop": self.stop,
+                "est_bytes": self.est_bytes}
 
 
 def plan_units(files: list[InputFile], *, unit_bytes: int, text_field: str, stall: float = 600.0

@@ -36,7 +36,8 @@ from .common import console, handle_errors, parse_size, print_summary
 @click.option("--split-seed", type=int, default=0, show_default=True, help="Seed of the train/val split hash.")
 @click.option("--shard-size", callback=parse_size, default="1GiB", show_default=True, help="Bytes of ids per shard file (about; never over twice it).")
 @click.option("--unit-size", callback=parse_size, default="4MiB", show_default=True,
-              help="Input bytes per work unit (scheduling only: the shards do not depend on it).")
+              help="Input bytes per work unit. The token stream does not depend on it; where shard files "
+                   "begin and end does (shard groups close on unit boundaries).")
 @click.option("--workers", "-j", type=click.IntRange(min=0), default=0,
               help="Tokenizing processes (at most one per work unit) [default: all cores, but no more than one "
                    "per 16 MiB of input with fastokens or gigatoken, 1 MiB with tiktoken or tokenizers].")
