@@ -187,10 +187,12 @@ def run_units(units: list[Unit], pending: list[Unit], info: TokenizerInfo, confi
 
 
 class Joins:
-    """Every shard group's shards (join.py).  Locally a unit is placed as soon as every unit before it
-    in its group is tokenized (its offset is then known): a task for any worker, ahead of the units
-    still to tokenize; a group is closed, a task too, once all of its units are placed.  This
-    process only keeps count (a thread of it, so that no pool callback waits on the pool).  On Ray
+    """Every shard group's shards (join.py).  Locally a unit's process places it as it ends when the
+    units before it in its group are journaled (its result then carries its placement); else it is
+    placed as soon as they are (its offset is then known): a task for any worker, ahead of the units
+    still to tokenize.  A group is closed, a task too, once all of its units are placed.  This
+    process only keeps count and checks each placement's offset (in a thread of it, so that no
+    pool callback waits on the pool).  On Ray
     a group's join is one task of the cluster, once its last unit is done.  Without workers it all
     runs here, in turn.  groups: (number, units [a, b)); `done`: the journal entries finished
     before (a resume), `placed`: their placements that are still good."""
