@@ -203,12 +203,46 @@ def _merge(parts: list[str], out: str, overwrite: bool) -> dict:
         # The parts may live in OUT (part-00000, ...): they stay; anything else follows build's rules.
         inside = {os.path.basename(os.path.abspath(p)) for p in parts
                   if os.path.dirname(os.path.abspath(p)) == os.path.abspath(out)}
+        shas = [_manifest_sha256(p) for p in parts]
         if os.path.isfile(os.path.join(out, MANIFEST)) and not overwrite:
+            done = _merged_already(parts, shas, out)
+            if done is not None:
+                return done
             raise ConfigError(f"{out}: already holds a dataset; pass --overwrite to replace it")
         refuse_foreign(out, allowed=inside)
         if overwrite:
             remove_owned(out, keep=inside)
-        return _merge_locked(parts, ms, out, tokenizer)
+        return _merge_locked(parts, ms, out, tokenizer, shas)
+
+
+def _manifest_sha256(part: str) -> str:
+    with open(os.path.join(part, MANIFEST), "rb") as fh:
+        return hashlib.sha256(fh.read()).hexdigest()
+
+
+class MergedAlready(dict):
+    """What merge() returns when OUT already holds the merge of these very parts: nothing was written."""
+
+
+def _merged_already(parts: list[str], shas: list[str], out: str) -> MergedAlready | None:
+    """OUT's dataset, when it is the merge of these parts as they are now (a merge killed after its
+    manifest landed, or the same command again) with its files all there at their sizes; else None."""
+    try:
+        m = load_manifest(out)
+    except DatasetError:
+        return None
+    rel = [os.path.relpath(os.path.abspath(p), os.path.abspath(out)) for p in parts]
+    if m.get("merged_from") != rel or m.get("merged_from_sha256") != shas:
+        return None
+    if not os.path.isfile(os.path.join(out, m["tokenizer"]["file"])):
+        return None
+    for sp in m["splits"].values():
+        for x in split_files(sp):
+            p = os.path.join(out, x["path"])
+            if not (os.path.isfile(p) and os.path.getsize(p) == x["bytes"]):
+                return None
+    shutil.rmtree(os.path.join(out, STATE), ignore_errors=True)  # a kill after the manifest, before this
+    return MergedAlready(m)
 
 
 def _docs_of(out: str, d: dict) -> np.ndarray:
@@ -261,7 +295,7 @@ def _tokenizer_of(part: str, m: dict) -> bytes:
     return data
 
 
-def _merge_locked(parts: list[str], ms: list[dict], out: str, tokenizer: bytes) -> dict:
+def _merge_locked(parts: list[str], ms: list[dict], out: str, tokenizer: bytes, shas: list[str]) -> dict:
     first = ms[0]
 
     pieces: dict[str, list[dict]] = {}
@@ -299,6 +333,7 @@ def _merge_locked(parts: list[str], ms: list[dict], out: str, tokenizer: bytes) 
                                        "min_tail_len", "tokenizer", "options") if k in first},
               "inputs": _merged_inputs(ms),
               "merged_from": [os.path.relpath(os.path.abspath(p), os.path.abspath(out)) for p in parts],
+              "merged_from_sha256": shas,  # each part's manifest.json: what a second merge compares
               "splits": splits, "totals": totals, "sources": sum_sources(m.get("sources") or {} for m in ms),
               "unit_documents": {sp: [n for m in ms for n in (m.get("unit_documents") or {}).get(sp, [])]
                                  for sp in splits},

@@ -360,3 +360,26 @@ def test_a_bestfit_merge_refuses_a_damaged_docs_sidecar(tmp_path, txt_corpus, to
     with pytest.raises(DatasetError, match=r"train-\d+-0000\.docs: its sha256 is not its part's manifest's"):
         merge(parts, str(root))
     assert not os.path.exists(root / "manifest.json")
+
+
+def test_the_same_merge_again_is_up_to_date_and_a_changed_part_is_not(tmp_path, txt_corpus, tokenizer_path):
+    """A merge run again on the same parts (or killed after its manifest landed, STATE left behind)
+    says "up to date", exit 0, rewriting nothing (it said "already holds a dataset; pass
+    --overwrite"); once a part's manifest is not the one merged, it is refused as before."""
+    cfg = BuildConfig(seq_len=256, workers=1, unit_bytes=256 << 10, shard_bytes=1 << 20)
+    root = tmp_path / "parts"
+    parts = [str(root / f"part-{k:05d}") for k in range(2)]
+    for k, p in enumerate(parts):
+        build([txt_corpus], p, tokenizer_path, cfg, task=(k, 2))
+    first = merge(parts, str(root))
+    stamp = os.stat(root / "manifest.json").st_mtime_ns
+    (root / ".helixtok-partial").mkdir()  # what a merge killed after its manifest leaves
+    (root / ".helixtok-partial" / "publish.json").write_text('{"files": []}')
+    r = CliRunner().invoke(main, ["merge", *parts, str(root)])
+    assert r.exit_code == 0 and r.output.startswith(f"up to date: {root} ("), r.output
+    assert os.stat(root / "manifest.json").st_mtime_ns == stamp and not (root / ".helixtok-partial").exists()
+    assert merge(parts, str(root)) == first
+    m1 = json.load(open(os.path.join(parts[1], "manifest.json")))  # a part whose manifest is not the one merged
+    write_json_atomic(os.path.join(parts[1], "manifest.json"), {**m1, "helixtok_version": "0.3.1"})
+    with pytest.raises(ConfigError, match=r"already holds a dataset; pass overwrite=True to replace it"):
+        merge(parts, str(root))

@@ -60,10 +60,14 @@ def merge(parts, out, overwrite, as_json):
       helixtok build corpus/ out/ -t tok.json --num-tasks 8 --task-index 3   # x8, e.g. a Slurm array
       helixtok merge out/part-* out/
     """
-    from ..merge import merge as run_merge
+    from ..merge import MergedAlready, merge as run_merge
 
     m = run_merge(list(parts), out, overwrite=overwrite)
-    print_summary(m, out, as_json, console())
+    if isinstance(m, MergedAlready) and not as_json:  # these very parts are merged in OUT already
+        click.echo(f"up to date: {out} ({m['totals']['chunks']:,} chunks of {m['seq_len']}; merged from these "
+                   "parts as they are, nothing rewritten)")
+        return
+    print_summary(m, out, as_json, console(), up_to_date=isinstance(m, MergedAlready))
 
 
 @click.group()
