@@ -256,10 +256,10 @@ class Joins:
                 self._chain(g, self._ray_join(g))
             return
         state, run_id, dtype, config = self._args
+        item = np.dtype(dtype).itemsize
         while self.next[g] < b and self.next[g] in self.results:
             i = self.next[g]
             r = self.results[i]
-            item = np.dtype(dtype).itemsize
             if any(e["bytes"] != e["num_tokens"] * item for es in r["shards"].values() for e in es) or (
                     i in self.placed and (self.placed[i]["at"] != {s: self.pos[g].get(s, 0) for s in r["shards"]} or
                                           any(sum(x[2] for x in self.placed[i]["segments"].get(s, [])) !=

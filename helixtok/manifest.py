@@ -107,6 +107,15 @@ def manifest_files(m: dict) -> dict[str, dict]:
     return files
 
 
+def file_matches(path: str, x: dict) -> bool:
+    """Whether the file at `path` holds what manifest (or journal) entry `x` says (Digest)."""
+    h = Digest(x)
+    with open(path, "rb") as fh:
+        while block := fh.read(1 << 20):
+            h.update(block)
+    return h.ok()
+
+
 class Digest:
     """A file's bytes, fed in order, checked against its manifest entry: its "sha256", or (a version 4
     shard) its "segments", [bytes, sha256] each, back to back (docs/format.md)."""

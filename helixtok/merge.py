@@ -13,7 +13,8 @@ import numpy as np
 from .bestfit import build_index, doc_spans, index_files, write_index
 from .catalog import join_split, split_totals
 from .errors import ConfigError, DatasetError, HelixtokError, from_cli, python_terms
-from .manifest import FORMAT_VERSION, MANIFEST, load_manifest, split_files, sum_sources, with_paths, write_json_atomic
+from .manifest import (FORMAT_VERSION, MANIFEST, check_small_file, load_manifest, split_files, sum_sources,
+                       with_paths, write_json_atomic)
 from .shards import DOCS_DTYPE
 from .outdir import PUBLISH, STATE, OutLock, check_out_path, refuse_foreign, remove_owned
 from .planid import PLAN_FILE, describe_change
@@ -247,12 +248,10 @@ def _merged_already(parts: list[str], shas: list[str], out: str) -> MergedAlread
 
 def _docs_of(out: str, d: dict) -> np.ndarray:
     """A part's .docs sidecar, which places the merged bestfit index: checked against its sha256."""
-    path = os.path.join(out, d["path"])
+    path = os.path.normpath(os.path.join(out, d["path"]))
     with open(path, "rb") as fh:
         data = fh.read()
-    if hashlib.sha256(data).hexdigest() != d["sha256"]:
-        raise DatasetError(f"{os.path.normpath(path)}: its sha256 is not its part's manifest's (damaged or changed "
-                           "since the build); rebuild that part")
+    check_small_file(path, data, d["sha256"])
     return np.frombuffer(data, dtype=DOCS_DTYPE)
 
 

@@ -21,7 +21,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from .errors import ConfigError, DatasetError, HelixtokError
-from .manifest import MANIFEST, Digest, load_manifest, manifest_files, with_paths, write_json_atomic
+from .manifest import MANIFEST, Digest, file_matches, load_manifest, manifest_files, with_paths, write_json_atomic
 from .objstore import filesystem, redact, reports_storage_errors
 from .outdir import OutLock, fsync_dir
 from .planid import PLAN_FILE, plan_folder
@@ -257,7 +257,7 @@ def pull(url: str, dest: str) -> dict:
         _refuse_others(dest, {p.split("/")[0] for p in want})
         for p in want:
             target = os.path.join(dest, *p.split("/"))
-            if os.path.isfile(target) and _holds(target, want[p]):
+            if os.path.isfile(target) and file_matches(target, want[p]):
                 continue  # a rerun after an interrupted pull keeps what already arrived intact
             os.makedirs(os.path.dirname(target), exist_ok=True)
             tmp = target + ".part"
@@ -276,14 +276,6 @@ def pull(url: str, dest: str) -> dict:
             fsync_dir(os.path.dirname(target))
         write_json_atomic(os.path.join(dest, MANIFEST), m)
     return m
-
-
-def _holds(path: str, x: dict) -> bool:
-    h = Digest(x)
-    with open(path, "rb") as fh:
-        while block := fh.read(COPY_BLOCK):
-            h.update(block)
-    return h.ok()
 
 
 def _refuse_others(dest: str, tops: set[str]) -> None:

@@ -4,13 +4,12 @@ the finished units it can trust; or something to refuse, named."""
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import shutil
 
 from .errors import ConfigError
-from .manifest import load_manifest, manifest_files, split_files
+from .manifest import file_matches, load_manifest, manifest_files, split_files
 from .outdir import STATE, refuse_foreign, refuse_foreign_state, remove_owned, unpublish
 from .planid import PLAN_FILE, describe_change
 from .unit import done_path, state_files
@@ -106,8 +105,8 @@ def trusted_results(out: str, state: str, units: list[Unit], groups: list[tuple[
                 ok = (p is not None and p.get("group") == group.get(u.index) and p.get("from") == placed_from(r)
                       and all(_has(os.path.join(state, n), size, sha) for n, _, size, sha in files
                               if not n.endswith(".bin"))
-                      and all(segments_hold(os.path.join(state, piece_name(p["group"], s, k)), [(off, n, sha)])
-                              for s, segs in p["segments"].items() for k, off, n, sha in segs))
+                      and all(segments_hold(os.path.join(state, piece_name(p["group"], s, k)), ranges)
+                              for (s, k), ranges in _by_piece(p).items()))
                 if ok:
                     placed[u.index] = p
         except (OSError, ValueError, KeyError, TypeError):
@@ -125,11 +124,16 @@ def trusted_results(out: str, state: str, units: list[Unit], groups: list[tuple[
     return trusted, placed
 
 
+def _by_piece(p: dict) -> dict:
+    """A placement's segments, (split, piece) -> [(byte offset, bytes, sha256)]: each piece opened once."""
+    out: dict = {}
+    for s, segs in p["segments"].items():
+        for k, off, n, sha in segs:
+            out.setdefault((s, k), []).append((off, n, sha))
+    return out
+
+
 def _has(path: str, size: int, sha: str) -> bool:
     if os.path.islink(path) or not os.path.isfile(path) or os.path.getsize(path) != size:
         return False
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while block := fh.read(1 << 20):
-            h.update(block)
-    return h.hexdigest() == sha
+    return file_matches(path, {"sha256": sha})

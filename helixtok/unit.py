@@ -184,10 +184,10 @@ def _run_unit(unit: Unit, info: TokenizerInfo, where: tuple[int, int] | None) ->
     cfg, state, counters, run = w.config, w.state, w.counters, w.run
     splits = ("train", "val") if cfg.val_fraction > 0 else ("train",)
     L = cfg.seq_len
-    # The unit's output, one file per split (and sidecar), final once written: named for this run
-    # (an orphan of an earlier run can never write into it); its shard group's join appends it to
-    # the published shards (join.py).  `path` names it apart from those ("u..."): where a Ray
-    # task uploads it.
+    # The unit's output, one file per split (and sidecar), named for this run (an orphan of an
+    # earlier run can never write into it); its ids are placed into its shard group's shards
+    # (join.py), from memory when they can be.  `path` names it apart from those ("u..."): where a
+    # Ray task uploads it.
     outs = {s: PACKERS[cfg.packing](os.path.join(state, f"u{unit.index:06d}.{run}.{s}"), f"u{unit.index:06d}-{s}",
                                     info.dtype, L, UNIT_FILE_TOKENS // L * L, cfg.tail_len, info.pad_id,
                                     hold=HOLD_BYTES if where else 0)

@@ -357,7 +357,7 @@ def test_a_bestfit_merge_refuses_a_damaged_docs_sidecar(tmp_path, txt_corpus, to
     offsets = np.fromfile(docs, dtype="<u8")
     offsets[1:] += 7  # still sorted and in range
     offsets.tofile(docs)
-    with pytest.raises(DatasetError, match=r"train-\d+-0000\.docs: its sha256 is not its part's manifest's"):
+    with pytest.raises(DatasetError, match=r"train-\d+-0000\.docs: its sha256 is not the manifest's"):
         merge(parts, str(root))
     assert not os.path.exists(root / "manifest.json")
 
