@@ -10,7 +10,8 @@ import struct
 import numpy as np
 
 from .errors import ConfigError, DatasetError, InputError
-from .manifest import load_manifest, split_entry
+from .manifest import MANIFEST, load_manifest, split_entry
+from .outdir import STATE, OutLock, check_out_path, publish, refuse_foreign, refuse_foreign_state, remove_owned
 from .splitview import SplitView
 
 HEADER = b"MMIDIDX\x00\x00"
@@ -131,10 +132,6 @@ def import_megatron(prefix: str, out: str, tokenizer: str, *, seq_len: int, shar
     (sequences grouped by Megatron's document indices) cut into seq_len chunks, with .docs
     sidecars, so stats, ChunkSampler and MemmapChunkDataset work on it.  Ids are checked
     against the tokenizer's vocabulary; the manifest is written last."""
-    from . import __version__
-    from .manifest import FORMAT_VERSION, MANIFEST, write_json_atomic
-    from .catalog import join_split, published
-    from .shards import ShardFiles
     from .tokenizer import inspect_tokenizer, release_bytes, tokenizer_bytes
 
     info = inspect_tokenizer(tokenizer)
@@ -151,18 +148,45 @@ def import_megatron(prefix: str, out: str, tokenizer: str, *, seq_len: int, shar
         raise InputError(f"{prefix}.idx: sequences are not stored back to back; not a dataset helixtok can import")
     if len(docs) == 0 or docs[0] != 0 or docs[-1] != len(lengths) or (np.diff(docs) < 0).any():
         raise InputError(f"{prefix}.idx: document indices do not cover the sequences in order")
-    if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
-        raise ConfigError(f"{out}: exists and is not an empty folder; give a new path")
     if total < seq_len:
         raise ConfigError(f"{prefix}: {total} tokens, not one chunk of --seq-len {seq_len}")
+    check_out_path(out)
     created = not os.path.exists(out)
     os.makedirs(out, exist_ok=True)
+    try:
+        with OutLock(out):
+            if os.path.isfile(os.path.join(out, MANIFEST)):
+                raise ConfigError(f"{out}: already holds a dataset; give a new path")
+            # Written in STATE and published as a build is: an import killed halfway leaves only
+            # STATE, which the same command removes and starts again.
+            refuse_foreign_state(out)
+            refuse_foreign(out)
+            remove_owned(out)
+            return _import_locked(prefix, out, info, data, mdtype, lengths, docs, seq_len, shard_bytes)
+    except BaseException:
+        if created:  # it was not there before: leave nothing behind
+            with contextlib.suppress(OSError):
+                os.rmdir(out)
+        raise
+
+
+def _import_locked(prefix, out, info, data, mdtype, lengths, docs, seq_len, shard_bytes) -> dict:
+    from . import __version__
+    from .catalog import join_split, published
+    from .manifest import FORMAT_VERSION
+    from .shards import ShardFiles
+
+    binp = prefix + ".bin"
+    total = int(lengths.sum())
+    size = os.path.getsize(binp)
+    state = os.path.join(out, STATE)
+    os.makedirs(state)
     seq_starts = np.concatenate(([0], np.cumsum(lengths)))
     doc_starts = seq_starts[docs[:-1]]
     doc_starts = doc_starts[np.concatenate(([True], np.diff(doc_starts) > 0))]  # empty documents: no start
     L = seq_len
     cap = max(1, shard_bytes // (L * info.dtype.itemsize)) * L
-    writer = ShardFiles(os.path.join(out, "train"), "train-000000", info.dtype, L, cap, ("docs",))
+    writer = ShardFiles(os.path.join(state, "g000000.train"), "train-000000", info.dtype, L, cap, ("docs",))
     try:
         ids_all = np.memmap(binp, dtype=np.dtype(mdtype).newbyteorder("<"), mode="r") if total else np.empty(0)
         for a in range(0, total, SLICE):
@@ -175,20 +199,19 @@ def import_megatron(prefix: str, out: str, tokenizer: str, *, seq_len: int, shar
             writer.write(ids.astype(info.dtype), starts=doc_starts[lo:hi] - a)
         del ids_all
         shards = writer.close()
-        for e in shards:  # written as train.NNNN.bin: named as a build names its shards
-            for x in (e, e["docs"]):
-                os.replace(os.path.join(out, x["state"]), os.path.join(out, x["path"]))
-        # One writer: each shard is one segment (docs/format.md, version 4).
-        shards = [{**published(e), "segments": [[e["bytes"], e["sha256"]]]} for e in shards]
-        for e in shards:
-            del e["sha256"]
     except BaseException:
         writer.abort()
-        if created:  # it was not there (or empty) before: leave nothing behind
-            shutil.rmtree(out, ignore_errors=True)
+        shutil.rmtree(state, ignore_errors=True)
         raise
-    with open(os.path.join(out, "tokenizer.json"), "wb") as fh:
+    # Published under the names a build gives its shards.
+    moves = [(os.path.basename(x["state"]), x["path"]) for e in shards for x in (e, e["docs"])]
+    # One writer: each shard is one segment (docs/format.md, version 4).
+    shards = [{**published(e), "segments": [[e["bytes"], e["sha256"]]]} for e in shards]
+    for e in shards:
+        del e["sha256"]
+    with open(os.path.join(state, "tokenizer.json"), "wb") as fh:
         fh.write(data)
+    moves.append(("tokenizer.json", "tokenizer.json"))
     split = join_split([{"documents": len(doc_starts), "tokens": total, "text_bytes": 0, "pad_tokens": 0,
                          "dropped_tokens": 0, "dropped_documents": 0}], shards, L, "packed")
     n = split["num_chunks"]
@@ -208,5 +231,5 @@ def import_megatron(prefix: str, out: str, tokenizer: str, *, seq_len: int, shar
                    "dropped_tokens": split["dropped_tokens"], "dropped_documents": 0, "chunks": n, "stored_tokens": n * L},
         "skipped": {}, "warnings": {},
     }
-    write_json_atomic(os.path.join(out, MANIFEST), manifest)
+    publish(out, moves, manifest)
     return manifest

@@ -19,8 +19,9 @@ class MixtureDataset(Dataset):
 
     - Per step: every consecutive block of `batch_size` indices (set it to the *global* batch,
       per-rank batch x world size) holds floor or ceil of weight x batch_size samples of each
-      source, and every prefix of blocks stays within 1 of weight x samples (as Megatron's
-      blended dataset balances).
+      source, and at the end of every block each source's running count is within 1 of weight x
+      samples (as Megatron's blended dataset balances); a block's samples are shuffled, so a
+      count taken mid-block may be off by up to that block's share.
     - Every chunk used: source s is read as a stream through its own seeded permutation that
       continues across epochs (`set_epoch`), so each of its chunks is used once before any
       repeats; a down-weighted source is covered over several epochs, never the same prefix.

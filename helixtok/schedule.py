@@ -54,7 +54,8 @@ class Mixture(Dataset):
       (or until_steps): always on a whole step, never past a token budget; a stage that adds no
       step is refused.
     - Inside a stage every global batch holds floor or ceil of weight x batch_size samples of each
-      source, and every prefix of the stage stays within 1 of weight x samples (MixtureDataset's rule).
+      source, and at the end of every step of the stage each source's running count is within 1 of
+      weight x samples (MixtureDataset's rule; mid-step, up to that step's share).
     - Each source is read as one stream through its own seeded permutations (a new one per pass,
       source k seeded seed x 1,000,003 + k in the order given), continuing across stages: no chunk
       of a source repeats before all of its chunks were used.  A source built with repack=True is

@@ -225,6 +225,37 @@ def test_megatron_import_round_trips_and_reads_megatron_cores_own_files(tmp_path
     assert not (tmp_path / "o3").exists()  # the folder it made is gone again
 
 
+def test_megatron_import_killed_halfway_is_rerun_by_the_same_command(tmp_path, dev_packed, tokenizer_path):
+    """A killed import leaves only its state folder: the same command starts again and gives the
+    dataset an uninterrupted import gives; a dataset there already, or a file helixtok did not
+    write, is refused in one line and left as it was."""
+    prefix, out, clean = str(tmp_path / "mg" / "c"), tmp_path / "back", tmp_path / "clean"
+    assert CliRunner().invoke(main, ["export", "megatron", dev_packed, prefix]).exit_code == 0
+    args = [prefix, "-t", tokenizer_path, "-L", "512", "--shard-size", "256KiB"]
+    # Killed (os._exit: no handler runs) after the shards are written, before they are published.
+    code = ("import os, sys; import helixtok.shards as s; close = s.ShardFiles.close\n"
+            "def killed(self):\n    close(self); os._exit(9)\n"
+            "s.ShardFiles.close = killed\n"
+            "from helixtok.cli import main; sys.argv = ['helixtok'] + sys.argv[1:]; main()")
+    p = subprocess.run([sys.executable, "-c", code, "import", "megatron", prefix, str(out), *args[1:]],
+                       capture_output=True, text=True)
+    assert p.returncode == 9, p.stderr
+    assert sorted(os.listdir(out)) == [".helixtok-lock", ".helixtok-partial"] and any(n.endswith(".bin") for n in os.listdir(out / ".helixtok-partial"))
+    for o in (out, clean):
+        r = CliRunner().invoke(main, ["import", "megatron", prefix, str(o), *args[1:]])
+        assert r.exit_code == 0, r.output
+    assert sorted(os.listdir(out)) == sorted(os.listdir(clean))
+    for n in os.listdir(clean):
+        assert (out / n).read_bytes() == (clean / n).read_bytes(), n
+    r = CliRunner().invoke(main, ["import", "megatron", prefix, str(out), *args[1:]])
+    assert r.exit_code == 1 and f"{out}: already holds a dataset; give a new path" in r.output
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep")
+    r = CliRunner().invoke(main, ["import", "megatron", prefix, str(mine), *args[1:]])
+    assert r.exit_code == 1 and "holds 'notes.txt'" in r.output and os.listdir(mine) == ["notes.txt"]
+
+
 def test_llmc_file_is_what_llm_c_and_nanogpt_read(tmp_path, dev_packed):
     r = CliRunner().invoke(main, ["export", "llmc", dev_packed, str(tmp_path / "train.bin")])
     assert r.exit_code == 0, r.output
