@@ -13,9 +13,9 @@ are never redone.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
-import dataclasses
 import os
 import secrets
 import shutil
@@ -29,7 +29,7 @@ from . import __version__, preload
 from .backend_check import choose_backend
 from .backends import FAST, backend_version, forget_fast_tokenizers
 from .bestfit import build_index, doc_spans, write_index
-from .catalog import build_manifest, join_split, published, unit_counts
+from .catalog import CHAT_TEMPLATE, build_manifest, join_split, published, unit_counts
 from .config import BuildConfig
 from .discover import discover
 from .dispatch import BackendRejected, Joins, Progress, UnitPool, run_units, verdict_for, worker_count
@@ -47,7 +47,7 @@ from .sources import LineRefs
 from .tally import Tally
 from .tokenizer import (forget_handed, hold_bytes, inspect_tokenizer, read_tokenizer, release_bytes,
                         resolve_tokenizer_path, tokenizer_bytes)
-from .unit import THREAD_ENV, state_files
+from .unit import CHAT_COUNTS, THREAD_ENV, state_files
 from .units import Unit, plan_units
 
 
@@ -108,7 +108,7 @@ def _build_local(inputs, out, path, sha, config, overwrite, on_progress, task, r
     """build() for a local OUT, the tokenizer's bytes held as `sha`: plan, start what tokenizes, inspect."""
     files, warnings = discover(inputs, exclude=out)
     units, plan_warn = plan_units(files, unit_bytes=config.unit_bytes, text_field=config.text_field,
-                                  stall=config.stall_seconds)
+                                  stall=config.stall_seconds, chat=config.chat is not None)
     warnings.merge(plan_warn)
     if config.strict and warnings.first:
         raise InputError(f"{warnings.first} (--strict)")
@@ -148,6 +148,8 @@ def _build_local(inputs, out, path, sha, config, overwrite, on_progress, task, r
         info = inspect_tokenizer(path, eos_token=config.eos_token, bos_token=config.bos_token,
                                  pad_token=config.pad_token, add_bos=config.add_bos,
                                  special_tokens=config.special_tokens, sha256=sha)
+        if config.chat is not None:  # BOS and turn tokens are what the template writes
+            info = dataclasses.replace(info, bos_rule="chat template")
         return _build_in(run, info)
     except BaseException:
         if run.workers is not None:
@@ -443,6 +445,9 @@ def _publish(run: Run, info, backend_check: dict, trusted: dict, results: list[d
         if config.packing == "bestfit" else {}
     splits = {s: join_split([unit_counts(r, s) for r in results], [published(e) for j in joined for e in j["shards"][s]],
                             config.seq_len, config.packing, indexes.get(s)) for s in names}
+    if config.chat:
+        for s in names:
+            splits[s]["chat"] = {k: sum(r["chat"][s][k] for r in results) for k in CHAT_COUNTS}
     tally = Tally()
     for r in results:
         tally.merge(Tally.from_json(r["skipped"]))
@@ -459,6 +464,11 @@ def _publish(run: Run, info, backend_check: dict, trusted: dict, results: list[d
     _check_unchanged(run.files)
     with open(os.path.join(state, "tokenizer.json"), "wb") as fh:  # the bytes the build used, not the file now
         fh.write(tokenizer_bytes(info.sha256))
+    extra = []
+    if config.chat:  # the template the build rendered with, beside the tokenizer
+        with open(os.path.join(state, CHAT_TEMPLATE), "w", encoding="utf-8") as fh:
+            fh.write(config.chat.template)
+        extra.append((CHAT_TEMPLATE,) * 2)
     with open(os.path.join(state, PLAN_FILE), "wb") as fh:
         fh.write(run.whole)
     manifest = build_manifest(config, info, backend_check, run.files, units, run.part, splits, results, tally,
@@ -468,7 +478,7 @@ def _publish(run: Run, info, backend_check: dict, trusted: dict, results: list[d
     # The units' shards (unless uploaded), the tokenizer and the plan move into OUT; the manifest last.
     moves = [] if run.remote is not None else [(n, p) for j in joined for n, p, _ in state_files(j)]
     moves += [(x["path"],) * 2 for i in indexes.values() for x in i.entry.values()]
-    publish(run.out, moves + [("tokenizer.json",) * 2, (PLAN_FILE,) * 2], manifest)
+    publish(run.out, moves + [("tokenizer.json",) * 2, (PLAN_FILE,) * 2, *extra], manifest)
     built = Built(manifest)
     built.reused_units, built.units = len(trusted), len(units)
     built.notes = run.notes + _tokenizer_moved(info)

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from . import __version__
-from .manifest import DOC_SKIPS, FORMAT_VERSION, REPAIRS, sum_sources
+from .manifest import DOC_SKIPS, FORMAT_VERSION, REPAIRS, SIDE_NAMES, sum_sources
 
+CHAT_TEMPLATE = "chat_template.jinja"  # a chat build's template, beside its tokenizer.json
 COUNTED = ("documents", "tokens", "text_bytes", "pad_tokens", "dropped_tokens", "dropped_documents")
 
 
@@ -52,7 +53,7 @@ def unit_counts(result: dict, split: str) -> dict:
 def published(e: dict) -> dict:
     """A journal entry's shard as the manifest lists it (without its name in the build's state folder)."""
     e = {k: v for k, v in e.items() if k != "state"}
-    for side in ("docs", "valid"):
+    for side in SIDE_NAMES:
         if side in e:
             e[side] = {k: v for k, v in e[side].items() if k != "state"}
     return e
@@ -87,4 +88,5 @@ def build_manifest(config, info, backend_check: dict, files, units, part: dict |
         "unit_documents": {sp: [r["documents"].get(sp, 0) for r in results] for sp in splits},
         "skipped": tally.to_json(),
         "warnings": warnings.to_json(),
+        **({"chat": {**config.chat.to_json(), "template_file": CHAT_TEMPLATE}} if config.chat else {}),
     }

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import asdict, dataclass
 
+from .chat import ChatSpec
 from .errors import ConfigError
 from .longdoc import LONG_DOC_BYTES
 
@@ -66,6 +67,7 @@ class BuildConfig:
     strip: bool = False  # str.strip() every document first (HelixLM's compiler does)
     special_tokens: str = "text"  # special-token strings in documents: "text" (as characters) or "extract"
     backend: str = "auto"  # auto: tiktoken when it reproduces HF's ids on a corpus sample, else hf
+    chat: ChatSpec | None = None  # a chat build: rows of messages rendered with a template (chat.py)
 
     def __post_init__(self) -> None:
         if self.seq_len < 1:
@@ -98,14 +100,29 @@ class BuildConfig:
             raise ConfigError(f"--executor must be local or ray[:ADDRESS], got {self.executor!r}")
         if not self.text_field:
             raise ConfigError("--text-field must not be empty")
+        if self.chat is not None:
+            # Rendered text is tokenized by tokenizers itself (the offsets make the mask), the
+            # template writes BOS and end-of-turn tokens, and whole conversations are kept.
+            if self.backend not in ("auto", "hf"):
+                raise ConfigError(f"--backend {self.backend}: a chat build tokenizes with tokenizers (--backend hf), "
+                                  "whose offsets place the loss mask")
+            if self.add_bos or self.strip or self.special_tokens != "text":
+                raise ConfigError("--bos, --strip and --special-tokens do not apply to --chat: the template decides")
+            if self.min_tail_len is not None:  # trainable_tokens counts what is stored
+                raise ConfigError("--min-tail-len does not apply to --chat: every conversation that fits in --seq-len "
+                                  "is kept (a longer one is dropped, counted, or cut with --truncate)")
+            object.__setattr__(self, "backend", "hf")
+            object.__setattr__(self, "add_bos", False)
 
     @property
     def tail_len(self) -> int:
         """Minimum tail kept: document packing seq_len // 4 unless given (at least 1); bestfit 0
-        unless given (nothing dropped); packed has none."""
+        unless given (nothing dropped); packed has none.  A chat build keeps every conversation."""
         if self.min_tail_len is not None:
             return self.min_tail_len
-        return max(1, self.seq_len // 4) if self.packing == "document" else 0
+        if self.packing == "document":
+            return 1 if self.chat is not None else max(1, self.seq_len // 4)
+        return 0
 
     @property
     def ray_address(self) -> str | None:

@@ -18,9 +18,10 @@ from torch.utils.data import Dataset  # noqa: E402
 from .bestfit import CHUNK_DTYPE, ITEM_DTYPE, doc_spans, load_index
 from .errors import DatasetError
 from .layout import Pieces, bestfit_pieces, shuffled_documents
-from .manifest import DTYPES, INDEX_FILES, MANIFEST, SIDES, check_small_file, load_manifest, shard_tokens, split_entry
+from .manifest import (DTYPES, INDEX_FILES, MANIFEST, SIDES, check_small_file, load_manifest, shard_tokens, sides_of,
+                       split_entry)
 from .objstore import is_url, redact
-from .shards import DOCS_DTYPE, VALID_DTYPE
+from .shards import DOCS_DTYPE, MASK_DTYPE, VALID_DTYPE
 
 IGNORE_INDEX = -100  # what torch's cross_entropy ignores by default
 BATCH_KEYS = ("cu_seqlens", "max_seqlen")  # describe a whole batch, not one sample
@@ -133,6 +134,9 @@ class MemmapChunkDataset(Dataset):
         self.bos_id = m["tokenizer"].get("bos_id")  # None: the tokenizer names no BOS
         self.vocab_size = int(m["tokenizer"]["vocab_size"])  # largest id + 1: size an embedding table with it
         self.tokenizer_sha256 = m["tokenizer"]["sha256"]
+        # A chat build: a mask per token says which train; labels are -100 where it is 0.
+        self.chat = bool(m.get("chat"))
+        self._all_sides = sides_of(m)
         if shifted and self.packing != "packed":
             raise DatasetError(f"{self.path}: shifted needs packed data (one stream); this dataset is "
                                f"{self.packing}-packed")
@@ -191,7 +195,8 @@ class MemmapChunkDataset(Dataset):
     def _sides(self) -> tuple[str, ...]:
         """The sidecars this dataset reads per shard (a bestfit split's are read once, into its index)."""
         return tuple(x for x in SIDES[self.packing]
-                     if x == "valid" or (self.position_ids or self.repack) and self.packing == "packed")
+                     if x == "valid" or (self.position_ids or self.repack) and self.packing == "packed") + \
+            (("mask",) if self.chat and "labels" in self.fields else ())
 
     def _check_files(self, s: dict) -> None:
         for k, p in self._index_paths.items():
@@ -200,7 +205,8 @@ class MemmapChunkDataset(Dataset):
             if not os.path.isfile(p) or os.path.getsize(p) != want or s["index"][k]["bytes"] != want:
                 raise DatasetError(f"{p}: missing or not {want} bytes as the manifest says; copy it again or rebuild")
         size_of = {"valid": lambda n, e: n // self.seq_len * VALID_DTYPE.itemsize,
-                   "docs": lambda n, e: e["docs"]["count"] * DOCS_DTYPE.itemsize}
+                   "docs": lambda n, e: e["docs"]["count"] * DOCS_DTYPE.itemsize,
+                   "mask": lambda n, e: n * MASK_DTYPE.itemsize}
         for p, n, e in self._shards:
             if not os.path.isfile(p):
                 raise DatasetError(f"{p}: shard missing; copy it again or rebuild")
@@ -209,7 +215,7 @@ class MemmapChunkDataset(Dataset):
                 raise DatasetError(f"{p}: {size} bytes, the manifest says {n} tokens x {self.dtype.itemsize} = "
                                    f"{n * self.dtype.itemsize} bytes (truncated copy or wrong dtype?); "
                                    "copy it again or rebuild")
-            for side in SIDES[self.packing]:
+            for side in self._all_sides:
                 sp = os.path.join(self.path, e[side]["path"])
                 want = size_of[side](n, e)
                 if not os.path.isfile(sp) or os.path.getsize(sp) != want:
@@ -235,7 +241,7 @@ class MemmapChunkDataset(Dataset):
 
     def _files(self) -> list[str]:
         return [os.path.join(self.path, MANIFEST), *self._index_paths.values()] + [
-            q for p, _, e in self._shards for q in (p, *(os.path.join(self.path, e[x]["path"]) for x in SIDES[self.packing]))]
+            q for p, _, e in self._shards for q in (p, *(os.path.join(self.path, e[x]["path"]) for x in self._all_sides))]
 
     def _checked(self, p: str):
         """Open p, refusing a file that is not the one this dataset was created over."""
@@ -265,6 +271,11 @@ class MemmapChunkDataset(Dataset):
                     np.empty(0, self.dtype)
             side = {}
             for x in self._sides():
+                if x == "mask":  # as large as the ids / 4: mapped, not read (its size was checked)
+                    with self._checked(os.path.join(self.path, e[x]["path"])) as mf:
+                        side[x] = np.memmap(mf, dtype=MASK_DTYPE, mode="r", shape=(n,)).view(np.ndarray) if n \
+                            else np.empty(0, MASK_DTYPE)
+                    continue
                 data = self._read_whole(e[x]["path"])
                 check_small_file(os.path.join(self.path, e[x]["path"]), data, e[x].get("sha256"))
                 raw = np.frombuffer(data, dtype=DOCS_DTYPE if x == "docs" else VALID_DTYPE)
@@ -340,37 +351,45 @@ class MemmapChunkDataset(Dataset):
         """The shard holding stream position g."""
         return bisect.bisect_right(self._starts_list, g) - 1
 
-    def _copy(self, g: int, n: int, row: np.ndarray) -> None:
-        """row[:n] = stream tokens [g, g + n), across shards where they span them."""
-        maps, st = self._maps, self._starts_list
+    def _arrays(self, what: str) -> list[np.ndarray]:
+        """Per shard, its ids ("bin") or its chat mask ("mask"), mapped."""
+        maps = self._maps or self._open()
+        return [m[0] for m in maps] if what == "bin" else [m[1][what] for m in maps]
+
+    def _copy(self, g: int, n: int, row: np.ndarray, arrays: list | None = None) -> None:
+        """row[:n] = stream tokens [g, g + n) (or their mask), across shards where they span them."""
+        arrays = arrays if arrays is not None else self._arrays("bin")
+        st = self._starts_list
         k = bisect.bisect_right(st, g) - 1
         at = 0
         while at < n:  # a shard may hold fewer tokens than the piece
             take = min(n - at, st[k + 1] - g)
-            row[at: at + take] = maps[k][0][g - st[k]: g - st[k] + take]
+            row[at: at + take] = arrays[k][g - st[k]: g - st[k] + take]
             at, g, k = at + take, g + take, k + 1
 
-    def _rows(self, idx, out: np.ndarray, lay: Pieces | None) -> None:
-        """out[j] = chunk idx[j]: one copy when it lies in one shard (always, but for packed chunks
-        that span shards); gathered from its pieces where a layout places it (then padded)."""
-        maps = self._maps or self._open()
+    def _rows(self, idx, out: np.ndarray, lay: Pieces | None, what: str = "bin") -> None:
+        """out[j] = chunk idx[j] (its ids, or with what="mask" its chat mask): one copy when it lies
+        in one shard (always, but for packed chunks that span shards); gathered from its pieces
+        where a layout places it (then padded: pad_id, or mask 0)."""
+        arrays = self._arrays(what)
         L, st = self.seq_len, self._starts_list
+        fill = self.pad_id if what == "bin" else 0
         if lay is not None:
             for j, i in enumerate(idx if type(idx) is list else idx.tolist()):
                 row, at = out[j], 0
                 for g, n in zip(*lay.pieces(i)):
-                    self._copy(g, n, row[at: at + n])
+                    self._copy(g, n, row[at: at + n], arrays)
                     at += n
-                row[at:] = self.pad_id
+                row[at:] = fill
             return
         for j, i in enumerate(idx if type(idx) is list else idx.tolist()):
             g = i * L
             k = bisect.bisect_right(st, g) - 1
             off = g - st[k]
             if off + L <= st[k + 1] - st[k]:
-                out[j] = maps[k][0][off: off + L]
+                out[j] = arrays[k][off: off + L]
             else:
-                self._copy(g, L, out[j])
+                self._copy(g, L, out[j], arrays)
 
     def _valid(self, idx, lay: Pieces | None) -> np.ndarray:
         """Real tokens at the start of each chunk of idx (padded packings)."""
@@ -384,17 +403,17 @@ class MemmapChunkDataset(Dataset):
             out[j] = maps[k][1]["valid"][i - st[k] // L]
         return out
 
-    def _next_tokens(self, idx, lay: Pieces | None) -> np.ndarray:
-        """The first token of the chunk after each of idx; -100 after the last chunk."""
-        maps = self._maps or self._open()
+    def _next_tokens(self, idx, lay: Pieces | None, what: str = "bin") -> np.ndarray:
+        """The first token (or its chat mask) of the chunk after each of idx; -100 (mask 0) after the last chunk."""
+        arrays = self._arrays(what)
         out = np.empty(len(idx), dtype=np.int64)
         for j, i in enumerate(np.asarray(idx).tolist()):
             if i + 1 >= self._len:
-                out[j] = IGNORE_INDEX
+                out[j] = IGNORE_INDEX if what == "bin" else 0
                 continue
             g = (i + 1) * self.seq_len if lay is None else int(lay.pos[lay.first[i + 1]])
             k = self._shard_of(g)
-            out[j] = maps[k][0][g - self._starts_list[k]]
+            out[j] = arrays[k][g - self._starts_list[k]]
         return out
 
     def document_starts(self, i, epoch: int | None = None) -> np.ndarray:
@@ -441,6 +460,13 @@ class MemmapChunkDataset(Dataset):
                 labels[:] = ids
                 if pad is not None:
                     labels[pad] = IGNORE_INDEX
+            if self.chat:  # only the tokens the build's --loss chose train (padding never does)
+                trains = np.empty((len(idx), L), dtype=MASK_DTYPE)
+                self._rows(idx, trains, lay, "mask")
+                if self.shifted:  # label t is token t + 1: its mask decides
+                    trains[:, :-1] = trains[:, 1:]
+                    trains[:, -1] = self._next_tokens(idx, lay, "mask")
+                labels[trains == 0] = IGNORE_INDEX
         if mask is not None:
             if pad is None:
                 mask.fill(1)

@@ -21,7 +21,7 @@ import numpy as np
 
 from .errors import HelixtokError
 from .manifest import write_json_atomic
-from .shards import DOCS_DTYPE, VALID_DTYPE, HashedFile, start_writeback
+from .shards import DOCS_DTYPE, MASK_DTYPE, VALID_DTYPE, HashedFile, start_writeback
 
 # Text bytes per token, to size shard groups before anything is tokenized: English with a 32k-128k
 # BPE gives 3.5-4.5 (the dev corpus with Llama-3.2: 3.9), code ~3, CJK ~1.5-2 (shards then up to
@@ -213,7 +213,7 @@ def close_group(g: int, results: list[dict], placements: list[dict], state: str,
     opener = opener or _unit_file(state)
     item = np.dtype(dtype).itemsize
     L, cap = config.seq_len, piece_tokens(config, item)
-    sides = PACKERS[config.packing].sides
+    sides = PACKERS[config.packing].sides + (("mask",) if config.chat else ())
     splits = ("train", "val") if config.val_fraction > 0 else ("train",)
     out = {}
     for s in splits:
@@ -225,6 +225,9 @@ def close_group(g: int, results: list[dict], placements: list[dict], state: str,
                 if "valid" in e:
                     valid.append(_whole(opener, e["valid"], VALID_DTYPE))
                 pos += e["num_tokens"]
+        # A chat build's masks, one byte a token: taken unit by unit as the pieces need them.
+        masks = _Exact(memoryview(_whole(opener, e["mask"], MASK_DTYPE)) for r in results
+                       for e in r["shards"].get(s, []) if "mask" in e)
         starts_all = np.concatenate(starts) if starts else np.empty(0, np.int64)
         valid_all = np.concatenate(valid) if valid else np.empty(0, VALID_DTYPE)
         by_piece: dict[int, list] = {}
@@ -260,6 +263,9 @@ def close_group(g: int, results: list[dict], placements: list[dict], state: str,
                     if side == "docs":
                         a, b = np.searchsorted(starts_all, [lo, hi])
                         f.write((starts_all[a:b] - lo).astype(DOCS_DTYPE))
+                    elif side == "mask":
+                        for part in masks.take(hi - lo):
+                            f.write(np.frombuffer(part, MASK_DTYPE))
                     else:
                         a, b = lo // L, hi // L
                         f.write(valid_all[a:b])

@@ -11,12 +11,14 @@ import orjson
 from .errors import DatasetError
 from .objstore import filesystem, is_url, redact, reports_storage_errors
 
-FORMAT_VERSION = 4  # what build writes; 1 to 3 are still read (but a version 2 bestfit build: docs/format.md)
-READABLE = (1, 2, 3, 4)
+FORMAT_VERSION = 5  # what build writes; 1 to 4 are still read (but a version 2 bestfit build: docs/format.md)
+READABLE = (1, 2, 3, 4, 5)
+MERGEABLE = (4, 5)  # parts merge is given: segment digests (4), chat masks (5)
 MANIFEST = "manifest.json"
 DTYPES = {"uint16": "<u2", "uint32": "<u4"}
 # Reasons a document is skipped (counted in totals.skipped_documents) or repaired (still used).
-DOC_SKIPS = ("empty", "malformed_json", "not_an_object", "missing_text", "null_text", "non_string_text")
+DOC_SKIPS = ("empty", "malformed_json", "not_an_object", "missing_text", "null_text", "non_string_text",
+             "not_a_conversation")
 REPAIRS = ("invalid_utf8_repaired", "lone_surrogate_repaired")
 
 
@@ -101,6 +103,9 @@ def manifest_files(m: dict) -> dict[str, dict]:
     """Every file a (validated) manifest names, relative path -> its entry (what Digest checks it by):
     tokenizer, shards, sidecars, indexes."""
     files = {m["tokenizer"]["file"]: {"sha256": m["tokenizer"]["sha256"]}}
+    chat = m.get("chat")
+    if isinstance(chat, dict) and isinstance(chat.get("template_file"), str):
+        files[chat["template_file"]] = {"sha256": chat.get("template_sha256")}
     for s in m["splits"].values():
         for x in split_files(s):
             files[x["path"]] = x
@@ -164,7 +169,7 @@ def split_files(s: dict):
         if not isinstance(e, dict):
             continue
         yield e
-        for side in ("docs", "valid"):
+        for side in SIDE_NAMES:
             if isinstance(e.get(side), dict):
                 yield e[side]
     index = s.get("index")
@@ -176,7 +181,7 @@ def split_files(s: dict):
 def with_paths(s: dict, move) -> dict:
     """A split entry with every file path p replaced by move(p) (a merged or uploaded manifest's)."""
     s = {**s, "shards": [{**e, "path": move(e["path"]),
-                          **{side: {**e[side], "path": move(e[side]["path"])} for side in ("docs", "valid") if side in e}}
+                          **{side: {**e[side], "path": move(e[side]["path"])} for side in SIDE_NAMES if side in e}}
                          for e in s["shards"]]}
     if "index" in s:
         s["index"] = {k: {**x, "path": move(x["path"])} for k, x in s["index"].items()}
@@ -185,6 +190,12 @@ def with_paths(s: dict, move) -> dict:
 
 # The sidecars each packing stores beside a shard (docs/format.md); bestfit also has a split index.
 SIDES = {"packed": ("docs",), "document": ("valid",), "bestfit": ("docs",)}
+SIDE_NAMES = ("docs", "valid", "mask")  # mask: a chat build's, one byte a token (1: it trains)
+
+
+def sides_of(m: dict) -> tuple[str, ...]:
+    """The sidecars beside each shard of manifest m: its packing's, and a chat build's mask."""
+    return SIDES[m["packing"]] + (("mask",) if m.get("chat") else ())
 INDEX_FILES = ("items", "chunks")  # a bestfit split's index (bestfit.py)
 
 

@@ -11,9 +11,9 @@ import shutil
 import numpy as np
 
 from .bestfit import build_index, doc_spans, index_files, write_index
-from .catalog import join_split, split_totals
+from .catalog import CHAT_TEMPLATE, join_split, split_totals
 from .errors import ConfigError, DatasetError, HelixtokError, from_cli, python_terms
-from .manifest import (FORMAT_VERSION, MANIFEST, check_small_file, load_manifest, split_files, sum_sources,
+from .manifest import (MERGEABLE, MANIFEST, check_small_file, load_manifest, split_files, sum_sources,
                        with_paths, write_json_atomic)
 from .shards import DOCS_DTYPE
 from .outdir import PUBLISH, STATE, OutLock, check_out_path, refuse_foreign, remove_owned
@@ -71,7 +71,7 @@ def partition(units: list[Unit], num_tasks: int, groups: list[tuple[int, int]] |
 
 
 # Manifest keys that must agree between parts (everything that changes what a chunk means).
-_SAME = ("format_version", "dtype", "seq_len", "packing", "min_tail_len")
+_SAME = ("format_version", "dtype", "seq_len", "packing", "min_tail_len", "chat")
 # Tokenizer fields that may differ between parts: which library produced the ids (each one was
 # checked against the same reference), where the check's verdict is recorded, the file's name.
 _TOKENIZER_FREE = ("backend", "backend_version", "backend_check", "file")
@@ -138,7 +138,7 @@ def check_sibling_parts(out: str, plan: bytes) -> None:
 def _check_parts(parts: list[str], ms: list[dict]) -> None:
     first = ms[0]
     for p, m in zip(parts, ms):
-        if m["format_version"] != FORMAT_VERSION:
+        if m["format_version"] not in MERGEABLE:
             raise DatasetError(f"{p}: format_version {m['format_version']} (an older helixtok); rebuild the part "
                                "with this one to merge it")
         for k in _SAME:
@@ -197,7 +197,9 @@ def _merge(parts: list[str], out: str, overwrite: bool) -> dict:
                                    f"{str(m.get('plan_sha256'))[:12]}...); rebuild the part")
     for p, m in zip(parts, ms):
         _check_files(p, m)
-    tokenizer = _tokenizer_of(parts[0], ms[0])
+    tokenizer = _copy_of(parts[0], ms[0]["tokenizer"]["file"], ms[0]["tokenizer"]["sha256"], "tokenizer")
+    chat = ms[0].get("chat")  # a chat build's template: the same in every part (_SAME)
+    template = _copy_of(parts[0], chat["template_file"], chat["template_sha256"], "chat template") if chat else None
     check_out_path(out)
     os.makedirs(out, exist_ok=True)
     with OutLock(out):
@@ -213,7 +215,7 @@ def _merge(parts: list[str], out: str, overwrite: bool) -> dict:
         refuse_foreign(out, allowed=inside)
         if overwrite:
             remove_owned(out, keep=inside)
-        return _merge_locked(parts, ms, out, tokenizer, shas)
+        return _merge_locked(parts, ms, out, tokenizer, template, shas)
 
 
 def _manifest_sha256(part: str) -> str:
@@ -280,21 +282,22 @@ def _check_files(part: str, m: dict) -> None:
                                    f"{x['bytes']}; rebuild the part (helixtok verify {part} says more)")
 
 
-def _tokenizer_of(part: str, m: dict) -> bytes:
-    """The part's tokenizer copy, read once and checked against its manifest's sha256."""
-    path = os.path.join(part, m["tokenizer"]["file"])
+def _copy_of(part: str, name: str, sha256: str, what: str) -> bytes:
+    """A part's tokenizer (or chat template) copy, read once and checked against its manifest's sha256."""
+    path = os.path.join(part, name)
     try:
         with open(path, "rb") as fh:
             data = fh.read()
     except OSError as e:
         raise DatasetError(f"{path}: cannot read it ({e.strerror}); rebuild the part") from None
-    if hashlib.sha256(data).hexdigest() != m["tokenizer"]["sha256"]:
-        raise DatasetError(f"{path}: not the tokenizer the part was built with (its sha256 differs from the "
-                           "manifest's tokenizer.sha256); rebuild the part")
+    if hashlib.sha256(data).hexdigest() != sha256:
+        raise DatasetError(f"{path}: not the {what} the part was built with (its sha256 differs from its "
+                           "manifest's); rebuild the part")
     return data
 
 
-def _merge_locked(parts: list[str], ms: list[dict], out: str, tokenizer: bytes, shas: list[str]) -> dict:
+def _merge_locked(parts: list[str], ms: list[dict], out: str, tokenizer: bytes, template: bytes | None,
+                  shas: list[str]) -> dict:
     first = ms[0]
 
     pieces: dict[str, list[dict]] = {}
@@ -316,12 +319,16 @@ def _merge_locked(parts: list[str], ms: list[dict], out: str, tokenizer: bytes, 
     # What is about to be written is recorded first (as a build's publish.json): a merge killed
     # before its manifest leaves files a rerun knows as helixtok's, to replace or delete.
     index_names = [n for s in indexes for n in index_files(s).values()]
-    write_json_atomic(os.path.join(state, PUBLISH), {"files": ["tokenizer.json", *index_names, MANIFEST]})
+    copies = {"tokenizer.json": tokenizer, **({CHAT_TEMPLATE: template} if template is not None else {})}
+    write_json_atomic(os.path.join(state, PUBLISH), {"files": [*copies, *index_names, MANIFEST]})
     for name, idx in indexes.items():
         idx.entry = write_index(out, name, idx)
     splits = {name: join_split(pieces[name], shards.get(name, []), first["seq_len"], first["packing"],
                                indexes.get(name))
               for name in pieces}
+    if first.get("chat"):
+        for name, s in splits.items():
+            s["chat"] = {k: sum(p["chat"][k] for p in pieces[name]) for k in pieces[name][0]["chat"]}
     totals = split_totals(splits)
     totals.update({k: sum(m["totals"][k] for m in ms) for k in ("skipped_documents", "repaired_documents")})
     skipped, warnings = Tally(), Tally()
@@ -329,7 +336,7 @@ def _merge_locked(parts: list[str], ms: list[dict], out: str, tokenizer: bytes, 
         skipped.merge(Tally.from_json(m["skipped"]))
         warnings.merge(Tally.from_json(m["warnings"]))
     merged = {**{k: first[k] for k in ("format_version", "helixtok_version", "dtype", "seq_len", "packing",
-                                       "min_tail_len", "tokenizer", "options") if k in first},
+                                       "min_tail_len", "tokenizer", "options", "chat") if k in first},
               "inputs": _merged_inputs(ms),
               "merged_from": [os.path.relpath(os.path.abspath(p), os.path.abspath(out)) for p in parts],
               "merged_from_sha256": shas,  # each part's manifest.json: what a second merge compares
@@ -338,9 +345,10 @@ def _merge_locked(parts: list[str], ms: list[dict], out: str, tokenizer: bytes, 
                                  for sp in splits},
               "skipped": skipped.to_json(),
               "warnings": warnings.to_json()}
-    with open(os.path.join(out, ".tokenizer.json.tmp"), "wb") as fh:
-        fh.write(tokenizer)
-    os.replace(os.path.join(out, ".tokenizer.json.tmp"), os.path.join(out, "tokenizer.json"))
+    for name, data in copies.items():
+        with open(os.path.join(out, f".{name}.tmp"), "wb") as fh:
+            fh.write(data)
+        os.replace(os.path.join(out, f".{name}.tmp"), os.path.join(out, name))
     write_json_atomic(os.path.join(out, MANIFEST), merged)
     shutil.rmtree(state, ignore_errors=True)
     return merged

@@ -77,12 +77,13 @@ class _Out:
     sides: tuple[str, ...] = ()
 
     def __init__(self, stem: str, final: str, dtype, seq_len: int, cap: int, min_tail: int, pad_id: int,
-                 hold: int = 0):
+                 hold: int = 0, chat: bool = False):
         self.L, self.dtype, self.min_tail, self.pad_id = seq_len, np.dtype(dtype), min_tail, pad_id
         # Not fsynced: a unit's output is placed into its group's shards, which are; a resume
         # re-hashes it (a file a crash tore is tokenized again), and it may never reach the disk.
         # hold: its ids kept in memory up to that many bytes (placed from there: unit.py).
-        self.files = ShardFiles(stem, final, self.dtype, seq_len, cap, self.sides, durable=False, hold=hold)
+        sides = self.sides + (("mask",) if chat else ())
+        self.files = ShardFiles(stem, final, self.dtype, seq_len, cap, sides, durable=False, hold=hold)
         self.counts = PackCounts()
 
     def close(self) -> list[dict]:
@@ -97,8 +98,8 @@ class PackedOut(_Out):
 
     sides = ("docs",)
 
-    def add(self, ids: np.ndarray, lens: np.ndarray) -> None:
-        self.files.write(ids, starts=np.concatenate(([0], np.cumsum(lens[:-1]))) if len(lens) else None)
+    def add(self, ids: np.ndarray, lens: np.ndarray, mask: np.ndarray | None = None) -> None:
+        self.files.write(ids, starts=np.concatenate(([0], np.cumsum(lens[:-1]))) if len(lens) else None, mask=mask)
 
     def start_long(self) -> None:
         self._first = True
@@ -116,10 +117,12 @@ class DocumentOut(_Out):
 
     sides = ("valid",)
 
-    def add(self, ids: np.ndarray, lens: np.ndarray) -> None:
+    def add(self, ids: np.ndarray, lens: np.ndarray, mask: np.ndarray | None = None) -> None:
         chunks, valid, c = document_chunks(ids, lens, self.L, self.min_tail, self.pad_id)
         self.counts.add(c)
-        self.files.write(chunks.reshape(-1), valid=valid)
+        # A chat mask is chunked as its ids are: padding never trains.
+        m = None if mask is None else document_chunks(mask, lens, self.L, self.min_tail, 0)[0].reshape(-1)
+        self.files.write(chunks.reshape(-1), valid=valid, mask=m)
 
     # A document read in pieces: its full chunks are written as they come; the last seq_len
     # tokens or fewer wait for its end (whether it is kept depends on its length).

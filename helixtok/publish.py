@@ -21,7 +21,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from .errors import ConfigError, DatasetError, HelixtokError
-from .manifest import MANIFEST, Digest, file_matches, load_manifest, manifest_files, with_paths, write_json_atomic
+from .manifest import MANIFEST, SIDE_NAMES, Digest, file_matches, load_manifest, manifest_files, with_paths, write_json_atomic
 from .objstore import filesystem, redact, reports_storage_errors
 from .outdir import OutLock, fsync_dir
 from .planid import PLAN_FILE, plan_folder
@@ -200,7 +200,7 @@ def publish_uploaded(local: str, url: str, *, overwrite: bool, stall: float = 60
     there = remote_sizes(url, folder, stall)
     for s in m["splits"].values():
         for e in s["shards"]:
-            for x in (e, e.get("docs"), e.get("valid")):
+            for x in (e, *(e.get(side) for side in SIDE_NAMES)):
                 if x and there.get(x["path"]) != x["bytes"]:
                     raise DatasetError(f"{redact(url)}: {folder}/{x['path']} is missing or has another size than its "
                                        "task uploaded; rerun the same command")
@@ -211,7 +211,7 @@ def publish_uploaded(local: str, url: str, *, overwrite: bool, stall: float = 60
     fs.pipe_file(posixpath.join(root, MANIFEST), (json.dumps(remote, indent=2) + "\n").encode())
     # The units' own files, which the joins copied into the shards: this build's, in its folder.
     for name in there:
-        if re.fullmatch(r"u\d{6}-[a-z]+-\d{4}\.(bin|docs|valid)", name):
+        if re.fullmatch(r"u\d{6}-[a-z]+-\d{4}\.(bin|docs|valid|mask)", name):
             with contextlib.suppress(FileNotFoundError):
                 fs.rm_file(posixpath.join(root, folder, name))
     if old is not None:

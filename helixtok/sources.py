@@ -126,8 +126,10 @@ class UnitReader:
     """
 
     def __init__(self, unit: Unit, text_field: str, tally: Tally, *, long_bytes: int | None = None,
-                 skip_lines_over: int | None = None):
+                 skip_lines_over: int | None = None, records: bool = False):
         self.unit = unit
+        # A chat build's reader: each record whole (a dict), its conversation judged by chat.py.
+        self.records = records
         # A sample's reader: JSON lines longer than this are passed over without being held in
         # memory (one 200 MB line read whole to sample 128 K characters of it ran out of memory).
         self.skip_lines_over = skip_lines_over
@@ -262,7 +264,7 @@ class UnitReader:
                         line = line[3:]
                     if not line or line.isspace():  # isspace, not strip: no copy of every line
                         continue
-                    if fast_field is not None and (self.long_bytes is None or len(line) <= self.long_bytes):
+                    if fast_field is not None and not self.records and (self.long_bytes is None or len(line) <= self.long_bytes):
                         text = _fast_text(line, fast_field)
                         if text is not None:
                             line = None
@@ -321,6 +323,8 @@ class UnitReader:
         if not isinstance(obj, dict):
             self.tally.add("not_an_object", where)
             return None
+        if self.records:
+            return obj
         text = obj.get(self.text_field)
         if text is None:
             self.tally.add("missing_text" if self.text_field not in obj else "null_text", where)
@@ -352,6 +356,14 @@ class UnitReader:
                 yield text
             row += 1
 
+    def _rows(self, table, row: int) -> Iterator[dict]:
+        """The records of an Arrow table (or batch), one dict each, with their row."""
+        name = self.unit.names[0]
+        for rec in table.to_pylist():
+            self._loc = (name, row, " row ")
+            yield rec
+            row += 1
+
     def _arrow(self) -> Iterator[str]:
         u = self.unit
         row = u.first_line
@@ -360,7 +372,11 @@ class UnitReader:
             if i >= u.stop:
                 break
             if i >= u.start:
-                yield from self._column(b.column(self.text_field), row)
+                if self.records:
+                    yield from self._rows(b.select([c for c in (self.text_field, "tools") if c in b.schema.names]),
+                                          row)
+                else:
+                    yield from self._column(b.column(self.text_field), row)
                 row += b.num_rows
                 self.consumed += b.nbytes
 
@@ -372,7 +388,11 @@ class UnitReader:
         row = u.first_line
         for rg in range(u.start, u.stop):
             meta = pf.metadata.row_group(rg)
-            table = pf.read_row_group(rg, columns=[self.text_field])
-            yield from self._column(table.column(0), row)
+            if self.records:  # the conversations and, when there, their tools
+                cols = [c for c in (self.text_field, "tools") if c in pf.schema_arrow.names]
+                yield from self._rows(pf.read_row_group(rg, columns=cols), row)
+            else:
+                table = pf.read_row_group(rg, columns=[self.text_field])
+                yield from self._column(table.column(0), row)
             row += meta.num_rows
             self.consumed += meta.total_byte_size

@@ -48,9 +48,13 @@ class Stats:
     warmup_ratio: float
     warmup_steps: int
     tokens_per_optimizer_step: int
+    trainable_tokens: int | None = None  # a chat build's: tokens with a label per epoch (--loss decides)
 
     def to_json(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        if d["trainable_tokens"] is None:
+            del d["trainable_tokens"]
+        return d
 
 
 def compute_stats(manifest: dict, *, split: str = "train", batch_size: int = 1, grad_accum: int = 1,
@@ -87,6 +91,7 @@ def compute_stats(manifest: dict, *, split: str = "train", batch_size: int = 1, 
         batches_per_epoch=batches, optimizer_steps_per_epoch=steps, total_optimizer_steps=total,
         warmup_ratio=warmup_ratio, warmup_steps=math.ceil(warmup_ratio * total),
         tokens_per_optimizer_step=batch_size * grad_accum * world_size * L,
+        trainable_tokens=s["chat"]["trainable_tokens"] if "chat" in s else None,
     )
 
 

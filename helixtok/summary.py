@@ -49,9 +49,31 @@ def alerts(m: dict) -> list[str]:
         out.append(f"{pad:.1%} of the stored tokens are padding (document packing pads each document's last "
                    "chunk): --pack bestfit fills chunks with whole documents, several to a chunk (far less padding: "
                    "docs/packing.md), --pack packed stores none")
+    out += _chat_alerts(m)
     if m["seq_len"] < 2:
         out.append(f"--seq-len {m['seq_len']}: each chunk is one token, with no next-token target inside it; fine "
                    "for looking at ids, not for training: build with the context length you train at")
+    return out
+
+
+def chat_counts(m: dict) -> dict | None:
+    """A chat build's counts summed over its splits (manifest: splits.<s>.chat), else None."""
+    per = [s["chat"] for s in m["splits"].values() if "chat" in s]
+    return {k: sum(c[k] for c in per) for k in per[0]} if m.get("chat") and per else None
+
+
+def _chat_alerts(m: dict) -> list[str]:
+    c, out = chat_counts(m), []
+    if c is None:
+        return out
+    seen = c["conversations"] + c["dropped_too_long"] + c["no_trainable"]
+    if c["dropped_too_long"]:
+        out.append(f"{c['dropped_too_long']:,} of {seen:,} conversations ({_share(c['dropped_too_long'], seen):.1%}) "
+                   f"are longer than --seq-len {m['seq_len']} tokens and were dropped: --truncate keeps their first "
+                   f"{m['seq_len']} tokens, a larger --seq-len keeps them whole")
+    if c["no_trainable"]:
+        out.append(f"{c['no_trainable']:,} conversations have no token to train on under --loss {m['chat']['loss']} "
+                   "(no assistant turn the template marks, or all of it cut by --truncate) and were dropped")
     return out
 
 
@@ -70,6 +92,7 @@ def summarize(m: dict, folder: str) -> dict:
         "bytes_on_disk": bytes_on_disk(m, folder),
         "sources": {k: {**v, "token_share": _share(v["tokens"], t["tokens"])} for k, v in (m.get("sources") or {}).items()},
         "alerts": alerts(m),
+        **({"chat": c} if (c := chat_counts(m)) else {}),
     }
 
 
@@ -83,11 +106,12 @@ def human_bytes(n: float) -> str:
 
 def lines(s: dict, *, elapsed: float | None = None, reused: int = 0, units: int = 0) -> list[str]:
     """The summary's plain lines (after the table of splits), the alerts last."""
-    bos = f"BOS {s['bos_token']}" if s["add_bos"] else "no BOS"
+    bos = f"BOS {s['bos_token']}" if s["add_bos"] else "BOS as the template writes it" \
+        if s["bos_rule"] == "chat template" else "no BOS"
     rule = "the tokenizer's rule" if s["bos_rule"] == "tokenizer" else s["bos_rule"]
     out = [f"backend {s['backend_version'] or s['backend']}"
            + (f" (checked against {s['reference_version']})" if s.get("reference_version") else "")
-           + f"; {bos} ({rule})"]
+           + (f"; {bos}" if s["bos_rule"] == "chat template" else f"; {bos} ({rule})")]
     size = "" if s["bytes_on_disk"] is None else f"{human_bytes(s['bytes_on_disk'])} on disk"
     if elapsed is not None:
         # Text tokenized per second (what the progress lines count), and the files' size as read.
@@ -98,6 +122,11 @@ def lines(s: dict, *, elapsed: float | None = None, reused: int = 0, units: int 
         out.append(size)
     out.append(f"padding {s['pad_share']:.1%} of stored tokens; dropped {s['dropped_token_share']:.1%} of tokens, "
                f"{s['dropped_document_share']:.1%} of documents")
+    if s.get("chat"):
+        c = s["chat"]
+        out.append(f"chat: {c['conversations']:,} conversations, {c['trainable_tokens']:,} tokens to train on "
+                   f"({_share(c['trainable_tokens'], s['tokens']):.1%} of tokens)"
+                   + (f", {c['truncated']:,} cut to --seq-len" if c["truncated"] else ""))
     if reused:
         out.append(f"resumed: {reused:,} of {units:,} work units reused from an interrupted run")
     if len(s["sources"]) > 1:

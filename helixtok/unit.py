@@ -9,6 +9,8 @@ import hashlib
 import os
 import threading
 
+import numpy as np
+
 from .backends import forget_fast_tokenizers
 from .compressed import drop_index
 from .config import BuildConfig
@@ -16,7 +18,7 @@ from .encode import Encoder
 from .errors import HelixtokError, InputError
 from .join import known_offsets, place_held
 from .longdoc import LongText, stripped, utf8_len
-from .manifest import SOURCE_COUNTS, write_json_atomic
+from .manifest import SIDE_NAMES, SOURCE_COUNTS, write_json_atomic
 from .objstore import expired
 from .pack import PACKERS
 from .sources import StaleRange, UnitReader
@@ -38,6 +40,8 @@ class Worker:
     encoder: Encoder | None = None
     encoder_info: TokenizerInfo | None = None  # what `encoder` was made for
     offsets: dict = dataclasses.field(default_factory=dict)  # join.known_offsets' cache
+    chat_encoder: object = None  # chat.ChatEncoder of a chat build
+    chat_encoder_info: TokenizerInfo | None = None
 
 
 # Per thread, not per process: two builds without workers in two threads of one program must never
@@ -82,6 +86,25 @@ def end_worker() -> None:
     """A build without workers is done: its encoder (its tokenizer: ~100 MB for a 100k vocabulary)
     goes with this thread's Worker."""
     _here.__dict__.clear()
+
+
+# A chat build's counts per split (docs/format.md): conversations kept, cut to --seq-len
+# (--truncate), longer than --seq-len and dropped, with no token to train on (dropped), and the
+# tokens that train.
+CHAT_COUNTS = ("conversations", "truncated", "dropped_too_long", "no_trainable", "trainable_tokens")
+
+
+def _chat_encoder(w: Worker, info: TokenizerInfo):
+    """This process's ChatEncoder: tokenizers itself (offsets are needed), specials as the template's."""
+    from tokenizers import Tokenizer
+
+    from .chat import ChatEncoder
+    from .tokenizer import tokenizer_bytes
+
+    if w.chat_encoder_info != info:
+        tok = Tokenizer.from_str(tokenizer_bytes(info.sha256).decode("utf-8"))
+        w.chat_encoder, w.chat_encoder_info = ChatEncoder(w.config.chat, tok, w.config.seq_len, info.dtype), info
+    return w.chat_encoder
 
 
 def _encoder(w: Worker, info: TokenizerInfo) -> Encoder:
@@ -190,13 +213,14 @@ def _run_unit(unit: Unit, info: TokenizerInfo, where: tuple[int, int] | None) ->
     # Ray task uploads it.
     outs = {s: PACKERS[cfg.packing](os.path.join(state, f"u{unit.index:06d}.{run}.{s}"), f"u{unit.index:06d}-{s}",
                                     info.dtype, L, UNIT_FILE_TOKENS // L * L, cfg.tail_len, info.pad_id,
-                                    hold=HOLD_BYTES if where else 0)
+                                    hold=HOLD_BYTES if where else 0, chat=cfg.chat is not None)
             for s in splits}
     docs = {s: 0 for s in splits}
     tokens = {s: 0 for s in splits}
     text_bytes = {s: 0 for s in splits}  # UTF-8 bytes of the documents as tokenized
     tally = Tally(strict=cfg.strict)
-    reader = UnitReader(unit, cfg.text_field, tally, long_bytes=cfg.long_doc_bytes)
+    reader = UnitReader(unit, cfg.text_field, tally, long_bytes=None if cfg.chat else cfg.long_doc_bytes,
+                        records=cfg.chat is not None)
     batch = {s: [] for s in splits}
     batch_src = {s: [] for s in splits}  # each batched document's source (UnitReader.source)
     sources: dict[str, list[int]] = {}  # source -> [documents, tokens, text bytes]
@@ -281,8 +305,62 @@ def _run_unit(unit: Unit, info: TokenizerInfo, where: tuple[int, int] | None) ->
                 flush()
         flush()
 
+    chat = {s: dict.fromkeys(CHAT_COUNTS, 0) for s in splits} if cfg.chat else None
+
+    def read_chats() -> None:
+        """Chat rows: each rendered with the template and tokenized once (chat.py), its mask beside."""
+        nonlocal chars, last_consumed
+        enc_chat = _chat_encoder(w, info)
+        pend = {s: ([], [], []) for s in splits}  # ids, masks, sources
+
+        def flush_chats() -> None:
+            nonlocal chars, last_consumed
+            ntok = ndoc = 0
+            for s in splits:
+                ids, masks, srcs = pend[s]
+                if not ids:
+                    continue
+                lens = np.fromiter(map(len, ids), np.int64, len(ids))
+                outs[s].add(np.concatenate(ids), lens, mask=np.concatenate(masks))
+                for src, n in zip(srcs, lens.tolist()):
+                    count(src, 1, n, 0)
+                docs[s] += len(ids)
+                tokens[s] += int(lens.sum())
+                ntok += int(lens.sum())
+                ndoc += len(ids)
+                ids.clear(), masks.clear(), srcs.clear()
+            _bump(counters, reader.consumed - last_consumed, ndoc, ntok)
+            last_consumed = reader.consumed
+            chars = 0
+
+        for record in reader:
+            got = enc_chat.encode(record)
+            if isinstance(got, str):
+                tally.add("not_a_conversation", f"{reader.where()} ({got})")
+                continue
+            s = splits[_split_of(got.text, cfg.val_fraction, cfg.split_seed) if cfg.val_fraction > 0 else 0]
+            c = chat[s]
+            if got.too_long:
+                c["dropped_too_long"] += 1
+                continue
+            trainable = int(got.mask.sum())
+            if not trainable:
+                c["no_trainable"] += 1
+                continue
+            c["conversations"] += 1
+            c["truncated"] += got.truncated
+            c["trainable_tokens"] += trainable
+            text_bytes[s] += utf8_len(got.text)
+            pend[s][0].append(got.ids)
+            pend[s][1].append(got.mask)
+            pend[s][2].append(reader.source())
+            chars += len(got.text)
+            if chars >= cfg.batch_chars:
+                flush_chats()
+        flush_chats()
+
     try:
-        read_all()
+        read_chats() if cfg.chat else read_all()
         shards = {s: outs[s].close() for s in splits}
         placed = _place_or_spill(unit, shards, {s: o.files.held for s, o in outs.items() if o.files.held}, where,
                                  w, info)
@@ -299,6 +377,8 @@ def _run_unit(unit: Unit, info: TokenizerInfo, where: tuple[int, int] | None) ->
               "counts": {s: vars(outs[s].counts) for s in splits}, "documents": docs, "tokens": tokens,
               "text_bytes": text_bytes, "lines": reader.lines, "skipped": tally.to_json(),
               "sources": {k: dict(zip(SOURCE_COUNTS, v)) for k, v in sources.items()}}
+    if chat is not None:
+        result["chat"] = chat
     write_json_atomic(done_path(state, unit.index), result, durable=False)
     return {**result, "placed": placed} if placed else result
 
@@ -320,7 +400,7 @@ def state_files(result: dict, with_sha: bool = False):
     """(name in STATE, name once published, bytes[, sha256]) of every file a unit's journal entry names."""
     for entries in result["shards"].values():
         for e in entries:
-            for x in (e, *(e[side] for side in ("docs", "valid") if side in e)):
+            for x in (e, *(e[side] for side in SIDE_NAMES if side in e)):
                 yield (x["state"], x["path"], x["bytes"], x["sha256"]) if with_sha else (x["state"], x["path"], x["bytes"])
 
 

@@ -68,8 +68,9 @@ class Unit:
                 "est_bytes": self.est_bytes}
 
 
-def plan_units(files: list[InputFile], *, unit_bytes: int, text_field: str, stall: float = 600.0
-               ) -> tuple[list[Unit], Tally]:
+def plan_units(files: list[InputFile], *, unit_bytes: int, text_field: str, stall: float = 600.0,
+               chat: bool = False) -> tuple[list[Unit], Tally]:
+    """The work units of `files`; chat: the field holds conversations (a list), not text."""
     units: list[Unit] = []
     warnings = Tally()
     # A compressed file is split into ranges when it is large in absolute terms and relative
@@ -124,10 +125,10 @@ def plan_units(files: list[InputFile], *, unit_bytes: int, text_field: str, stal
                 _check_jsonl_head(f, text_field)
                 units.append(Unit(len(units), f.kind, (f.path,), (f.name,), est_bytes=f.size * 4))
             elif f.kind == "parquet":
-                for start, stop, row, nbytes in _row_group_cuts(f, unit_bytes, text_field):
+                for start, stop, row, nbytes in _row_group_cuts(f, unit_bytes, text_field, chat):
                     units.append(Unit(len(units), "parquet", (f.path,), (f.name,), start, stop, row, nbytes))
             elif f.kind == "arrow":
-                for start, stop, row, nbytes in _batch_cuts(f, unit_bytes, text_field):
+                for start, stop, row, nbytes in _batch_cuts(f, unit_bytes, text_field, chat):
                     units.append(Unit(len(units), "arrow", (f.path,), (f.name,), start, stop, row, nbytes))
     finally:
         if pool is not None:
@@ -207,13 +208,18 @@ def _check_jsonl_head(f: InputFile, text_field: str) -> None:
                          "pass --text-field with the name of the text field")
 
 
-def _check_text_column(path: str, schema, text_field: str) -> None:
+def _check_text_column(path: str, schema, text_field: str, chat: bool = False) -> None:
     import pyarrow as pa
 
     if text_field not in schema.names:
         raise InputError(f"{path}: no column {text_field!r} (columns: {', '.join(schema.names)}); "
                          "pass --text-field with the name of the text column")
     typ = schema.field(text_field).type
+    if chat:
+        if not (pa.types.is_list(typ) or pa.types.is_large_list(typ)):
+            raise InputError(f"{path}: column {text_field!r} has type {typ}, expected a list of messages; "
+                             "pass --text-field with the conversations' column")
+        return
     if not (pa.types.is_string(typ) or pa.types.is_large_string(typ) or pa.types.is_string_view(typ)):
         raise InputError(f"{path}: column {text_field!r} has type {typ}, expected string; pass --text-field")
 
@@ -237,10 +243,10 @@ def arrow_batches(path: str):
         raise InputError(f"{path}: not a readable Arrow IPC file ({e}); re-create it or leave it out") from e
 
 
-def _batch_cuts(f: InputFile, unit_bytes: int, text_field: str) -> Iterator[tuple[int, int, int, int]]:
+def _batch_cuts(f: InputFile, unit_bytes: int, text_field: str, chat: bool) -> Iterator[tuple[int, int, int, int]]:
     """(first batch, end batch, first row, bytes) of about unit_bytes of an Arrow file."""
     schema, batches = arrow_batches(f.path)
-    _check_text_column(f.path, schema, text_field)
+    _check_text_column(f.path, schema, text_field, chat)
     start = row = acc = first_row = n = 0
     for n, b in enumerate(batches, 1):
         acc += b.nbytes
@@ -256,7 +262,7 @@ def parquet_source(path: str):
     return open_input(path) if is_url(path) else path
 
 
-def _row_group_cuts(f: InputFile, unit_bytes: int, text_field: str) -> Iterator[tuple[int, int, int, int]]:
+def _row_group_cuts(f: InputFile, unit_bytes: int, text_field: str, chat: bool) -> Iterator[tuple[int, int, int, int]]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -264,7 +270,7 @@ def _row_group_cuts(f: InputFile, unit_bytes: int, text_field: str) -> Iterator[
         meta = pq.ParquetFile(parquet_source(f.path)).metadata
     except (pa.ArrowException, OSError) as e:
         raise InputError(f"{f.path}: not a readable parquet file ({e}); re-create it or leave it out") from e
-    _check_text_column(f.path, meta.schema.to_arrow_schema(), text_field)
+    _check_text_column(f.path, meta.schema.to_arrow_schema(), text_field, chat)
     start, row, acc, first_row = 0, 0, 0, 0
     for rg in range(meta.num_row_groups):
         acc += meta.row_group(rg).total_byte_size

@@ -10,7 +10,7 @@ import numpy as np
 from .bestfit import build_index, doc_spans
 from .errors import DatasetError
 from .manifest import DTYPES, Digest, load_manifest, shard_tokens
-from .shards import DOCS_DTYPE, VALID_DTYPE
+from .shards import DOCS_DTYPE, MASK_DTYPE, VALID_DTYPE
 from .objstore import Folder, reports_storage_errors
 from .splitview import SplitView
 from .tokenizer import sha256_stream
@@ -74,6 +74,13 @@ def verify(out: str, *, sample: int = 0, seed: int = 0) -> VerifyReport:
     elif sha256_stream(d.open(tok)) != m["tokenizer"]["sha256"]:
         problems.append(f"{m['tokenizer']['file']}: sha256 differs from the manifest's tokenizer.sha256 "
                         "(replaced or modified)")
+    chat = m.get("chat")
+    if chat:  # the template the masks came from, as the tokenizer is checked above
+        f = chat["template_file"]
+        if d.size(f) is None:
+            problems.append(f"{f}: missing (the chat template the data was built with)")
+        elif sha256_stream(d.open(f)) != chat["template_sha256"]:
+            problems.append(f"{f}: sha256 differs from the manifest's chat.template_sha256 (replaced or modified)")
     for split, s in m["splits"].items():
         stream = sum(shard_tokens(e, L) for e in s["shards"])
         if m["packing"] != "bestfit" and (stream // L != s["num_chunks"] or
@@ -92,6 +99,7 @@ def verify(out: str, *, sample: int = 0, seed: int = 0) -> VerifyReport:
             problems.append(f"{split}: .docs sidecars hold {starts} document starts for {s['documents']} documents "
                             f"and {s['dropped_tokens']} dropped tokens")
         doc_offsets = []  # bestfit: (tokens, .docs offsets) of each shard, for its index
+        trainable = 0  # a chat build's: tokens whose mask is 1
         for e in s["shards"]:
             r = ShardReport(split, e["path"], True)
             reports.append(r)
@@ -109,6 +117,8 @@ def verify(out: str, *, sample: int = 0, seed: int = 0) -> VerifyReport:
                         r.problems.append("sha256 mismatch (corrupt or modified)")
                     if r.max_id >= vocab:
                         r.problems.append(f"holds id {r.max_id} >= vocab_size {vocab}")
+            if "mask" in e:
+                trainable += _check_mask(d, e["mask"], n, r)
             for side in ("valid", "docs"):
                 if side not in e:
                     continue
@@ -135,12 +145,34 @@ def verify(out: str, *, sample: int = 0, seed: int = 0) -> VerifyReport:
             r.ok = not r.problems
         if m["packing"] == "bestfit" and all(x.ok for x in reports):
             problems += _check_index(d, m, split, s, doc_offsets)
+        if m.get("chat") and all(x.ok for x in reports) and trainable != s["chat"]["trainable_tokens"]:
+            problems.append(f"{split}: the .mask files mark {trainable} tokens to train, chat.trainable_tokens says "
+                            f"{s['chat']['trainable_tokens']}")
     if m["packing"] == "document" and all(x.ok for x in reports):
         if pad_seen != m["totals"]["pad_tokens"]:
             problems.append(f"padding in .valid files sums to {pad_seen}, totals.pad_tokens is "
                             f"{m['totals']['pad_tokens']}")
     samples = _samples(d, m, dtype, sample, seed) if sample and all(x.ok for x in reports) else []
     return VerifyReport(reports, problems, samples)
+
+
+def _check_mask(d: Folder, x: dict, n: int, r: ShardReport) -> int:
+    """A chat shard's .mask: n bytes of 0 or 1 with its recorded sha256; returns how many are 1."""
+    if d.size(x["path"]) != n:
+        r.problems.append(f"{x['path']}: missing or not {n} bytes (one a token)")
+        return 0
+    h, ones, bad = Digest(x), 0, False
+    with d.open(x["path"]) as fh:
+        while buf := fh.read(BLOCK):
+            h.update(buf)
+            a = np.frombuffer(buf, dtype=MASK_DTYPE)
+            bad |= bool(len(a)) and int(a.max()) > 1
+            ones += int(np.count_nonzero(a))
+    if not h.ok():
+        r.problems.append(f"{x['path']}: sha256 mismatch (corrupt or modified)")
+    elif bad:
+        r.problems.append(f"{x['path']}: holds values other than 0 and 1")
+    return ones
 
 
 def _check_index(d: Folder, m: dict, split: str, s: dict, doc_offsets: list) -> list[str]:

@@ -18,13 +18,27 @@ from .common import console, handle_errors, parse_size, print_summary
               help="tokenizer.json, a folder holding one, or a HF repo id in the local HF cache.")
 @click.option("--seq-len", "-L", type=click.IntRange(min=1), default=2048, show_default=True,
               help="Tokens per chunk.")
-@click.option("--pack", "packing", type=click.Choice(list(PACKINGS)), default="packed", show_default=True,
+@click.option("--pack", "packing", type=click.Choice(list(PACKINGS)), default=None,
               help="packed: concatenate documents and cut; document: chunk each document, pad its tail; bestfit: "
-                   "whole documents placed into chunks by best fit, padded (docs/packing.md).")
+                   "whole documents placed into chunks by best fit, padded (docs/packing.md) [default: packed; "
+                   "with --chat, bestfit].")
 @click.option("--min-tail-len", type=click.IntRange(min=0), default=None,
               help="document and bestfit packing: shortest kept document / last piece [default: document seq-len // "
                    "4, bestfit none dropped].")
-@click.option("--text-field", default="text", show_default=True, help="JSON field or parquet column with the text.")
+@click.option("--text-field", default=None,
+              help="JSON field or parquet column with the text [default: text; with --chat, messages].")
+@click.option("--chat", is_flag=True,
+              help="Rows are conversations (a list of {role, content} messages, and 'tools' where given): each "
+                   "rendered with the model's chat template and tokenized once, with a loss mask (docs/chat.md).")
+@click.option("--chat-template", type=click.Path(dir_okay=False), default=None,
+              help="--chat: a .jinja template [default: chat_template of the tokenizer_config.json beside the "
+                   "tokenizer].")
+@click.option("--loss", type=click.Choice(["assistant", "all", "last"]), default="assistant", show_default=True,
+              help="--chat: which tokens train: the template's {% generation %} spans (assistant), every token, or "
+                   "the last assistant turn.")
+@click.option("--truncate", is_flag=True,
+              help="--chat: cut a conversation longer than --seq-len to its first --seq-len tokens [default: drop "
+                   "it, counted].")
 @click.option("--bos/--no-bos", default=None,
               help="Prepend BOS to every document, or not [default: as the tokenizer's post-processor does for "
                    "one sequence, e.g. Llama 3 yes, GPT-2 no].")
@@ -69,7 +83,8 @@ from .common import console, handle_errors, parse_size, print_summary
 @click.option("--task-index", type=click.IntRange(min=0), default=None,
               help="Which partition [default: $SLURM_ARRAY_TASK_ID or $JOB_COMPLETION_INDEX].")
 @handle_errors
-def build(corpus, out, tokenizer, seq_len, packing, min_tail_len, text_field, bos, eos_token, bos_token,
+def build(corpus, out, tokenizer, seq_len, packing, min_tail_len, text_field, chat, chat_template, loss, truncate,
+          bos, eos_token, bos_token,
           pad_token, val_fraction, split_seed, shard_size, unit_size, workers, overwrite, strict, quiet, as_json,
           stall_timeout, special_tokens, strip, backend, staging, executor, num_tasks, task_index, log_interval):
     """Tokenize CORPUS (files, folders, globs) into fixed-length token shards in OUT.
@@ -89,7 +104,17 @@ def build(corpus, out, tokenizer, seq_len, packing, min_tail_len, text_field, bo
     from ..config import BuildConfig
     from ..preload import speculate
 
-    cfg = BuildConfig(seq_len=seq_len, packing=packing, min_tail_len=min_tail_len, text_field=text_field,
+    spec = None
+    if chat:
+        from ..chat import load_spec
+        from ..tokenizer import resolve_tokenizer_path
+
+        spec = load_spec(resolve_tokenizer_path(tokenizer), chat_template, loss, truncate, text_field or "messages")
+    elif chat_template or truncate or loss != "assistant":
+        raise click.UsageError("--chat-template, --loss and --truncate apply to --chat builds only")
+    packing = packing or ("bestfit" if chat else "packed")
+    text_field = text_field or ("messages" if chat else "text")
+    cfg = BuildConfig(seq_len=seq_len, packing=packing, min_tail_len=min_tail_len, text_field=text_field, chat=spec,
                       add_bos=bos, eos_token=eos_token, bos_token=bos_token, pad_token=pad_token,
                       val_fraction=val_fraction, split_seed=split_seed, shard_bytes=shard_size,
                       unit_bytes=unit_size, workers=workers, strict=strict, backend=backend,

