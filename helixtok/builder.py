@@ -86,6 +86,11 @@ def _build(corpus, out, tokenizer, config, overwrite, on_progress, task, staging
                           + (f" (did you mean {near[0]!r}?)" if near else "")
                           + f"; its options: {', '.join(sorted(BuildConfig.__dataclass_fields__))}")
     config = dataclasses.replace(config, **options) if config is not None else BuildConfig(**options)
+    if config.chat is True:  # the template beside the tokenizer, every assistant turn trained
+        from .chat import load_spec
+
+        config = dataclasses.replace(config, chat=load_spec(resolve_tokenizer_path(tokenizer), None, "assistant",
+                                                            False, config.text_field))
     if config.ray_address is not None:
         from .rayexec import check_cluster
 

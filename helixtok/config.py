@@ -46,9 +46,9 @@ DEFAULT_UNIT_BYTES = 4 << 20
 @dataclass(frozen=True, kw_only=True)
 class BuildConfig:
     seq_len: int = 2048
-    packing: str = "packed"
+    packing: str | None = None  # None: "packed", or "bestfit" for a chat build
     min_tail_len: int | None = None  # document packing: default seq_len // 4; bestfit: default 0 (drop nothing)
-    text_field: str = "text"
+    text_field: str | None = None  # None: "text", or "messages" for a chat build
     add_bos: bool | None = None  # None: the tokenizer's own rule (its post-processor); True/False: --bos/--no-bos
     eos_token: str | None = None
     bos_token: str | None = None
@@ -67,9 +67,17 @@ class BuildConfig:
     strip: bool = False  # str.strip() every document first (HelixLM's compiler does)
     special_tokens: str = "text"  # special-token strings in documents: "text" (as characters) or "extract"
     backend: str = "auto"  # auto: tiktoken when it reproduces HF's ids on a corpus sample, else hf
-    chat: ChatSpec | None = None  # a chat build: rows of messages rendered with a template (chat.py)
+    # A chat build: rows of messages rendered with a template (chat.py); True: the template of the
+    # tokenizer_config.json beside the tokenizer, --loss assistant (builder resolves it).
+    chat: ChatSpec | bool | None = None
 
     def __post_init__(self) -> None:
+        if self.chat is False:
+            object.__setattr__(self, "chat", None)
+        if self.packing is None:
+            object.__setattr__(self, "packing", "bestfit" if self.chat is not None else "packed")
+        if self.text_field is None:
+            object.__setattr__(self, "text_field", "messages" if self.chat is not None else "text")
         if self.seq_len < 1:
             raise ConfigError(f"--seq-len must be >= 1, got {self.seq_len}")
         if self.packing not in PACKINGS:

@@ -61,7 +61,7 @@ def render(out: str, m: dict, *, chunks: int = 3) -> str:
     """The page for the dataset in `out` (its manifest `m`)."""
     from .tokenizer import load_tokenizer
 
-    from .show import chunk_segments
+    from .show import chunk_segments, trained_runs
 
     summ = summarize(m, out)
     split = "train"
@@ -97,11 +97,14 @@ def render(out: str, m: dict, *, chunks: int = 3) -> str:
                            counts, "chunks"))
     tok = load_tokenizer(os.path.join(out, m["tokenizer"]["file"]))
     n = m["splits"][split]["num_chunks"]
-    parts.append("<h2>Chunks</h2>")
+    parts.append("<h2>Chunks</h2>" + ("<p>Bold: the tokens that train (the chat build's mask).</p>"
+                                       if m.get("chat") else ""))
     for i in sorted({0, n // 2, n - 1})[:chunks] if n else []:
         segs = "".join(
             f"<span class='doc{k % 2}' title='document {s.document if s.document is not None else '?'}'>"
-            f"{html.escape(tok.decode(s.ids, skip_special_tokens=False))}</span>"
+            + "".join(f"<b class='train'>{html.escape(tok.decode(ids, skip_special_tokens=False))}</b>" if trains
+                      else html.escape(tok.decode(ids, skip_special_tokens=False)) for ids, trains in trained_runs(s))
+            + "</span>"
             + (f"<span class='pad'>[{s.pad} pad]</span>" if s.pad else "")
             for k, s in enumerate(chunk_segments(out, m, split, i)))
         parts.append(f"<h3>chunk {i:,}</h3><pre>{segs}</pre>")
@@ -111,6 +114,7 @@ def render(out: str, m: dict, *, chunks: int = 3) -> str:
 _STYLE = ("body{font-family:sans-serif;max-width:900px;margin:2em auto;color:#222}"
           "pre{white-space:pre-wrap;background:#f6f6f6;padding:.6em;font-size:12px}"
           ".doc0{background:#e3edf7}.doc1{background:#f7eee3}.pad{color:#999}.warn{color:#a0522d}"
+          ".train{color:#1a5e20}"
           "table{border-collapse:collapse;font-size:13px}td,th{padding:.2em .7em;text-align:right}"
           "tr:nth-child(even){background:#f3f3f3}")
 _COLOURS = ("#3b6ea5", "#e08a3c", "#5aa469", "#c0504d", "#8064a2", "#4bacc6", "#9b7d3a", "#777777")

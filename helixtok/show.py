@@ -13,6 +13,9 @@ from .planid import PLAN_FILE
 from .splitview import SplitView
 
 
+TRAIN_OPEN, TRAIN_CLOSE = "\u27e6", "\u27e7"  # ⟦ ⟧ around what a chat build trains, in `helixtok show`
+
+
 @dataclass
 class Segment:
     """Consecutive ids of one document inside a chunk; `pad` pad ids follow (document packing)."""
@@ -21,6 +24,20 @@ class Segment:
     document: int | None  # the document's index in the split (packed data), else None
     starts: bool | None  # the document starts in this chunk, or began in an earlier one (None: not known)
     pad: int = 0
+    mask: list[int] | None = None  # a chat build's: 1 where the id trains
+
+
+def trained_runs(seg: Segment) -> list[tuple[list[int], bool]]:
+    """A segment's ids in runs that train or not (one run, False, without a mask)."""
+    if seg.mask is None:
+        return [(seg.ids, False)]
+    runs: list[tuple[list[int], bool]] = []
+    for t, k in zip(seg.ids, seg.mask):
+        if runs and runs[-1][1] == bool(k):
+            runs[-1][0].append(t)
+        else:
+            runs.append(([t], bool(k)))
+    return runs
 
 
 def chunk_segments(out: str, m: dict, split: str, index: int) -> list[Segment]:
@@ -29,9 +46,10 @@ def chunk_segments(out: str, m: dict, split: str, index: int) -> list[Segment]:
     view = SplitView(out, m, split)
     L = view.L
     ids = view.chunk(index).tolist()
+    mask = view.chunk(index, "mask").tolist() if m.get("chat") else None
     valid = view.valid(index)
     if m["packing"] == "document":
-        return [Segment(ids[:valid], None, None, pad=L - valid)]
+        return [Segment(ids[:valid], None, None, pad=L - valid, mask=mask and mask[:valid])]
     lo = index * L
     cuts = view.chunk_starts(index).tolist()
     bounds = ([0] if not cuts or cuts[0] != 0 else []) + cuts + [valid]
@@ -41,7 +59,7 @@ def chunk_segments(out: str, m: dict, split: str, index: int) -> list[Segment]:
     segs = []
     for a, b in zip(bounds, bounds[1:]):
         known = m["packing"] == "packed" and doc >= 0
-        segs.append(Segment(ids[a:b], doc if known else None, a in cuts))
+        segs.append(Segment(ids[a:b], doc if known else None, a in cuts, mask=mask and mask[a:b]))
         doc += 1
     segs[-1].pad = L - valid
     return segs

@@ -11,7 +11,7 @@ from .bestfit import CHUNK_DTYPE, ITEM_DTYPE, Index, load_index
 from .errors import ConfigError, DatasetError
 from .layout import Pieces, bestfit_pieces
 from .manifest import DTYPES, check_small_file, shard_tokens, split_entry
-from .shards import DOCS_DTYPE, VALID_DTYPE
+from .shards import DOCS_DTYPE, MASK_DTYPE, VALID_DTYPE
 
 
 class SplitView:
@@ -79,13 +79,15 @@ class SplitView:
             return n * self.dtype.itemsize
         if side == "docs":
             return int(e["docs"]["count"]) * DOCS_DTYPE.itemsize
+        if side == "mask":
+            return n * MASK_DTYPE.itemsize
         return n // self.L * VALID_DTYPE.itemsize
 
     def _map(self, k: int, side: str = "bin") -> np.ndarray:
         if (k, side) not in self._maps:
             e = self.shards[k]
             path = os.path.join(self.root, e["path"] if side == "bin" else e[side]["path"])
-            dtype = {"bin": self.dtype, "docs": DOCS_DTYPE, "valid": VALID_DTYPE}[side]
+            dtype = {"bin": self.dtype, "docs": DOCS_DTYPE, "valid": VALID_DTYPE, "mask": MASK_DTYPE}[side]
             # A file of another size (truncated, a link to /dev/zero, a wrong num_tokens) is named,
             # never read past or short.
             size = os.path.getsize(path) if os.path.isfile(path) else None
@@ -94,48 +96,50 @@ class SplitView:
                                    f"manifest says {self._want(k, side)}; copy the dataset again or rebuild it "
                                    "(helixtok verify says more)")
             mapped = np.memmap(path, dtype=dtype, mode="r") if size else np.empty(0, dtype)
-            if side != "bin":
+            if side not in ("bin", "mask"):  # the mask is as large as the ids / itemsize: verify hashes it
                 check_small_file(path, memoryview(mapped), e[side].get("sha256"))
             self._maps[(k, side)] = mapped
         return self._maps[(k, side)]
 
-    def _slice(self, k: int, a: int, b: int) -> np.ndarray:
+    def _slice(self, k: int, a: int, b: int, side: str = "bin") -> np.ndarray:
         if self.folder is not None and self.folder.fs is not None:
-            with self.folder.open(self.shards[k]["path"]) as fh:
-                fh.seek(a * self.dtype.itemsize)
-                got = np.frombuffer(fh.read((b - a) * self.dtype.itemsize), dtype=self.dtype)
+            e = self.shards[k]
+            path, dtype = (e["path"], self.dtype) if side == "bin" else (e[side]["path"], MASK_DTYPE)
+            with self.folder.open(path) as fh:
+                fh.seek(a * dtype.itemsize)
+                got = np.frombuffer(fh.read((b - a) * dtype.itemsize), dtype=dtype)
             if len(got) != b - a:
-                raise DatasetError(f"{self.shards[k]['path']}: shorter than the manifest says; copy the dataset "
-                                   "again or rebuild it")
+                raise DatasetError(f"{path}: shorter than the manifest says; copy the dataset again or rebuild it")
             return got
-        return np.asarray(self._map(k)[a:b])
+        return np.asarray(self._map(k, side)[a:b])
 
     def _check(self, i: int) -> None:
         if not 0 <= i < self.num_chunks:
             raise ConfigError(f"chunk {i} outside [0, {self.num_chunks}) of this split")
 
-    def tokens(self, a: int, b: int) -> np.ndarray:
-        """Tokens [a, b) of the stream."""
+    def tokens(self, a: int, b: int, side: str = "bin") -> np.ndarray:
+        """Tokens [a, b) of the stream (side="mask": a chat build's mask of them)."""
         parts = []
         k = bisect.bisect_right(self._starts, a) - 1
         while a < b:
             s0, s1 = self._starts[k], self._starts[k + 1]
             take = min(b, s1) - a
             if take > 0:
-                parts.append(self._slice(k, a - s0, a - s0 + take))
+                parts.append(self._slice(k, a - s0, a - s0 + take, side))
                 a += take
             k += 1
         return np.concatenate(parts) if len(parts) != 1 else parts[0]
 
-    def chunk(self, i: int) -> np.ndarray:
+    def chunk(self, i: int, side: str = "bin") -> np.ndarray:
+        """Chunk i's ids (side="mask": a chat build's mask of them, 0 on padding)."""
         self._check(i)
         lay = self.pieces()
         if lay is None:
-            return self.tokens(i * self.L, (i + 1) * self.L)
-        row = np.full(self.L, self.pad_id, self.dtype)
+            return self.tokens(i * self.L, (i + 1) * self.L, side)
+        row = np.full(self.L, self.pad_id, self.dtype) if side == "bin" else np.zeros(self.L, MASK_DTYPE)
         at = 0
         for g, n in zip(*lay.pieces(i)):
-            row[at: at + n] = self.tokens(g, g + n)
+            row[at: at + n] = self.tokens(g, g + n, side)
             at += n
         return row
 

@@ -48,13 +48,13 @@ class Stats:
     warmup_ratio: float
     warmup_steps: int
     tokens_per_optimizer_step: int
-    trainable_tokens: int | None = None  # a chat build's: tokens with a label per epoch (--loss decides)
+    # A chat build's: the split's tokens with a label (--loss decides), what one epoch trains on
+    # (all of it unless a drop_last leaves chunks out), and its mean per optimizer step.
+    trainable_tokens_per_epoch: int | None = None
+    mean_trainable_tokens_per_step: float | None = None
 
     def to_json(self) -> dict:
-        d = asdict(self)
-        if d["trainable_tokens"] is None:
-            del d["trainable_tokens"]
-        return d
+        return {k: v for k, v in asdict(self).items() if v is not None or "trainable" not in k}
 
 
 def compute_stats(manifest: dict, *, split: str = "train", batch_size: int = 1, grad_accum: int = 1,
@@ -91,7 +91,8 @@ def compute_stats(manifest: dict, *, split: str = "train", batch_size: int = 1, 
         batches_per_epoch=batches, optimizer_steps_per_epoch=steps, total_optimizer_steps=total,
         warmup_ratio=warmup_ratio, warmup_steps=math.ceil(warmup_ratio * total),
         tokens_per_optimizer_step=batch_size * grad_accum * world_size * L,
-        trainable_tokens=s["chat"]["trainable_tokens"] if "chat" in s else None,
+        trainable_tokens_per_epoch=s["chat"]["trainable_tokens"] if "chat" in s else None,
+        mean_trainable_tokens_per_step=round(s["chat"]["trainable_tokens"] / steps, 1) if "chat" in s else None,
     )
 
 

@@ -58,8 +58,10 @@ def alerts(m: dict) -> list[str]:
 
 def chat_counts(m: dict) -> dict | None:
     """A chat build's counts summed over its splits (manifest: splits.<s>.chat), else None."""
+    if not m.get("chat"):
+        return None
     per = [s["chat"] for s in m["splits"].values() if "chat" in s]
-    return {k: sum(c[k] for c in per) for k in per[0]} if m.get("chat") and per else None
+    return {k: sum(c[k] for c in per) for k in per[0]} if per else None
 
 
 def _chat_alerts(m: dict) -> list[str]:

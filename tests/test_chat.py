@@ -421,3 +421,64 @@ def test_chat_parts_merged_equal_the_single_build(tmp_path, llama_dir, dev_docs)
     shutil.rmtree(tmp_path / "m", ignore_errors=True)
     with pytest.raises(Exception, match="chat is"):
         merge([parts[0], p3], str(tmp_path / "m"))
+
+
+def test_training_md_chat_loop_runs_as_written(tmp_path, llama_dir, dev_docs, monkeypatch):
+    import shutil
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_docs import run, snippet
+
+    shutil.copytree(llama_dir, tmp_path / "tokenizer")
+    chats = tmp_path / "chats"
+    chats.mkdir()
+    with open(chats / "a.jsonl", "w", encoding="utf-8") as fh:
+        for c in real_conversations(dev_docs, 80, seed=8):
+            fh.write(json.dumps(c) + "\n")
+    ns = run(snippet("docs/training.md", "chat=True"), tmp_path, monkeypatch)
+    assert ns["trained"] > 1000 and ns["m"]["packing"] == "bestfit" and ns["m"]["chat"]["loss"] == "assistant"
+
+
+def test_stats_say_what_trains(chat_build):
+    out, _ = chat_build
+    r = CliRunner().invoke(cli, ["stats", out, "-b", "4", "--json"])
+    assert r.exit_code == 0, r.output
+    st = json.loads(r.output)
+    want = json.loads(Path(out, "manifest.json").read_text())["splits"]["train"]["chat"]["trainable_tokens"]
+    assert st["trainable_tokens_per_epoch"] == want
+    assert st["mean_trainable_tokens_per_step"] == round(want / st["optimizer_steps_per_epoch"], 1)
+
+
+def test_show_marks_what_trains(chat_build):
+    import re
+
+    from helixtok.splitview import SplitView
+
+    out, _ = chat_build
+    m = json.loads(Path(out, "manifest.json").read_text())
+    r = CliRunner().invoke(cli, ["show", out, "0", "--raw"])
+    assert r.exit_code == 0, r.output
+    view = SplitView(out, m)
+    ids, mask = view.chunk(0).tolist(), view.chunk(0, "mask").tolist()
+    seq, flags = [], []  # the ids printed, in order, and whether each was inside the marks
+    for ln in r.output.splitlines():
+        if ln.startswith(("===", "---")):
+            continue
+        for run, inside in re.findall(r"\u27e6([^\u27e7]*)\u27e7|([^\u27e6\u27e7]+)", ln):
+            got = (run or inside).split()
+            seq += map(int, got)
+            flags += [1 if run else 0] * len(got)
+    pad = sum(int(x) for x in re.findall(r"--- ([\d,]+) pad", r.output))
+    assert len(seq) + pad == m["seq_len"]
+    assert seq == ids[: len(seq)] and flags == mask[: len(seq)] and 0 < sum(flags) < len(seq)
+
+
+def test_info_html_shows_the_trainable_share(chat_build, tmp_path):
+    out, _ = chat_build
+    c = json.loads(Path(out, "manifest.json").read_text())["splits"]["train"]["chat"]
+    r = CliRunner().invoke(cli, ["info", out, "--html", str(tmp_path / "r.html")])
+    assert r.exit_code == 0, r.output
+    page = (tmp_path / "r.html").read_text()
+    assert f"{c['trainable_tokens']:,} tokens to train on" in page and "<b class='train'>" in page
+    assert f"{c['dropped_too_long']:,} of " in r.output and "--truncate keeps" in r.output

@@ -112,8 +112,6 @@ def build(corpus, out, tokenizer, seq_len, packing, min_tail_len, text_field, ch
         spec = load_spec(resolve_tokenizer_path(tokenizer), chat_template, loss, truncate, text_field or "messages")
     elif chat_template or truncate or loss != "assistant":
         raise click.UsageError("--chat-template, --loss and --truncate apply to --chat builds only")
-    packing = packing or ("bestfit" if chat else "packed")
-    text_field = text_field or ("messages" if chat else "text")
     cfg = BuildConfig(seq_len=seq_len, packing=packing, min_tail_len=min_tail_len, text_field=text_field, chat=spec,
                       add_bos=bos, eos_token=eos_token, bos_token=bos_token, pad_token=pad_token,
                       val_fraction=val_fraction, split_seed=split_seed, shard_bytes=shard_size,

