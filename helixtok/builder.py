@@ -495,7 +495,7 @@ def _publish(run: Run, info, backend_check: dict, trusted: dict, results: list[d
 # Why a record gave no document, as the one line a build that read none says (with the fix).
 _SKIPPED = {
     "non_string_text": ("records whose {f!r} is not text", "--text-field names the field holding each "
-                        "document's text (a list of chat messages is not text)"),
+                        "document's text; a list of chat messages is not text: build conversations with --chat"),
     "missing_text": ("records without a {f!r} field", "--text-field names the field holding each document's text"),
     "null_text": ("records whose {f!r} is null", "fill the field, or give --text-field another one"),
     "empty": ("empty or blank documents", "give files that hold text"),

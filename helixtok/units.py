@@ -204,8 +204,10 @@ def _check_jsonl_head(f: InputFile, text_field: str) -> None:
         return
     if first and isinstance(first[1], dict) and text_field not in first[1]:
         keys = ", ".join(sorted(first[1])[:10]) or "none"
+        chats = [k for k, v in first[1].items() if isinstance(v, list) and v and isinstance(v[0], dict) and "role" in v[0]]
         raise InputError(f"{f.path}:{first[0]}: record has no field {text_field!r} (fields: {keys}); "
-                         "pass --text-field with the name of the text field")
+                         "pass --text-field with the name of the text field"
+                         + (f"; {chats[0]!r} holds chat messages: build conversations with --chat" if chats else ""))
 
 
 def _check_text_column(path: str, schema, text_field: str, chat: bool = False) -> None:

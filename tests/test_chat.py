@@ -111,8 +111,13 @@ def _transformers_encode(folder: str, template: str, convs: list[dict]) -> list[
 def _ours(folder: Path, template: str, convs: list[dict], loss: str = "assistant", L: int = 1 << 20):
     from tokenizers import Tokenizer
 
-    strings = load_spec(str(folder / "tokenizer.json"), None, "all", False, "messages").token_strings
-    spec = ChatSpec(template=template, loss=loss, field="messages", token_strings=strings)
+    import tempfile
+
+    with tempfile.NamedTemporaryFile("w", suffix=".jinja") as fh:  # the template as a user passes it
+        fh.write(template)
+        fh.flush()
+        spec = load_spec(str(folder / "tokenizer.json"), fh.name, "all", False, "messages")
+    spec = ChatSpec(template=template, loss=loss, field="messages", token_strings=spec.token_strings)
     enc = ChatEncoder(spec, Tokenizer.from_file(str(folder / "tokenizer.json")), L, np.uint32)
     return [enc.encode(c) for c in convs]
 
@@ -127,6 +132,9 @@ def test_ids_and_masks_equal_apply_chat_template(model, llama_dir, dev_docs, apa
     folder, name = (QWEN, "qwen3_training.jinja") if model == "qwen3" else (llama_dir, "llama3_training.jinja")
     template = (TEMPLATES / name).read_text()
     convs = hand_conversations() + real_conversations(dev_docs, 120, seed=1)
+    long_text = "\n\n".join(dev_docs[:40])[:60_000]  # very long turns: tens of thousands of characters
+    convs.append({"messages": [{"role": "user", "content": long_text[:20_000]},
+                               {"role": "assistant", "content": long_text[20_000:]}]})
     if model == "llama3":  # its template writes content only: no tool calls or reasoning
         convs = [c for c in convs if "tools" not in c and not any("reasoning_content" in m for m in c["messages"])]
     want = apart.submit(_transformers_encode, str(folder), template, convs).result()
@@ -261,6 +269,19 @@ def test_chat_build_stores_each_conversation_as_encoded_alone(chat_build, llama_
                  "dropped_too_long": sum(len(e.ids) > 512 for e in want), "no_trainable": 1,
                  "trainable_tokens": sum(int(e.mask.sum()) for e in kept)}
     assert c["dropped_too_long"] > 0
+    # Gathered back from the chunks a DataLoader gets (cut where position ids restart, padding
+    # left out): every conversation, its ids and (from the labels) its mask.
+    from helixtok import MemmapChunkDataset
+
+    ds = MemmapChunkDataset(out, position_ids=True)
+    back = []
+    for i in range(len(ds)):
+        x = ds[i]
+        real = int(x["attention_mask"].sum())
+        ids, labels, pos = x["input_ids"][:real].tolist(), x["labels"][:real].tolist(), x["position_ids"][:real].tolist()
+        starts = [j for j, p in enumerate(pos) if p == 0] + [real]
+        back += [(ids[a:b], [int(t != -100) for t in labels[a:b]]) for a, b in zip(starts, starts[1:])]
+    assert sorted(back) == sorted(got)
     assert m["skipped"]["not_a_conversation"]["count"] == 2
     assert "no 'messages' field" in m["skipped"]["not_a_conversation"]["examples"][1]
     assert m["format_version"] == 5 and m["chat"]["loss"] == "assistant"
@@ -482,3 +503,27 @@ def test_info_html_shows_the_trainable_share(chat_build, tmp_path):
     page = (tmp_path / "r.html").read_text()
     assert f"{c['trainable_tokens']:,} tokens to train on" in page and "<b class='train'>" in page
     assert f"{c['dropped_too_long']:,} of " in r.output and "--truncate keeps" in r.output
+
+
+def test_any_conversation_gets_apply_chat_templates_ids_and_mask(llama_dir, apart):
+    """For all conversations (any unicode, whitespace, empty turns, any role order that the
+    template renders), the ids and masks are transformers'."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    template = (TEMPLATES / "llama3_training.jinja").read_text()
+    content = st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\ufdd0\ufdd1"), max_size=60)
+    message = st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant", "tool"]),
+                                     "content": content})
+    convs = st.lists(st.lists(message, min_size=1, max_size=5).map(lambda ms: {"messages": ms}), min_size=1,
+                     max_size=8)
+
+    @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(convs)
+    def check(cs):
+        cs = [c for c in cs if not any(s in m["content"] for m in c["messages"] for s in LLAMA_SPECIALS)]
+        want = apart.submit(_transformers_encode, str(llama_dir), template, cs).result()
+        for c, (ids, mask), g in zip(cs, want, _ours(llama_dir, template, cs)):
+            assert g.ids.tolist() == ids and g.mask.tolist() == mask, c
+
+    check()

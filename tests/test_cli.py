@@ -612,13 +612,17 @@ def test_a_corpus_of_skipped_records_says_what_was_skipped_not_seq_len(tmp_path,
                                               + "\n" for i in range(200)))
         extra, want = ["--text-field", "messages"], (r"the corpus gave no document to tokenize: 200 records whose "
                                                       r"'messages' is not text \(e\.g\. chat\.jsonl:1 \(list\)\); "
-                                                      r"--text-field names the field")
+                                                      r"--text-field names the field.*build conversations with "
+                                                      r"--chat")
     else:
         (c / "b.jsonl").write_text('{"text": ""}\n{"text": "  "}\n')
         extra, want = [], r"the corpus gave no document to tokenize: 2 empty or blank documents \(e\.g\. b\.jsonl:1\)"
     r = CliRunner().invoke(main, ["build", str(c), str(tmp_path / "out"), "-t", small_tok, "-L", "16", "-q", *extra])
     assert r.exit_code == 1 and re.search(want, r.output), r.output
     assert "seq-len" not in r.output and "Traceback" not in r.output
+    if case == "chat messages":  # without --text-field: the field that holds the messages, and --chat
+        r = CliRunner().invoke(main, ["build", str(c), str(tmp_path / "out"), "-t", small_tok, "-L", "16", "-q"])
+        assert r.exit_code == 1 and "'messages' holds chat messages: build conversations with --chat" in r.output
 
 
 def test_summary_alerts_say_what_is_true_of_the_packing(small_tok):
