@@ -6,6 +6,7 @@ import bisect
 import hashlib
 import json
 import os
+import posixpath
 from collections.abc import Sequence
 
 import numpy as np
@@ -19,8 +20,10 @@ from .bestfit import CHUNK_DTYPE, ITEM_DTYPE, doc_spans, load_index
 from .errors import DatasetError
 from .layout import Pieces, bestfit_pieces, shuffled_documents
 from .manifest import (DTYPES, INDEX_FILES, MANIFEST, SIDES, check_small_file, load_manifest, shard_tokens, sides_of,
-                       split_entry)
-from .objstore import is_url, redact
+                       split_entry, split_files)
+from .blockcache import DEFAULT_BLOCK_BYTES, BlockArray, BlockCache, parse_limit, plan_blocks
+from .objstore import filesystem, is_url, redact
+from .sizes import parse_bytes
 from .shards import DOCS_DTYPE, MASK_DTYPE, VALID_DTYPE
 
 IGNORE_INDEX = -100  # what torch's cross_entropy ignores by default
@@ -105,7 +108,9 @@ class MemmapChunkDataset(Dataset):
 
     def __init__(self, path: str, split: str = "train", *, tokenizer: str | None = None,
                  shifted: bool = False, position_ids: bool = False, document_masking: bool = False,
-                 fields: Sequence[str] = FIELDS, repack: bool = False, seed: int = 0):
+                 fields: Sequence[str] = FIELDS, repack: bool = False, seed: int = 0,
+                 cache_dir: str | None = None, cache_limit: int | str | None = None,
+                 block_bytes: int | str = DEFAULT_BLOCK_BYTES):
         self.path = os.fspath(path)
         self.split = split
         self.fields = tuple(fields)
@@ -115,11 +120,13 @@ class MemmapChunkDataset(Dataset):
                 len(set(self.fields)) != len(self.fields):
             raise DatasetError(f"fields={self.fields!r}: give input_ids and any of labels, attention_mask, "
                                "each once")
-        if is_url(self.path):
-            raise DatasetError(f"{redact(self.path)}: memory-mapping needs the shards on local disk; copy them "
-                               f"first: helixtok pull {redact(self.path)} /local/dir (docs/scale.md)")
+        self.remote = is_url(self.path)
+        if self.remote and cache_dir is None:
+            raise DatasetError(f"{redact(self.path)}: reading from object storage needs a node-local cache_dir "
+                               "(and a cache_limit): blocks are fetched there and shared by every process "
+                               f"(docs/scale.md); or copy it first: helixtok pull {redact(self.path)} /local/dir")
         try:
-            before = _identity(os.stat(os.path.join(self.path, MANIFEST)))
+            before = None if self.remote else _identity(os.stat(os.path.join(self.path, MANIFEST)))
         except OSError:
             before = None  # load_manifest says what is wrong
         m = load_manifest(self.path)
@@ -163,12 +170,24 @@ class MemmapChunkDataset(Dataset):
             if self.packing == "bestfit" else {}
         self._index_entry = s.get("index") if self._index_paths else None  # its manifest entry
         self._len = int(s["num_chunks"])
-        self._check_files(s)
-        # What each file is now: a process that opens them later (a DataLoader worker, a pickled
-        # copy after `build --overwrite`) must read these very files or fail, never others.
-        self._identity = {p: _identity(os.stat(p)) for p in self._files()}
-        if self._identity[os.path.join(self.path, MANIFEST)] != before:
-            raise DatasetError(f"{self.path}: the dataset changed while it was being opened; open it again")
+        # Object storage: the token bytes in blocks (blockcache.py), each checked by the segments'
+        # digests the build recorded; the small files fetched whole and checked by their sha256.
+        self.block_bytes = parse_bytes(block_bytes)
+        self._blocks = [plan_blocks(e, self.block_bytes) for _, _, e in self._shards]
+        self._cache = None
+        if self.remote:
+            self._remote_files = {x["path"]: x for x in split_files(s)}
+            self._cache = BlockCache(self.path, os.fspath(cache_dir), self.manifest_sha256[:16], parse_limit(cache_limit),
+                                     self.block_bytes)
+            self._check_remote_files()
+            self._identity = {}
+        else:
+            self._check_files(s)
+            # What each file is now: a process that opens them later (a DataLoader worker, a pickled
+            # copy after `build --overwrite`) must read these very files or fail, never others.
+            self._identity = {p: _identity(os.stat(p)) for p in self._files()}
+            if self._identity[os.path.join(self.path, MANIFEST)] != before:
+                raise DatasetError(f"{self.path}: the dataset changed while it was being opened; open it again")
         # Where each shard's tokens begin in the split's stream: chunk i is tokens [i*L, (i+1)*L)
         # (a packed chunk may span shards; document shards hold whole chunks; bestfit chunks are
         # gathered from the pieces its index names).
@@ -257,11 +276,35 @@ class MemmapChunkDataset(Dataset):
         return fh
 
     def _read_whole(self, rel: str) -> bytes:
-        """A (small) file of the dataset, by its path in the manifest, read whole (_checked)."""
+        """A (small) file of the dataset, by its path in the manifest, read whole (_checked; from
+        object storage: through the cache, checked by its sha256)."""
+        if self.remote:
+            x = self._remote_files[rel]
+            return self._cache.whole(rel, x.get("sha256"), x["bytes"])
         with self._checked(os.path.join(self.path, rel)) as fh:
             return fh.read()
 
+    def _check_remote_files(self) -> None:
+        """Every file the split needs is in object storage at the manifest's size (one listing per folder)."""
+        fs = self._cache.fs
+        root = filesystem(self.path)[1].rstrip("/")
+        sizes = {}
+        for folder in sorted({posixpath.dirname(p) for p in self._remote_files}):
+            where = f"{root}/{folder}" if folder else root
+            try:
+                listing = fs.ls(where, detail=True)
+            except FileNotFoundError:
+                listing = []
+            for info in listing:
+                sizes[posixpath.relpath(info["name"].rstrip("/"), root)] = int(info.get("size") or 0)
+        for rel, x in self._remote_files.items():
+            if sizes.get(rel) != x["bytes"]:
+                raise DatasetError(f"{redact(self.path)}/{rel}: {'missing' if rel not in sizes else f'{sizes[rel]} bytes'}"
+                                   f", the manifest says {x['bytes']}; push the dataset again")
+
     def _open(self) -> list:
+        if self.remote:
+            return self._open_remote()
         self._checked(os.path.join(self.path, MANIFEST)).close()
         maps = []
         for p, n, e in self._shards:
@@ -287,6 +330,95 @@ class MemmapChunkDataset(Dataset):
             self._bestfit = load_index(self._read_whole, self._index_entry, self.seq_len, int(self._starts[-1]),
                                        self.path)
         return maps
+
+    def _open_remote(self) -> list:
+        """The shards as BlockArrays over the cache; sidecars fetched whole (the mask too)."""
+        maps = []
+        for (p, n, e), blocks in zip(self._shards, self._blocks):
+            side = {}
+            for x in self._sides():
+                data = self._read_whole(e[x]["path"])
+                dtype = {"docs": DOCS_DTYPE, "valid": VALID_DTYPE, "mask": MASK_DTYPE}[x]
+                raw = np.frombuffer(data, dtype=dtype)
+                side[x] = raw.astype(np.int64) if x == "docs" else raw
+            maps.append((BlockArray(self._cache, blocks, n, self.dtype), side))
+        self._maps = maps
+        self._layouts = {}
+        if self._index_paths:
+            self._bestfit = load_index(self._read_whole, self._index_entry, self.seq_len, int(self._starts[-1]),
+                                       self.path)
+        return maps
+
+    def block_of_chunks(self) -> tuple[np.ndarray, np.ndarray | None]:
+        """The chunks grouped by the block (of `block_bytes`, blockcache.py) their first token lies in:
+        (bounds, order): block b holds chunks order[bounds[b]:bounds[b+1]] (order None: the chunk
+        ids themselves, which lie in stream order: packed and document data).  What
+        ChunkSampler(shuffle="block") permutes."""
+        firsts = np.asarray([self._starts[k] + b.start // self.dtype.itemsize
+                             for k, bl in enumerate(self._blocks) for b in bl], dtype=np.int64)
+        if self.packing == "bestfit":
+            self._maps or self._open()
+            lay = self._layout(0)
+            pos = lay.pos[lay.first[: self._len]]
+            block = np.searchsorted(firsts, pos, side="right") - 1
+            order = np.argsort(block, kind="stable")
+            return np.searchsorted(block[order], np.arange(len(firsts) + 1)), order
+        block = np.searchsorted(firsts, np.arange(self._len, dtype=np.int64) * self.seq_len, side="right") - 1
+        return np.searchsorted(block, np.arange(len(firsts) + 1)), None
+
+    def fetch_plan(self, *, shuffle: bool | str = "block", window: int = 8, world_size: int = 1,
+                   ranks_per_node: int | None = None, seed: int = 0, epoch: int = 0) -> dict:
+        """What one epoch reads from object storage per node, before it runs (node 0's; the others
+        differ by a block or two).  Block shuffle: the blocks of the node's share of the epoch, each
+        fetched once with one GET when cache_limit holds a few windows (8 x window x block_bytes;
+        a block's tail, the next block's first segment, is fetched again if evicted before that
+        block is read: at most one segment a block more).  A global shuffle reads every block for
+        every node: with a cache smaller than the data, a chunk whose segment was evicted costs a
+        GET of that segment, about chunks x (1 - cache / data) of them ("estimate")."""
+        from .sampler import BlockOrder
+        from .stats import samples_per_rank
+
+        bounds, _ = self.block_of_chunks()
+        sizes = np.asarray([b.segments[-1].end - b.start for bl in self._blocks for b in bl], dtype=np.int64)
+        data = int(sizes.sum())
+        rpn = world_size if ranks_per_node is None else ranks_per_node
+        if shuffle != "block":
+            limit = self._cache.limit if self._cache is not None and self._cache.limit is not None else data
+            miss = max(0.0, 1.0 - limit / data) if data else 0.0
+            seg = data / max(1, sum(len(b.segments) for bl in self._blocks for b in bl))
+            return {"shuffle": "global", "blocks": len(sizes), "bytes": int(data + miss * self._len * seg),
+                    "gets": int(len(sizes) + miss * self._len), "estimate": True}
+        order = BlockOrder(bounds, None, window, seed=seed, epoch=epoch)
+        share = rpn * samples_per_rank(self._len, world_size, False)
+        a, b = 0, min(share, self._len)
+        first = int(np.searchsorted(order.cum, a, side="right")) - 1
+        last = int(np.searchsorted(order.cum, b - 1, side="right")) - 1 if b > a else first - 1
+        picked = order.perm[first: last + 1]
+        return {"shuffle": "block", "blocks": len(picked), "bytes": int(sizes[picked].sum()), "gets": len(picked),
+                "cache_needed": 8 * window * self.block_bytes, "estimate": False}
+
+    @property
+    def cache_counts(self) -> dict:
+        """This process's reads from object storage: hits, misses, GETs, bytes fetched (empty for local data)."""
+        return dict(self._cache.counts) if self._cache is not None else {}
+
+    def prefetch(self, idx) -> None:
+        """Start fetching the blocks chunks idx read (a sampler calls it with what comes next)."""
+        if self._cache is None:
+            return
+        self._maps or self._open()
+        L, st = self.seq_len, self._starts_list
+        want: dict = {}
+        ahead = self._cache.prefetch_blocks
+        for i in np.asarray(idx).reshape(-1).tolist():
+            g = i * L if self.packing != "bestfit" else int(self._layout(0).pos[self._layout(0).first[i]])
+            k = bisect.bisect_right(st, g) - 1
+            # The block the chunk starts in (a chunk running into the next block reads only that
+            # block's first segment: fetching the whole of it here would fetch it twice an epoch).
+            want.update(dict.fromkeys(self._maps[k][0].blocks_for(g - st[k], g - st[k] + 1)))
+            if len(want) >= ahead:
+                break
+        self._cache.prefetch(want)
 
     def set_epoch(self, epoch: int) -> None:
         """The epoch whose packing plain indices read (repack=True)."""

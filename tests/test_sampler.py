@@ -271,3 +271,66 @@ def test_a_new_packing_every_epoch_through_dataloader_workers_and_a_resume(dev_p
     rest = [b["input_ids"] for b in DataLoader(ds, batch_size=64, sampler=s2, collate_fn=ds.collate)]
     got = torch.cat(head + rest).numpy()
     assert np.array_equal(got, by_epoch[1][sampler.indices()])
+
+
+class _Blocks:
+    """A sized stand-in that says which chunks each block holds (what MemmapChunkDataset.block_of_chunks gives)."""
+
+    def __init__(self, bounds):
+        self.bounds, self.n = bounds, int(bounds[-1])
+
+    def __len__(self):
+        return self.n
+
+    def block_of_chunks(self):
+        return self.bounds, None
+
+
+@settings(max_examples=200, deadline=None)
+@given(sizes=st.lists(st.integers(0, 30), min_size=1, max_size=25), nodes=st.integers(1, 3), rpn=st.integers(1, 3),
+       window=st.integers(1, 4), drop=st.booleans(), seed=st.integers(0, 5), cut=st.integers(0, 40),
+       new_world=st.integers(1, 5))
+def test_block_shuffle_covers_the_epoch_keeps_nodes_apart_and_resumes(sizes, nodes, rpn, window, drop, seed, cut,
+                                                                      new_world):
+    """For any blocks, nodes, ranks per node, window and drop_last: ranks get equal counts that
+    cover the epoch (padding only as DistributedSampler pads); a node's ranks read a contiguous
+    share of the block order (nodes share only the blocks at their shares' edges); a resume on
+    the same layout goes on exactly, an elastic one with exactly the positions not yet read."""
+    bounds = np.concatenate(([0], np.cumsum(sizes)))
+    ds, n, world = _Blocks(bounds), int(bounds[-1]), nodes * rpn
+    if n == 0:
+        return
+
+    def sampler(r, w, **kw):
+        return ChunkSampler(ds, seed=seed, shuffle="block", window=window, rank=r, world_size=w, drop_last=drop, **kw)
+
+    lists = [list(sampler(r, world, ranks_per_node=rpn)) for r in range(world)]
+    per = len(lists[0])
+    assert all(len(x) == per for x in lists)
+    every = [c for x in lists for c in x]
+    if drop:
+        assert len(set(every)) == len(every) == world * (n // world)
+    else:
+        assert set(every) == set(range(n)) and len(every) - n < world
+    block = lambda c: int(np.searchsorted(bounds, c, side="right") - 1)  # noqa: E731
+    node_blocks = [{block(c) for r in range(j * rpn, (j + 1) * rpn) for c in lists[r]} for j in range(nodes)]
+    for a in range(nodes):
+        for b in range(a + 1, nodes):
+            assert len(node_blocks[a] & node_blocks[b]) <= 2 * window + 2
+    c = min(cut, per)
+    state = sampler(0, world, ranks_per_node=rpn).state_dict(c)
+    for r in range(world):
+        t = sampler(r, world, ranks_per_node=rpn)
+        t.load_state_dict({**state, "rank": r})
+        assert list(t) == lists[r][c:]
+    rest = [x for r in range(world) for x in lists[r][c:]]
+    if new_world != world:
+        elastic = []
+        for r in range(new_world):
+            t = sampler(r, new_world)
+            t.load_state_dict({**state, "rank": 0})
+            elastic += list(t)
+        if drop:  # drop_last may leave up to a rank's worth out, as it does when the epoch starts
+            assert set(elastic) <= set(rest) and len(elastic) >= len(rest) - new_world
+        else:
+            assert set(elastic) == set(rest)

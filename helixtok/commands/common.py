@@ -4,27 +4,24 @@ from __future__ import annotations
 
 import functools
 import json
-import re
 import signal
 import sys
 import threading
 
 import click
 
-from ..errors import HelixtokError, Interrupted, from_cli, resource_error
+from ..errors import ConfigError, HelixtokError, Interrupted, from_cli, resource_error
+from ..sizes import parse_bytes
 
-SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.I)
-UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
-         "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
 
 
 def parse_size(ctx, param, value):
-    if value is None or isinstance(value, int):
+    if value is None:
         return value
-    m = SIZE_RE.match(value)
-    if not m or (m.group(2) or "").lower() not in UNITS:
-        raise click.BadParameter(f"{value!r} is not a size like 1GiB, 512MiB or 100000000")
-    return int(float(m.group(1)) * UNITS[(m.group(2) or "").lower()])
+    try:
+        return parse_bytes(value)
+    except ConfigError as e:
+        raise click.BadParameter(str(e)) from None
 
 
 def handle_errors(fn):

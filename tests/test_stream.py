@@ -1,0 +1,222 @@
+"""Training straight from object storage: MemmapChunkDataset over a URL against a real S3 server on
+loopback (moto), blocks in a node-local cache shared by processes, block shuffle, exact resume."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import shutil
+from concurrent.futures import ProcessPoolExecutor
+
+import numpy as np
+import pytest
+
+from helixtok import ChunkSampler, MemmapChunkDataset
+from helixtok.builder import build
+from helixtok.config import BuildConfig
+from helixtok.errors import DatasetError
+from helixtok.publish import upload
+
+from test_objstore import KEY_ID, SECRET, start_moto
+
+BLOCK = 64 << 10  # small blocks: the test dataset (~1 MB of ids) spans a few dozen
+
+
+def _short_documents(root, texts, total: int = 3_500_000):
+    """A JSON lines file of ~2 KB documents: units of 8 KiB then give segments far smaller than a block."""
+    import json
+
+    root.mkdir()
+    text = "\n".join(texts)
+    with open(root / "docs.jsonl", "w", encoding="utf-8") as fh:
+        for i in range(0, min(len(text), total), 2000):
+            fh.write(json.dumps({"text": text[i: i + 2000]}) + "\n")
+    return root
+
+
+@pytest.fixture(scope="module")
+def remote(tmp_path_factory, dev_corpus, dev_docs, tokenizer_path):
+    """Three datasets (one per packing) built locally and pushed to a moto S3 server on loopback."""
+    import s3fs
+
+    d = tmp_path_factory.mktemp("stream")
+    log = open(d / "moto.log", "w")
+    proc, url = start_moto(log)
+    env = {"AWS_ACCESS_KEY_ID": KEY_ID, "AWS_SECRET_ACCESS_KEY": SECRET, "AWS_ENDPOINT_URL": url,
+           "AWS_DEFAULT_REGION": "us-east-1"}
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        fs = s3fs.S3FileSystem(skip_instance_cache=True)
+        fs.mkdir("helix-stream")
+        out = {}
+        for packing in ("packed", "bestfit", "document"):
+            local = str(d / packing)
+            build([str(dev_corpus / "txt")], local, tokenizer_path,
+                  BuildConfig(seq_len=256, packing=packing, workers=1, unit_bytes=4 << 10, shard_bytes=256 << 10))
+            upload(local, f"s3://helix-stream/{packing}", overwrite=False)
+            out[packing] = (local, f"s3://helix-stream/{packing}")
+        local = str(d / "short")
+        build([str(_short_documents(d / "short-docs", dev_docs))], local, tokenizer_path,
+              BuildConfig(seq_len=256, workers=1, unit_bytes=8 << 10, shard_bytes=512 << 10))
+        upload(local, "s3://helix-stream/short", overwrite=False)
+        out["short"] = (local, "s3://helix-stream/short")
+        yield out, d
+    finally:
+        for k, v in old.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+        proc.terminate()
+        proc.wait()
+        log.close()
+
+
+def _shard_bytes(local: str) -> int:
+    import json
+
+    m = json.load(open(os.path.join(local, "manifest.json")))
+    return sum(e["bytes"] for e in m["splits"]["train"]["shards"])
+
+
+@pytest.mark.parametrize("packing", ["packed", "bestfit", "document"])
+def test_remote_items_equal_the_local_ones(remote, tmp_path, packing):
+    (sets, _) = remote
+    local, url = sets[packing]
+    kw = {"position_ids": packing != "document"}
+    a = MemmapChunkDataset(local, block_bytes=BLOCK, **kw)  # the same blocks: the same block order
+    b = MemmapChunkDataset(url, cache_dir=str(tmp_path / "cache"), block_bytes=BLOCK, **kw)
+    assert len(a) == len(b) > 100
+    assert len(b._blocks[0]) > 1  # several blocks a shard: reads cross block edges
+    for i in range(len(a)):
+        x, y = a[i], b[i]
+        assert x.keys() == y.keys() and all(np.array_equal(x[k], y[k]) for k in x), i
+    c = b.cache_counts
+    assert c["misses"] == c["gets"] and c["bytes_fetched"] >= _shard_bytes(local)
+    # the same order from a sampler, local and remote: the same batches
+    sa = list(ChunkSampler(a, seed=1, shuffle="block", window=2))
+    sb = list(ChunkSampler(b, seed=1, shuffle="block", window=2))
+    assert sa == sb and sorted(sa) == list(range(len(a)))
+
+
+def test_block_shuffle_fetches_each_block_once_an_epoch_and_a_full_cache_hits(remote, tmp_path):
+    """A cache of about half the data (24 blocks, for window 2): block shuffle fetches
+    the data about once (each block's tail, the next block's first segment, again only when it was
+    evicted in between) in about one GET a block; a global shuffle with that cache many times."""
+    (sets, _) = remote
+    local, url = sets["short"]
+    W, B = 2, 64 << 10
+    data = _shard_bytes(local)
+    ds = MemmapChunkDataset(url, cache_dir=str(tmp_path / "c"), block_bytes=B, cache_limit=24 * B)
+    blocks = sum(len(b) for b in ds._blocks)
+    assert blocks > 40 and 24 * B < 0.6 * data
+    for i in ChunkSampler(ds, seed=0, shuffle="block", window=W):
+        ds[i]
+    c = ds.cache_counts
+    assert c["bytes_fetched"] <= 1.05 * data, (c, data)
+    assert c["gets"] <= 1.05 * blocks + 2, (c, blocks)
+    plan = ds.fetch_plan(shuffle="block", window=W)
+    assert plan["gets"] == blocks and plan["bytes"] == data
+    # A global shuffle with that cache: its first 400 samples alone cost a GET nearly each.
+    g = MemmapChunkDataset(url, cache_dir=str(tmp_path / "g"), block_bytes=B, cache_limit=24 * B)
+    for n, i in zip(range(400), ChunkSampler(g, seed=0)):
+        g[i]
+    assert g.cache_counts["gets"] > 200, g.cache_counts
+    # A cache that holds the whole dataset: the second epoch fetches nothing.
+    big = MemmapChunkDataset(url, cache_dir=str(tmp_path / "big"), block_bytes=B, cache_limit="1GB")
+    s = ChunkSampler(big, seed=0, shuffle="block", window=W)
+    for epoch in (0, 1):
+        s.set_epoch(epoch)
+        before = dict(big.cache_counts)
+        for i in s:
+            big[i]
+    after = big.cache_counts
+    assert after["gets"] == before["gets"] and after["misses"] == before["misses"] and after["hits"] > 0
+
+
+def _rank_reads(url: str, cache: str, rank: int, world: int) -> dict:
+    ds = MemmapChunkDataset(url, cache_dir=cache, block_bytes=64 << 10)
+    for i in ChunkSampler(ds, seed=0, shuffle="block", window=2, rank=rank, world_size=world, ranks_per_node=2):
+        ds[i]
+    return ds.cache_counts
+
+
+def test_two_nodes_of_two_ranks_fetch_each_block_once_per_node(remote, tmp_path):
+    """Two nodes (a cache folder each) of two ranks (processes): each node fetches about half the
+    data, each byte once (its ranks wait for each other's GETs and share the files)."""
+    (sets, _) = remote
+    local, url = sets["short"]
+    data = _shard_bytes(local)
+    with ProcessPoolExecutor(4, mp_context=mp.get_context("spawn")) as ex:
+        futs = {(node, r): ex.submit(_rank_reads, url, str(tmp_path / f"node{node}"), 2 * node + r, 4)
+                for node in (0, 1) for r in (0, 1)}
+        counts = {k: f.result() for k, f in futs.items()}
+    for node in (0, 1):
+        got = [counts[(node, r)] for r in (0, 1)]
+        fetched = sum(c["bytes_fetched"] for c in got)
+        assert 0.45 * data < fetched <= 0.55 * data + (128 << 10), (node, got, data)
+        assert all(c["hits"] > 0 for c in got)  # each rank read segments the other fetched
+
+
+def test_block_shuffle_resumes_exactly_on_the_same_and_another_world_size(remote, tmp_path):
+    (sets, _) = remote
+    local, _ = sets["packed"]
+    ds = MemmapChunkDataset(local)
+    full = [list(ChunkSampler(ds, seed=5, shuffle="block", window=3, rank=r, world_size=2)) for r in (0, 1)]
+    s = ChunkSampler(ds, seed=5, shuffle="block", window=3, rank=1, world_size=2)
+    it = iter(s)
+    [next(it) for _ in range(17)]
+    state = s.state_dict(17)
+    again = ChunkSampler(ds, seed=5, shuffle="block", window=3, rank=1, world_size=2)
+    again.load_state_dict(state)
+    assert list(again) == full[1][17:]
+    # the global order does not depend on the world size: rank r takes positions r, r + W, ...
+    glob = list(ChunkSampler(ds, seed=5, shuffle="block", window=3))
+    assert full[0][: len(glob) // 2] == glob[0::2][: len(glob) // 2] and full[1][:100] == glob[1::2][:100]
+    # elastic: 3 ranks go on with exactly the global positions 2 ranks had not reached (2 x 17)
+    three = []
+    for r in range(3):
+        t = ChunkSampler(ds, seed=5, shuffle="block", window=3, rank=r, world_size=3)
+        t.load_state_dict({**state, "rank": 1})
+        three.append(list(t))
+    got = [x for part in three for x in part]
+    assert set(glob[34:]) <= set(got) and len(got) - len(glob[34:]) < 2 + 3  # (+ both layouts' padding)
+    with pytest.raises(Exception, match="window"):
+        ChunkSampler(ds, seed=5, shuffle="block", window=4, rank=1, world_size=2).load_state_dict(state)
+
+
+def test_a_damaged_cached_block_is_fetched_again_and_a_changed_object_is_refused(remote, tmp_path):
+    (sets, _) = remote
+    local, url = sets["document"]
+    cache = tmp_path / "cache"
+    ds = MemmapChunkDataset(url, cache_dir=str(cache), block_bytes=BLOCK)
+    want = [ds[i]["input_ids"].tolist() for i in range(0, len(ds), 7)]
+    blocks = sorted(p for p in cache.glob("*/*.bin.*") if not p.name.endswith(".tmp"))  # not .locks/
+    assert blocks
+    b = bytearray(blocks[0].read_bytes())
+    b[10] ^= 0xFF
+    blocks[0].write_bytes(bytes(b))
+    fresh = MemmapChunkDataset(url, cache_dir=str(cache), block_bytes=BLOCK)
+    assert [fresh[i]["input_ids"].tolist() for i in range(0, len(ds), 7)] == want
+    assert fresh.cache_counts["refetched_damaged"] >= 1
+    # an object replaced by other bytes of the same size: refused, never read as data
+    import s3fs
+
+    fs = s3fs.S3FileSystem(skip_instance_cache=True)
+    name = next(p for p in fs.find(url) if p.endswith(".bin"))
+    raw = bytearray(fs.cat_file(name))
+    raw[0] ^= 1
+    shutil.rmtree(cache)
+    try:
+        fs.pipe_file(name, bytes(raw))
+        other = MemmapChunkDataset(url, cache_dir=str(cache), block_bytes=BLOCK)
+        with pytest.raises(DatasetError, match="do not hash to the segment its manifest records"):
+            for i in range(len(other)):
+                other[i]
+    finally:
+        raw[0] ^= 1
+        fs.pipe_file(name, bytes(raw))
+
+
+def test_a_url_without_cache_dir_says_how(remote):
+    (sets, _) = remote
+    with pytest.raises(DatasetError, match="needs a node-local cache_dir"):
+        MemmapChunkDataset(sets["packed"][1])
