@@ -141,6 +141,12 @@ class BlockCache:
                     os.utime(self._file(seg.path, seg.start, seg.end))
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
+    def mapped(self, seg: Segment) -> np.ndarray | None:
+        """The segment's bytes when this process has it mapped and has read it before (no lock:
+        a dict lookup; its first read goes through read(), which records the use)."""
+        data = self._maps.get(seg)
+        return data if data is not None and seg in self._read else None
+
     def _segments(self, segs: list[Segment]) -> list[np.ndarray]:
         got: dict[Segment, np.ndarray] = {}
         with self._mu:
@@ -347,6 +353,7 @@ class BlockArray:
 
     def __init__(self, cache: BlockCache, blocks: list[Block], n: int, dtype):
         self.cache, self.blocks, self.n, self.dtype = cache, blocks, n, np.dtype(dtype)
+        self.item = self.dtype.itemsize
         self.segments = [s for b in blocks for s in b.segments]
         self._seg_starts = [s.start for s in self.segments]
         self._block_starts = [b.start for b in blocks]
@@ -365,20 +372,30 @@ class BlockArray:
         return out
 
     def __getitem__(self, key):
-        if not isinstance(key, slice):
+        if type(key) is slice and key.step is None and type(key.start) is int and type(key.stop) is int \
+                and 0 <= key.start <= key.stop <= self.n:
+            a, b = key.start, key.stop  # what the dataset asks: checked ints, no slice.indices() call
+        elif isinstance(key, slice):
+            a, b, step = key.indices(self.n)
+            if step != 1:
+                raise IndexError("a BlockArray is sliced with step 1")
+        else:
             a = int(key) + (self.n if int(key) < 0 else 0)
             if not 0 <= a < self.n:
                 raise IndexError(f"id {key} outside a shard of {self.n}")
             return self[a: a + 1][0]
-        a, b, step = key.indices(self.n)
-        if step != 1:
-            raise IndexError("a BlockArray is sliced with step 1")
         if b <= a:
             return np.empty(0, self.dtype)
-        item = self.dtype.itemsize
-        i = bisect.bisect_right(self._seg_starts, a * item) - 1
-        j = bisect.bisect_left(self._seg_starts, b * item)
-        return self.cache.read(self.segments[i:j], a * item, b * item).view(self.dtype)
+        item = self.item
+        lo, hi = a * item, b * item
+        i = bisect.bisect_right(self._seg_starts, lo) - 1
+        seg = self.segments[i]
+        if hi <= seg.end:  # the common case: one segment this process has mapped and read before
+            data = self.cache.mapped(seg)
+            if data is not None:
+                return data[lo - seg.start: hi - seg.start].view(self.dtype)
+        j = bisect.bisect_left(self._seg_starts, hi)
+        return self.cache.read(self.segments[i:j], lo, hi).view(self.dtype)
 
 
 def parse_limit(limit) -> int | None:

@@ -354,8 +354,7 @@ class MemmapChunkDataset(Dataset):
         (bounds, order): block b holds chunks order[bounds[b]:bounds[b+1]] (order None: the chunk
         ids themselves, which lie in stream order: packed and document data).  What
         ChunkSampler(shuffle="block") permutes."""
-        firsts = np.asarray([self._starts[k] + b.start // self.dtype.itemsize
-                             for k, bl in enumerate(self._blocks) for b in bl], dtype=np.int64)
+        firsts = self._block_starts()[0]
         if self.packing == "bestfit":
             self._maps or self._open()
             lay = self._layout(0)
@@ -403,22 +402,32 @@ class MemmapChunkDataset(Dataset):
         return dict(self._cache.counts) if self._cache is not None else {}
 
     def prefetch(self, idx) -> None:
-        """Start fetching the blocks chunks idx read (a sampler calls it with what comes next)."""
+        """Start fetching the blocks chunks idx start in (a sampler calls it with what comes next;
+        a chunk running into the next block reads only that block's first segment, which a
+        block's prefetch brings along: fetching the whole next block here would fetch it twice)."""
         if self._cache is None:
             return
         self._maps or self._open()
-        L, st = self.seq_len, self._starts_list
-        want: dict = {}
-        ahead = self._cache.prefetch_blocks
-        for i in np.asarray(idx).reshape(-1).tolist():
-            g = i * L if self.packing != "bestfit" else int(self._layout(0).pos[self._layout(0).first[i]])
-            k = bisect.bisect_right(st, g) - 1
-            # The block the chunk starts in (a chunk running into the next block reads only that
-            # block's first segment: fetching the whole of it here would fetch it twice an epoch).
-            want.update(dict.fromkeys(self._maps[k][0].blocks_for(g - st[k], g - st[k] + 1)))
-            if len(want) >= ahead:
-                break
-        self._cache.prefetch(want)
+        idx = np.asarray(idx, dtype=np.int64).reshape(-1)
+        if self.packing == "bestfit":
+            lay = self._layout(0)
+            g = lay.pos[lay.first[idx]]
+        else:
+            g = idx * self.seq_len
+        firsts, blocks = self._block_starts()
+        b = np.searchsorted(firsts, g, side="right") - 1
+        _, at = np.unique(b, return_index=True)
+        ahead = np.sort(at)[: self._cache.prefetch_blocks]  # the rest stay mapped for what is being read
+        self._cache.prefetch([blocks[i] for i in b[ahead].tolist()])
+
+    def _block_starts(self) -> tuple[np.ndarray, list]:
+        """Each block's first token in the split's stream, and the blocks, in stream order."""
+        if getattr(self, "_block_index", None) is None:
+            blocks = [b for bl in self._blocks for b in bl]
+            firsts = np.asarray([self._starts[k] + b.start // self.dtype.itemsize
+                                 for k, bl in enumerate(self._blocks) for b in bl], dtype=np.int64)
+            self._block_index = (firsts, blocks)
+        return self._block_index
 
     def set_epoch(self, epoch: int) -> None:
         """The epoch whose packing plain indices read (repack=True)."""

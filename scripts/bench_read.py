@@ -2,13 +2,18 @@
 tokenizing dataset; and start-up on a synthetic 1.5 B-token dataset.
 
 Usage: python scripts/bench_read.py [--dataset OUT] [--seq-len 512] [--batch-size 16] [--shard-size 1GiB]
-                                    [--startup-tokens 1.5e9] [--seconds 3] [--rounds 20]
+                                    [--startup-tokens 1.5e9] [--seconds 3] [--rounds 20] [--remote]
 Without --dataset it builds one from ../shared/corpus/dev (one shard at the default --shard-size;
 a 1.5 B-token corpus has three 1 GiB shards, so a random batch reads from several: --shard-size 12MB
 gives the dev corpus four).  The ratio column is against the raw
 limit (numpy fancy-indexing of the same rows from the memmap into an int64 tensor); every row is
 measured in slices taken in turn with the others (--rounds), and reports its median slice and the
 median of its slice-by-slice ratios (a drifting machine moves both slices of a round together).
+
+--remote adds the object-storage rows: the dataset pushed to moto's S3 server on loopback, read
+with ChunkSampler(shuffle="block") through a warm node-local cache beside the local memmap in the
+same order (ratio: remote / local), then from a cold cache through a proxy adding 50 ms to every
+request: time to the first batch, and tokens/s over the epoch with the GETs and bytes it took.
 """
 
 from __future__ import annotations
@@ -142,6 +147,80 @@ def synthetic(path: str, tokens: float, L: int) -> None:
     json.dump(m, open(os.path.join(path, "manifest.json"), "w"))
 
 
+def sampled_batches(ds, B: int, window: int = 8):
+    """Batches in block-shuffle order (ChunkSampler), epoch after epoch."""
+    from helixtok import ChunkSampler
+
+    s = ChunkSampler(ds, seed=0, shuffle="block", window=window)
+    epoch = 0
+    while True:
+        s.set_epoch(epoch)
+        for b in DataLoader(ds, batch_size=B, sampler=s, collate_fn=ds.collate):
+            yield b["input_ids"]
+        epoch += 1
+
+
+def remote_rows(out: str, B: int, args, tmp: str) -> None:
+    """The object-storage rows (see the module's docstring)."""
+    import json as _json
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from s3_loopback import LatencyProxy, start_moto
+
+    log = open(os.path.join(tmp, "moto.log"), "w")
+    proc, url = start_moto(log)
+    env = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1"}
+    try:
+        _make_bucket(url, env)
+        subprocess.run([sys.executable, "-m", "helixtok.cli", "push", out, "s3://bench/data"], check=True,
+                       env={**os.environ, **env, "AWS_ENDPOINT_URL": url}, capture_output=True)
+        # Warm: a cache that holds the dataset, filled by one epoch; then read beside the local memmap.
+        os.environ.update({**env, "AWS_ENDPOINT_URL": url})
+        local = MemmapChunkDataset(out, block_bytes=args.block_bytes)
+        warm = MemmapChunkDataset("s3://bench/data", cache_dir=os.path.join(tmp, "warm"), block_bytes=args.block_bytes)
+        for _ in zip(range(len(warm) // B + 1), sampled_batches(warm, B)):
+            pass
+        rows = [Row("local memmap, ChunkSampler(shuffle='block'), workers 0", sampled_batches(local, B)),
+                Row("s3:// through a warm cache, same order", sampled_batches(warm, B))]
+        for _ in range(args.rounds):
+            for r in rows:
+                r.slice(args.seconds / args.rounds)
+        ratio = float(np.median([a / b for a, b in zip(rows[1].rates, rows[0].rates)]))
+        print(f"{rows[0].name:66} {rows[0].rate / 1e6:9.2f}")
+        print(f"{rows[1].name:66} {rows[1].rate / 1e6:9.2f} {ratio:6.2f}  (ratio: remote / local)")
+        # Cold, through 50 ms a request: a child process (its s3fs talks to the proxy).
+        proxy = LatencyProxy(url, 0.05)
+        code = ("import json, sys, time\n"
+                "sys.path.insert(0, sys.argv[1])\n"
+                "import bench_read as b\n"
+                "from helixtok import MemmapChunkDataset\n"
+                "t = time.perf_counter()\n"
+                "ds = MemmapChunkDataset('s3://bench/data', cache_dir=sys.argv[2], block_bytes=sys.argv[3])\n"
+                "it = b.sampled_batches(ds, int(sys.argv[4]))\n"
+                "n = next(it).numel(); first = time.perf_counter() - t\n"
+                "for _ in range(len(ds) // int(sys.argv[4]) - 1): n += next(it).numel()\n"
+                "print(json.dumps({'first': first, 'secs': time.perf_counter() - t, 'tokens': n, **ds.cache_counts}))\n")
+        res = subprocess.run([sys.executable, "-c", code, os.path.dirname(__file__), os.path.join(tmp, "cold"),
+                              str(args.block_bytes), str(B)], check=True, capture_output=True, text=True,
+                             env={**os.environ, **env, "AWS_ENDPOINT_URL": proxy.url})
+        got = _json.loads(res.stdout.strip().splitlines()[-1])
+        data = sum(e["bytes"] for e in local.manifest["splits"]["train"]["shards"])
+        print(f"s3:// cold cache, +50 ms a request: first batch {got['first'] * 1e3:.0f} ms (opening included), "
+              f"one epoch {got['tokens'] / got['secs'] / 1e6:.2f} Mtok/s, {got['gets']} GETs, "
+              f"{got['bytes_fetched'] / data:.3f}x the data fetched")
+        proxy.close()
+    finally:
+        proc.terminate()
+        log.close()
+
+
+def _make_bucket(url: str, env: dict) -> None:
+    import s3fs
+
+    os.environ.update({**env, "AWS_ENDPOINT_URL": url})
+    s3fs.S3FileSystem(skip_instance_cache=True).mkdir("bench")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dataset")
@@ -151,6 +230,8 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=3.0, help="per row, in --rounds slices")
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--startup-tokens", type=float, default=1.5e9)
+    ap.add_argument("--remote", action="store_true", help="also the object-storage rows (moto on loopback)")
+    ap.add_argument("--block-bytes", default="64MiB", help="--remote: MemmapChunkDataset's block_bytes")
     args = ap.parse_args()
     tmp = tempfile.mkdtemp(prefix="helixtok-read-")
     try:
@@ -214,6 +295,8 @@ def main() -> None:
         print("Mtok/s: median slice; ratio: median over rounds of the row's slice / the raw limit's slice of the "
               "same round (rows measured alone: to the raw limit's median); slices: min-max Mtok/s")
         print("(a training run of the HelixLM kind consumes ~0.029 Mtok/s)")
+        if args.remote:
+            remote_rows(out, B, args, tmp)
 
         syn = os.path.join(tmp, "syn")
         t = time.perf_counter()

@@ -9,7 +9,6 @@ from __future__ import annotations
 import filecmp
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -27,6 +26,9 @@ from helixtok.errors import ConfigError, DatasetError, InputError
 pytest.importorskip("s3fs")
 pytest.importorskip("moto")
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+from s3_loopback import start_moto  # noqa: E402
+
 KEY_ID, SECRET = "AKIAHELIXTOKTEST0001", "helixtok-secret-never-in-output-7f3a"
 
 # Kilobyte corpora with --workers 2 still start a pool: its workers read the objects themselves.
@@ -41,22 +43,6 @@ def s3_server(tmp_path_factory):
     proc.terminate()
     proc.wait()
     log.close()
-
-
-def start_moto(log) -> tuple[subprocess.Popen, str]:
-    """moto's S3 server on a free loopback port, once it accepts connections: (process, endpoint URL)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=log, stderr=subprocess.STDOUT)
-    for _ in range(200):
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            break
-        except OSError:
-            time.sleep(0.05)
-    return proc, f"http://127.0.0.1:{port}"
 
 
 @pytest.fixture

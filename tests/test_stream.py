@@ -220,3 +220,55 @@ def test_a_url_without_cache_dir_says_how(remote):
     (sets, _) = remote
     with pytest.raises(DatasetError, match="needs a node-local cache_dir"):
         MemmapChunkDataset(sets["packed"][1])
+
+
+def test_a_mixture_of_remote_sources_is_the_local_mixture(remote, tmp_path):
+    from helixtok import MixtureDataset
+
+    (sets, _) = remote
+    (pl, pu), (dl, du) = sets["packed"], sets["document"]
+    local = MixtureDataset([MemmapChunkDataset(pl), MemmapChunkDataset(dl)], [0.7, 0.3], num_samples=300)
+    far = MixtureDataset([MemmapChunkDataset(pu, cache_dir=str(tmp_path / "c"), block_bytes=BLOCK),
+                          MemmapChunkDataset(du, cache_dir=str(tmp_path / "c"), block_bytes=BLOCK)], [0.7, 0.3],
+                         num_samples=300)
+    assert len(local) == len(far) == 300
+    for i in range(0, 300, 3):
+        a, b = local[i], far[i]
+        assert all(np.array_equal(a[k], b[k]) for k in a), i
+
+
+def _read_all(url: str, cache: str, out: str) -> None:
+    ds = MemmapChunkDataset(url, cache_dir=cache, block_bytes=BLOCK)
+    with open(out, "w") as fh:
+        for i in ChunkSampler(ds, seed=3, shuffle="block", window=2):
+            fh.write(" ".join(map(str, ds[i]["input_ids"].tolist())) + "\n")
+            fh.flush()
+
+
+def test_a_reader_killed_mid_fetch_leaves_a_cache_the_next_one_reads_right(remote, tmp_path):
+    """kill -9 of a process while it fetches: its temp files are never read, its locks die with it,
+    and a new process (same cache) reads every chunk as the local reader does."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    (sets, _) = remote
+    local, url = sets["packed"]
+    cache, log = str(tmp_path / "cache"), tmp_path / "seen.txt"
+    code = (f"import sys; sys.path[:0] = {sys.path[:3]!r}\n"
+            "from test_stream import _read_all\n"
+            f"_read_all({url!r}, {cache!r}, {str(log)!r})\n")
+    p = subprocess.Popen([sys.executable, "-c", code], cwd=os.path.dirname(__file__))
+    deadline = time.monotonic() + 60
+    while (not log.exists() or len(log.read_text().splitlines()) < 50) and time.monotonic() < deadline \
+            and p.poll() is None:
+        time.sleep(0.01)
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    assert p.returncode == -signal.SIGKILL
+    a = MemmapChunkDataset(local)
+    b = MemmapChunkDataset(url, cache_dir=cache, block_bytes=BLOCK)
+    for i in ChunkSampler(b, seed=3, shuffle="block", window=2):
+        assert np.array_equal(a[i]["input_ids"], b[i]["input_ids"]), i
+    assert b.cache_counts["hits"] > 0  # it read what the killed process had fetched
