@@ -46,6 +46,7 @@ def remote(tmp_path_factory, dev_corpus, dev_docs, tokenizer_path):
            "AWS_DEFAULT_REGION": "us-east-1"}
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
+    s3fs.S3FileSystem.clear_instance_cache()  # helixtok's own s3fs instances: this server's, not an earlier one's
     try:
         fs = s3fs.S3FileSystem(skip_instance_cache=True)
         fs.mkdir("helix-stream")
@@ -65,6 +66,7 @@ def remote(tmp_path_factory, dev_corpus, dev_docs, tokenizer_path):
     finally:
         for k, v in old.items():
             os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+        s3fs.S3FileSystem.clear_instance_cache()
         proc.terminate()
         proc.wait()
         log.close()
@@ -145,7 +147,7 @@ def test_two_nodes_of_two_ranks_fetch_each_block_once_per_node(remote, tmp_path)
     (sets, _) = remote
     local, url = sets["short"]
     data = _shard_bytes(local)
-    with ProcessPoolExecutor(4, mp_context=mp.get_context("spawn")) as ex:
+    with ProcessPoolExecutor(4, mp_context=mp.get_context("fork")) as ex:  # (fsspec resets its loop on fork)
         futs = {(node, r): ex.submit(_rank_reads, url, str(tmp_path / f"node{node}"), 2 * node + r, 4)
                 for node in (0, 1) for r in (0, 1)}
         counts = {k: f.result() for k, f in futs.items()}
