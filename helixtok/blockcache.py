@@ -325,25 +325,35 @@ class BlockCache:
     def whole(self, rel: str, sha256: str | None, size: int) -> bytes:
         """A small file of the dataset (sidecar, index, tokenizer), cached whole and checked by its sha256."""
         path = self._file(rel)
-        for attempt in range(2):
-            if os.path.isfile(path):
+
+        def intact(data: bytes) -> bool:
+            return len(data) == size and (sha256 is None or hashlib.sha256(data).hexdigest() == sha256)
+
+        def cached() -> bytes | None:
+            try:
                 with open(path, "rb") as fh:
                     data = fh.read()
-                if len(data) == size and (sha256 is None or hashlib.sha256(data).hexdigest() == sha256):
-                    self._count("hits")
-                    return data
-                self._count("refetched_damaged")
-            with self._flock(os.path.basename(path)):
-                if attempt == 0 and os.path.isfile(path):
-                    continue
-                data = self._get(rel)
-                if len(data) != size or (sha256 is not None and hashlib.sha256(data).hexdigest() != sha256):
-                    raise DatasetError(f"{redact(self._url(rel))}: not the file its manifest records (size or "
-                                       "sha256 differs); push the dataset again")
-                self._place(path, data)
-                self._count("misses")
+            except FileNotFoundError:
+                return None
+            if intact(data):
                 return data
-        raise DatasetError(f"{path}: damaged in the cache again right after it was fetched; check the disk")
+            self._count("refetched_damaged")
+            return None
+
+        data = cached()
+        if data is None:
+            with self._flock(os.path.basename(path)):
+                data = cached()  # another process may have fetched it while this one waited
+                if data is None:
+                    data = self._get(rel)
+                    if not intact(data):
+                        raise DatasetError(f"{redact(self._url(rel))}: not the file its manifest records (size or "
+                                           "sha256 differs); push the dataset again")
+                    self._place(path, data)
+                    self._count("misses")
+                    return data
+        self._count("hits")
+        return data
 
 
 class BlockArray:
@@ -352,24 +362,13 @@ class BlockArray:
     is mapped."""
 
     def __init__(self, cache: BlockCache, blocks: list[Block], n: int, dtype):
-        self.cache, self.blocks, self.n, self.dtype = cache, blocks, n, np.dtype(dtype)
+        self.cache, self.n, self.dtype = cache, n, np.dtype(dtype)
         self.item = self.dtype.itemsize
         self.segments = [s for b in blocks for s in b.segments]
         self._seg_starts = [s.start for s in self.segments]
-        self._block_starts = [b.start for b in blocks]
 
     def __len__(self) -> int:
         return self.n
-
-    def blocks_for(self, a: int, b: int) -> list[Block]:
-        """The blocks holding ids [a, b)."""
-        item = self.dtype.itemsize
-        i = bisect.bisect_right(self._block_starts, a * item) - 1
-        out = []
-        while i < len(self.blocks) and self.blocks[i].start < b * item:
-            out.append(self.blocks[i])
-            i += 1
-        return out
 
     def __getitem__(self, key):
         if type(key) is slice and key.step is None and type(key.start) is int and type(key.stop) is int \

@@ -104,6 +104,13 @@ class MemmapChunkDataset(Dataset):
     every epoch); bestfit, the items of every chunk in a new order.  The epoch is the one of
     `set_epoch` (0 at first), or given with each index: `ds[(epoch, i)]`, which is what
     ChunkSampler yields for a dataset that repacks (DataLoader workers then need no set_epoch).
+
+    A chat build (`build --chat`): labels are -100 wherever its mask says a token does not train.
+
+    path may be a URL (a dataset `push`ed to object storage) with cache_dir: the ids are read in
+    place through a node-local cache of at most cache_limit bytes (blockcache.py), in blocks of
+    block_bytes; ChunkSampler(shuffle="block") is the order that reads each block once an epoch
+    (docs/scale.md).
     """
 
     def __init__(self, path: str, split: str = "train", *, tokenizer: str | None = None,

@@ -196,9 +196,11 @@ def test_a_damaged_cached_block_is_fetched_again_and_a_changed_object_is_refused
     b = bytearray(blocks[0].read_bytes())
     b[10] ^= 0xFF
     blocks[0].write_bytes(bytes(b))
+    side = next(cache.glob("*/*.valid"))  # a sidecar, cached whole: damaged too
+    side.write_bytes(b"\xff" * side.stat().st_size)
     fresh = MemmapChunkDataset(url, cache_dir=str(cache), block_bytes=BLOCK)
     assert [fresh[i]["input_ids"].tolist() for i in range(0, len(ds), 7)] == want
-    assert fresh.cache_counts["refetched_damaged"] >= 1
+    assert fresh.cache_counts["refetched_damaged"] >= 2
     # an object replaced by other bytes of the same size: refused, never read as data
     import s3fs
 
