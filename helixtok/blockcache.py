@@ -98,6 +98,7 @@ class BlockCache:
         self._maps: OrderedDict[Segment, np.ndarray] = OrderedDict()
         self._mapped = 0
         self._read: set[Segment] = set()  # segments this process has read (their use stamped)
+        self._holders: dict[Segment, list[tuple[list, int]]] = {}  # who keeps a mapped segment's ids
         self._inflight: dict[Block, Future] = {}
         self._mu = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
@@ -141,11 +142,16 @@ class BlockCache:
                     os.utime(self._file(seg.path, seg.start, seg.end))
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
-    def mapped(self, seg: Segment) -> np.ndarray | None:
-        """The segment's bytes when this process has it mapped and has read it before (no lock:
-        a dict lookup; its first read goes through read(), which records the use)."""
-        data = self._maps.get(seg)
-        return data if data is not None and seg in self._read else None
+    def mapped(self, seg: Segment, holder: tuple[list, int]) -> np.ndarray | None:
+        """The segment's bytes when this process has it mapped and has read it (its first read
+        goes through read(), which records the use); holder[0][holder[1]] is set to None when
+        the segment is unmapped (BlockArray keeps its ids there)."""
+        with self._mu:
+            data = self._maps.get(seg)
+            if data is None or seg not in self._read:
+                return None
+            self._holders.setdefault(seg, []).append(holder)
+            return data
 
     def _segments(self, segs: list[Segment]) -> list[np.ndarray]:
         got: dict[Segment, np.ndarray] = {}
@@ -210,8 +216,10 @@ class BlockCache:
                     self._mapped += len(data)
                 self._maps.move_to_end(seg)
             while self._mapped > self.open_bytes and len(self._maps) > len(out):
-                _, old = self._maps.popitem(last=False)
+                gone, old = self._maps.popitem(last=False)
                 self._mapped -= len(old)
+                for lst, k in self._holders.pop(gone, ()):
+                    lst[k] = None
         return out
 
     def _cached(self, seg: Segment) -> np.ndarray | None:
@@ -366,6 +374,11 @@ class BlockArray:
         self.item = self.dtype.itemsize
         self.segments = [s for b in blocks for s in b.segments]
         self._seg_starts = [s.start for s in self.segments]
+        # Per segment, in ids: where it starts and ends, and its ids once this process has read it
+        # (the cache sets the entry back to None when it unmaps the segment).
+        self._id_starts = [s.start // self.item for s in self.segments]
+        self._id_ends = [s.end // self.item for s in self.segments]
+        self._ids: list[np.ndarray | None] = [None] * len(self.segments)
 
     def __len__(self) -> int:
         return self.n
@@ -385,16 +398,21 @@ class BlockArray:
             return self[a: a + 1][0]
         if b <= a:
             return np.empty(0, self.dtype)
+        i = bisect.bisect_right(self._id_starts, a) - 1
+        ids = self._ids[i]
+        if ids is not None and b <= self._id_ends[i]:  # the common case: one segment read before here
+            t0 = self._id_starts[i]
+            return ids[a - t0: b - t0]
         item = self.item
         lo, hi = a * item, b * item
-        i = bisect.bisect_right(self._seg_starts, lo) - 1
-        seg = self.segments[i]
-        if hi <= seg.end:  # the common case: one segment this process has mapped and read before
-            data = self.cache.mapped(seg)
-            if data is not None:
-                return data[lo - seg.start: hi - seg.start].view(self.dtype)
         j = bisect.bisect_left(self._seg_starts, hi)
-        return self.cache.read(self.segments[i:j], lo, hi).view(self.dtype)
+        out = self.cache.read(self.segments[i:j], lo, hi).view(self.dtype)
+        for k in range(i, j):
+            if self._ids[k] is None:
+                data = self.cache.mapped(self.segments[k], (self._ids, k))
+                if data is not None:
+                    self._ids[k] = data.view(self.dtype)
+        return out
 
 
 def parse_limit(limit) -> int | None:

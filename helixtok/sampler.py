@@ -14,7 +14,7 @@ _M64 = np.uint64(0xFFFFFFFFFFFFFFFF)
 BLOCK = 1 << 16  # positions computed per step: memory stays flat, nothing is built up front
 # A dataset in object storage is asked for the blocks of the next PREFETCH_AHEAD samples every
 # PREFETCH_STEP samples (each block once: its cache knows what it holds or is fetching).
-PREFETCH_STEP, PREFETCH_AHEAD = 64, 1024
+PREFETCH_STEP, PREFETCH_AHEAD = 256, 1024
 
 
 def _mix(x: np.ndarray) -> np.ndarray:
