@@ -16,19 +16,28 @@ SAMPLE_UNITS, SAMPLE_CHARS = 8, 1 << 20
 SAMPLE_LINE_BYTES = 4 << 20  # longer JSON lines are not sampled (the long hostile inputs cover long text)
 
 
-def sample_texts(units: list[Unit], config: BuildConfig) -> list[str]:
-    """Documents from up to SAMPLE_UNITS evenly spaced units (their first SAMPLE_CHARS / k chars)."""
+def sample_texts(units: list[Unit], config: BuildConfig, tok=None) -> list[str]:
+    """Documents from up to SAMPLE_UNITS evenly spaced units (their first SAMPLE_CHARS / k chars);
+    a chat build's: its rows rendered, the pieces between the template's special tokens (what
+    its backend encodes; `tok` says which tokens are special)."""
     cheap = [u for u in units if not u.skip_bytes]  # reaching those means decompressing up to them
     picked = cheap[::max(1, len(cheap) // SAMPLE_UNITS)][:SAMPLE_UNITS]
     head = SAMPLE_CHARS // SAMPLE_UNITS  # tokenizers' Encodings take ~100 bytes a character: keep them few
+    chat = None
+    if config.chat is not None:
+        from .chat import ChatEncoder
+
+        chat = ChatEncoder(config.chat, tok, config.seq_len, "uint32")
     sample: list[str] = []
     for u in picked:
         got, texts = 0, []
         try:
-            for text in UnitReader(u, config.text_field, Tally(), long_bytes=config.long_doc_bytes,
-                                   skip_lines_over=SAMPLE_LINE_BYTES):
-                texts.append(text.head(head) if isinstance(text, LongText) else text[:head])
-                got += len(texts[-1])
+            for row in UnitReader(u, config.text_field, Tally(), long_bytes=config.long_doc_bytes,
+                                  skip_lines_over=SAMPLE_LINE_BYTES, records=chat is not None):
+                new = [p[:head] for p in chat.pieces(row)] if chat is not None else \
+                    [row.head(head) if isinstance(row, LongText) else row[:head]]
+                texts += new
+                got += sum(map(len, new))
                 if got >= head:
                     break
         except (StaleRange, InputError):  # a damaged seek index or input: the unit's worker reads it again
@@ -57,7 +66,7 @@ def choose_backend(info: TokenizerInfo, units: list[Unit], config: BuildConfig,
     if config.backend == "hf":
         return hf, {"chosen": "hf", "reason": "--backend hf"}
     tok = hf_tokenizer(info.sha256, info.special_tokens)
-    sample = sample_texts(units, config)
+    sample = sample_texts(units, config, tok)
     texts = parity_texts(tok, sample)
     digest = texts_digest(texts)
     names = FAST if config.backend == "auto" else (config.backend,)

@@ -287,10 +287,50 @@ class Encoded:
     too_long: bool = False  # longer than seq_len and not cut: the caller drops it, counted
 
 
-class ChatEncoder:
-    """Renders and tokenizes conversations with one tokenizers.Tokenizer (offsets are needed)."""
+def id_byte_lengths(tok) -> tuple[object, bool] | None:
+    """(UTF-8 bytes of each id's text, whether the tokenizer normalises to NFC) for a byte-level
+    BPE — each character of its vocabulary stands for one byte; an added token is its content —
+    or None for another kind of tokenizer (a chat build then takes offsets from tokenizers)."""
+    import numpy as np
+    from tokenizers import pre_tokenizers
 
-    def __init__(self, spec: ChatSpec, tok, seq_len: int, dtype):
+    cfg = json.loads(tok.to_str())
+    model = cfg.get("model") or {}
+
+    def has(node, kind: str) -> bool:
+        if not isinstance(node, dict):
+            return False
+        if node.get("type") == kind:
+            return True
+        return any(has(x, kind) for x in node.get("pretokenizers") or node.get("decoders") or [])
+
+    norm = cfg.get("normalizer")
+    kinds = [norm.get("type")] if isinstance(norm, dict) and norm.get("type") != "Sequence" else \
+        [x.get("type") for x in (norm or {}).get("normalizers", [])]
+    if model.get("type") != "BPE" or not has(cfg.get("pre_tokenizer"), "ByteLevel") or \
+            not has(cfg.get("decoder"), "ByteLevel") or any(k != "NFC" for k in kinds):
+        return None
+    alphabet = set(pre_tokenizers.ByteLevel.alphabet())
+    vocab = model.get("vocab") or {}
+    added = cfg.get("added_tokens") or []
+    if any(t.get("lstrip") or t.get("rstrip") for t in added):  # such a token takes in spaces beside it
+        return None
+    lens = np.zeros(max([*vocab.values(), *(t["id"] for t in added), 0]) + 1, np.int64)
+    for token, i in vocab.items():
+        if not set(token) <= alphabet:
+            return None
+        lens[i] = len(token)
+    for t in added:
+        lens[t["id"]] = len(t["content"].encode("utf-8"))
+    return lens, "NFC" in kinds
+
+
+class ChatEncoder:
+    """Renders and tokenizes conversations.  Ids: the build's backend (`ids_fn`, exact as checked)
+    on the pieces between the template's special tokens; token offsets: each id's byte length
+    (byte-level BPE), else tokenizers' own offsets (`tok`, a tokenizers.Tokenizer)."""
+
+    def __init__(self, spec: ChatSpec, tok, seq_len: int, dtype, ids_fn=None):
         import numpy as np
 
         self.spec, self.tok, self.L, self.dtype = spec, tok, seq_len, np.dtype(dtype)
@@ -300,11 +340,53 @@ class ChatEncoder:
                           key=len, reverse=True)
         self.special = re.compile("|".join(map(re.escape, specials))) if specials else None
         self.special_ids = {s: tok.token_to_id(s) for s in specials}
+        # The fast path: ids from ids_fn(texts) -> (flat ids, lengths), offsets from byte lengths.
+        self.ids_fn = ids_fn
+        got = id_byte_lengths(tok) if ids_fn is not None else None
+        self.byte_lens, self.nfc = got if got is not None else (None, False)
 
     def encode(self, record) -> Encoded | str:
         """One row: its ids and mask, or why it is not a conversation (a reason the caller counts)."""
-        import jinja2
         import numpy as np
+
+        got = self.rendered(record)
+        if isinstance(got, str):
+            return got
+        text, spans, ranges = got
+        fast = self._encode_fast(text, spans, ranges) if self.byte_lens is not None else None
+        if fast is not None:
+            ids, mask = fast
+        else:
+            if ranges:
+                ids, offsets = self._encode_pieces(text, ranges)
+            else:
+                enc = self.tok.encode(text, add_special_tokens=False)
+                ids, offsets = np.asarray(enc.ids, np.int64), np.asarray(enc.offsets, np.int64).reshape(-1, 2)
+            mask = loss_mask(offsets, spans, self.spec.loss)
+        if len(ids) > self.L:
+            if not self.spec.truncate:
+                return Encoded(ids, mask, text, too_long=True)
+            return Encoded(ids[: self.L].astype(self.dtype), mask[: self.L], text, truncated=True)
+        return Encoded(ids.astype(self.dtype), mask, text)
+
+    def pieces(self, record) -> list[str]:
+        """The text a row's ids are made from, between the template's special tokens (what the
+        backend check samples: the pieces a chat build hands its backend)."""
+        got = self.rendered(record)
+        if isinstance(got, str):
+            return []
+        text, _, ranges = got
+        out, pos = [], 0
+        for a, b in [*self._cuts(text, ranges), (len(text), len(text))]:
+            if a > pos:
+                out.append(text[pos:a])
+            pos = b
+        return out
+
+    def rendered(self, record) -> tuple[str, list, list] | str:
+        """(rendered text, generation spans, ranges of the conversation's own special-token
+        strings) of a row, or why it is not a conversation."""
+        import jinja2
 
         conv = conversation(record, self.spec.field)
         if isinstance(conv, str):
@@ -322,17 +404,57 @@ class ChatEncoder:
         except (TypeError, ValueError, KeyError, AttributeError, IndexError) as e:
             return f"the template failed on it: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
         if marked:
-            text, spans, ranges = _unmark(text, spans)
-            ids, offsets = self._encode_pieces(text, ranges)
-        else:
-            enc = self.tok.encode(text, add_special_tokens=False)
-            ids, offsets = np.asarray(enc.ids, np.int64), np.asarray(enc.offsets, np.int64).reshape(-1, 2)
-        mask = loss_mask(offsets, spans, self.spec.loss)
-        if len(ids) > self.L:
-            if not self.spec.truncate:
-                return Encoded(ids, mask, text, too_long=True)
-            return Encoded(ids[: self.L].astype(self.dtype), mask[: self.L], text, truncated=True)
-        return Encoded(ids.astype(self.dtype), mask, text)
+            return _unmark(text, spans)
+        return text, spans, []
+
+    def _cuts(self, text: str, ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """Where the template's own special tokens lie in text (not those of `ranges`: the
+        conversation's own strings): where the tokenizer itself cuts its input."""
+        if self.special is None:
+            return []
+        inside = set(ranges)
+        return [(m.start(), m.end()) for m in self.special.finditer(text) if (m.start(), m.end()) not in inside]
+
+    def _encode_fast(self, text: str, spans, ranges):
+        """(ids, mask) with ids from ids_fn over the pieces between the template's special tokens
+        and the mask from byte offsets (a token's bytes overlapping a span's: the same tokens as
+        character offsets mark); None where it cannot be exact (text an NFC normaliser would
+        change, or byte lengths that do not add up to the text's)."""
+        import unicodedata
+
+        import numpy as np
+
+        if self.nfc and not unicodedata.is_normalized("NFC", text):
+            return None
+        cuts = self._cuts(text, ranges)
+        pieces, pos = [], 0
+        for a, b in cuts:
+            if a > pos:
+                pieces.append(text[pos:a])
+            pos = b
+        if len(text) > pos:
+            pieces.append(text[pos:])
+        flat, lens = self.ids_fn(pieces) if pieces else (np.empty(0, np.int64), np.empty(0, np.int64))
+        flat = np.asarray(flat, dtype=np.int64)
+        ends = np.cumsum(lens)
+        parts, pos, k = [], 0, 0
+        for a, b in cuts:
+            if a > pos:
+                parts.append(flat[ends[k] - lens[k]: ends[k]])
+                k += 1
+            parts.append(np.array([self.special_ids[text[a:b]]], np.int64))
+            pos = b
+        if len(text) > pos:
+            parts.append(flat[ends[k] - lens[k]: ends[k]])
+        ids = np.concatenate(parts) if parts else np.empty(0, np.int64)
+        if len(ids) and int(ids.max()) >= len(self.byte_lens):
+            return None
+        tok_end = np.cumsum(self.byte_lens[ids])
+        if (tok_end[-1] if len(ids) else 0) != len(text.encode("utf-8")):
+            return None
+        byte_at = lambda c: len(text[:c].encode("utf-8"))  # noqa: E731
+        offsets = np.stack([tok_end - self.byte_lens[ids], tok_end], axis=1)
+        return ids, loss_mask(offsets, [(byte_at(a), byte_at(b)) for a, b in spans], self.spec.loss)
 
     def _encode_pieces(self, text: str, ranges: list[tuple[int, int]]):
         """Encode text whose `ranges` are special-token strings of the conversation's own: those
@@ -341,10 +463,7 @@ class ChatEncoder:
         the input there): each piece between is encoded whole, with special strings as text."""
         import numpy as np
 
-        inside = set()
-        for a, b in ranges:
-            inside.add((a, b))
-        cuts = [(m.start(), m.end()) for m in self.special.finditer(text) if (m.start(), m.end()) not in inside]
+        cuts = self._cuts(text, ranges)
         ids, offs, pos = [], [], 0
         self.tok.encode_special_tokens = True
         try:

