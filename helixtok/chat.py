@@ -376,12 +376,7 @@ class ChatEncoder:
         if isinstance(got, str):
             return []
         text, _, ranges = got
-        out, pos = [], 0
-        for a, b in [*self._cuts(text, ranges), (len(text), len(text))]:
-            if a > pos:
-                out.append(text[pos:a])
-            pos = b
-        return out
+        return [text[a:b] for a, b, special in self._split(text, ranges) if not special]
 
     def rendered(self, record) -> tuple[str, list, list] | str:
         """(rendered text, generation spans, ranges of the conversation's own special-token
@@ -407,13 +402,22 @@ class ChatEncoder:
             return _unmark(text, spans)
         return text, spans, []
 
-    def _cuts(self, text: str, ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
-        """Where the template's own special tokens lie in text (not those of `ranges`: the
-        conversation's own strings): where the tokenizer itself cuts its input."""
-        if self.special is None:
-            return []
+    def _split(self, text: str, ranges: list[tuple[int, int]]) -> list[tuple[int, int, bool]]:
+        """text as consecutive (start, end, is a special token) pieces, cut at the template's own
+        special tokens (not those of `ranges`: the conversation's own strings), which is where the
+        tokenizer itself cuts its input (its added vocabulary splits the input there)."""
         inside = set(ranges)
-        return [(m.start(), m.end()) for m in self.special.finditer(text) if (m.start(), m.end()) not in inside]
+        out, pos = [], 0
+        for m in self.special.finditer(text) if self.special is not None else ():
+            if (m.start(), m.end()) in inside:
+                continue
+            if m.start() > pos:
+                out.append((pos, m.start(), False))
+            out.append((m.start(), m.end(), True))
+            pos = m.end()
+        if len(text) > pos:
+            out.append((pos, len(text), False))
+        return out
 
     def _encode_fast(self, text: str, spans, ranges):
         """(ids, mask) with ids from ids_fn over the pieces between the template's special tokens
@@ -426,26 +430,17 @@ class ChatEncoder:
 
         if self.nfc and not unicodedata.is_normalized("NFC", text):
             return None
-        cuts = self._cuts(text, ranges)
-        pieces, pos = [], 0
-        for a, b in cuts:
-            if a > pos:
-                pieces.append(text[pos:a])
-            pos = b
-        if len(text) > pos:
-            pieces.append(text[pos:])
+        split = self._split(text, ranges)
+        pieces = [text[a:b] for a, b, special in split if not special]
         flat, lens = self.ids_fn(pieces) if pieces else (np.empty(0, np.int64), np.empty(0, np.int64))
-        flat = np.asarray(flat, dtype=np.int64)
-        ends = np.cumsum(lens)
-        parts, pos, k = [], 0, 0
-        for a, b in cuts:
-            if a > pos:
+        flat, ends = np.asarray(flat, dtype=np.int64), np.cumsum(lens)
+        parts, k = [], 0
+        for a, b, special in split:
+            if special:
+                parts.append(np.array([self.special_ids[text[a:b]]], np.int64))
+            else:
                 parts.append(flat[ends[k] - lens[k]: ends[k]])
                 k += 1
-            parts.append(np.array([self.special_ids[text[a:b]]], np.int64))
-            pos = b
-        if len(text) > pos:
-            parts.append(flat[ends[k] - lens[k]: ends[k]])
         ids = np.concatenate(parts) if parts else np.empty(0, np.int64)
         if len(ids) and int(ids.max()) >= len(self.byte_lens):
             return None
@@ -463,19 +458,17 @@ class ChatEncoder:
         the input there): each piece between is encoded whole, with special strings as text."""
         import numpy as np
 
-        cuts = self._cuts(text, ranges)
-        ids, offs, pos = [], [], 0
+        ids, offs = [], []
         self.tok.encode_special_tokens = True
         try:
-            for a, b in [*cuts, (len(text), len(text))]:
-                if a > pos:
-                    enc = self.tok.encode(text[pos:a], add_special_tokens=False)
-                    ids.extend(enc.ids)
-                    offs.extend((s + pos, e + pos) for s, e in enc.offsets)
-                if b > a:
+            for a, b, special in self._split(text, ranges):
+                if special:
                     ids.append(self.special_ids[text[a:b]])
                     offs.append((a, b))
-                pos = b
+                else:
+                    enc = self.tok.encode(text[a:b], add_special_tokens=False)
+                    ids.extend(enc.ids)
+                    offs.extend((s + a, e + a) for s, e in enc.offsets)
         finally:
             self.tok.encode_special_tokens = False
         return np.asarray(ids, np.int64), np.asarray(offs, np.int64).reshape(-1, 2)

@@ -314,24 +314,24 @@ def _run_unit(unit: Unit, info: TokenizerInfo, where: tuple[int, int] | None) ->
         """Chat rows: each rendered with the template and tokenized once (chat.py), its mask beside."""
         nonlocal chars, last_consumed
         enc_chat = _chat_encoder(w, info)
-        pend = {s: ([], [], []) for s in splits}  # ids, masks, sources
+        pend = {s: ([], [], [], []) for s in splits}  # ids, masks, sources, text bytes
 
         def flush_chats() -> None:
             nonlocal chars, last_consumed
             ntok = ndoc = 0
             for s in splits:
-                ids, masks, srcs = pend[s]
+                ids, masks, srcs, nbytes = pend[s]
                 if not ids:
                     continue
                 lens = np.fromiter(map(len, ids), np.int64, len(ids))
                 outs[s].add(np.concatenate(ids), lens, mask=np.concatenate(masks))
-                for src, n in zip(srcs, lens.tolist()):
-                    count(src, 1, n, 0)
+                for src, n, b in zip(srcs, lens.tolist(), nbytes):
+                    count(src, 1, n, b)
                 docs[s] += len(ids)
                 tokens[s] += int(lens.sum())
                 ntok += int(lens.sum())
                 ndoc += len(ids)
-                ids.clear(), masks.clear(), srcs.clear()
+                ids.clear(), masks.clear(), srcs.clear(), nbytes.clear()
             _bump(counters, reader.consumed - last_consumed, ndoc, ntok)
             last_consumed = reader.consumed
             chars = 0
@@ -353,10 +353,12 @@ def _run_unit(unit: Unit, info: TokenizerInfo, where: tuple[int, int] | None) ->
             c["conversations"] += 1
             c["truncated"] += got.truncated
             c["trainable_tokens"] += trainable
-            text_bytes[s] += utf8_len(got.text)
+            nb = utf8_len(got.text)
+            text_bytes[s] += nb
             pend[s][0].append(got.ids)
             pend[s][1].append(got.mask)
             pend[s][2].append(reader.source())
+            pend[s][3].append(nb)
             chars += len(got.text)
             if chars >= cfg.batch_chars:
                 flush_chats()

@@ -302,6 +302,8 @@ def test_chat_build_stores_each_conversation_as_encoded_alone(chat_build, llama_
     assert m["skipped"]["not_a_conversation"]["count"] == 2
     assert "no 'messages' field" in m["skipped"]["not_a_conversation"]["examples"][1]
     assert m["format_version"] == 5 and m["chat"]["loss"] == "assistant"
+    for k in ("documents", "tokens", "text_bytes"):  # the sources sum to the totals (a chat build's too)
+        assert sum(v[k] for v in m["sources"].values()) == m["totals"][k] > 0
     assert Path(out, m["chat"]["template_file"]).read_text() == template
 
 
