@@ -310,27 +310,23 @@ class MemmapChunkDataset(Dataset):
                                    f", the manifest says {x['bytes']}; push the dataset again")
 
     def _open(self) -> list:
-        if self.remote:
-            return self._open_remote()
-        self._checked(os.path.join(self.path, MANIFEST)).close()
+        """Per shard, its ids (mapped; a BlockArray over the cache for a URL) and the sidecars it reads."""
+        if not self.remote:
+            self._checked(os.path.join(self.path, MANIFEST)).close()
         maps = []
-        for p, n, e in self._shards:
-            with self._checked(p) as fh:
-                # A plain ndarray over the map: np.memmap's Python-level __getitem__ costs ~10 us a batch.
-                mm = np.memmap(fh, dtype=self.dtype, mode="r", shape=(n,)).view(np.ndarray) if n else \
-                    np.empty(0, self.dtype)
+        for (p, n, e), blocks in zip(self._shards, self._blocks):
+            ids = BlockArray(self._cache, blocks, n, self.dtype) if self.remote else self._mapped(p, n, self.dtype)
             side = {}
             for x in self._sides():
-                if x == "mask":  # as large as the ids / 4: mapped, not read (its size was checked)
-                    with self._checked(os.path.join(self.path, e[x]["path"])) as mf:
-                        side[x] = np.memmap(mf, dtype=MASK_DTYPE, mode="r", shape=(n,)).view(np.ndarray) if n \
-                            else np.empty(0, MASK_DTYPE)
+                if x == "mask" and not self.remote:  # as large as the ids / 4: mapped, not read (size checked)
+                    side[x] = self._mapped(os.path.join(self.path, e[x]["path"]), n, MASK_DTYPE)
                     continue
-                data = self._read_whole(e[x]["path"])
-                check_small_file(os.path.join(self.path, e[x]["path"]), data, e[x].get("sha256"))
-                raw = np.frombuffer(data, dtype=DOCS_DTYPE if x == "docs" else VALID_DTYPE)
+                data = self._read_whole(e[x]["path"])  # (from a URL: checked by its sha256 on the way)
+                if not self.remote:
+                    check_small_file(os.path.join(self.path, e[x]["path"]), data, e[x].get("sha256"))
+                raw = np.frombuffer(data, dtype={"docs": DOCS_DTYPE, "valid": VALID_DTYPE, "mask": MASK_DTYPE}[x])
                 side[x] = raw.astype(np.int64) if x == "docs" else raw
-            maps.append((mm, side))
+            maps.append((ids, side))
         self._maps = maps
         self._layouts = {}
         if self._index_paths:
@@ -338,23 +334,11 @@ class MemmapChunkDataset(Dataset):
                                        self.path)
         return maps
 
-    def _open_remote(self) -> list:
-        """The shards as BlockArrays over the cache; sidecars fetched whole (the mask too)."""
-        maps = []
-        for (p, n, e), blocks in zip(self._shards, self._blocks):
-            side = {}
-            for x in self._sides():
-                data = self._read_whole(e[x]["path"])
-                dtype = {"docs": DOCS_DTYPE, "valid": VALID_DTYPE, "mask": MASK_DTYPE}[x]
-                raw = np.frombuffer(data, dtype=dtype)
-                side[x] = raw.astype(np.int64) if x == "docs" else raw
-            maps.append((BlockArray(self._cache, blocks, n, self.dtype), side))
-        self._maps = maps
-        self._layouts = {}
-        if self._index_paths:
-            self._bestfit = load_index(self._read_whole, self._index_entry, self.seq_len, int(self._starts[-1]),
-                                       self.path)
-        return maps
+    def _mapped(self, p: str, n: int, dtype) -> np.ndarray:
+        """File p (_checked) as n items of dtype: a plain ndarray over the map (np.memmap's
+        Python-level __getitem__ costs ~10 us a batch)."""
+        with self._checked(p) as fh:
+            return np.memmap(fh, dtype=dtype, mode="r", shape=(n,)).view(np.ndarray) if n else np.empty(0, dtype)
 
     def block_of_chunks(self) -> tuple[np.ndarray, np.ndarray | None]:
         """The chunks grouped by the block (of `block_bytes`, blockcache.py) their first token lies in:
