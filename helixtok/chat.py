@@ -24,6 +24,7 @@ _COMMENT = re.compile(r"\{#.*?#\}", re.S)  # a comment naming the tag is not a s
 # never in interchange text; a conversation holding one is skipped, counted).
 OPEN, CLOSE = "\ufdd0", "\ufdd1"
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")  # as transformers aliases them
+_DICT_NAMES = frozenset(dir(dict))
 
 
 @dataclass(frozen=True)
@@ -143,7 +144,21 @@ def compile_template(template: str, where: str = "the chat template"):
             if isinstance(name, str) and name.startswith("_"):
                 raise jinja2.exceptions.SecurityError(f"a template may not set {name!r} on a namespace")
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, loopcontrols])
+    class Sandbox(ImmutableSandboxedEnvironment):
+        """The sandbox transformers renders in, with `message.role` on a plain dict looked up
+        directly: the sandbox's own path for it (getattr fails, then obj[attr], no check) costs
+        an exception and half of a conversation's rendering; a name dict itself has (items,
+        get, ...) still goes through the sandbox's checks."""
+
+        def getattr(self, obj, attribute):
+            if type(obj) is dict and type(attribute) is str and attribute not in _DICT_NAMES:
+                try:
+                    return obj[attribute]
+                except KeyError:
+                    return self.undefined(obj=obj, name=attribute)
+            return super().getattr(obj, attribute)
+
+    env = Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, loopcontrols])
     env.recording = None
     env.filters["tojson"] = tojson
     env.globals.update(raise_exception=raise_exception, strftime_now=lambda f: datetime.now().strftime(f),

@@ -546,3 +546,20 @@ def test_any_conversation_gets_apply_chat_templates_ids_and_mask(llama_dir, apar
                 assert g.ids.tolist() == ids and g.mask.tolist() == mask, (path, c)
 
     check()
+
+
+def test_the_template_runs_in_the_sandbox(llama_dir):
+    """A template is code from a model repository: reaching Python's internals through a message
+    (a dict) or a string is refused as transformers' sandbox refuses it, the conversation counted."""
+    from tokenizers import Tokenizer
+
+    conv = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}
+    tok = Tokenizer.from_file(str(llama_dir / "tokenizer.json"))
+    for body in ("{{ messages[0].__class__.__mro__ }}",
+                 "{{ ''.__class__.__subclasses__() }}", "{% set x = messages[0].update({'role': 'x'}) %}"):
+        spec = ChatSpec(template=body + "{% generation %}{{ messages[1].content }}{% endgeneration %}")
+        got = ChatEncoder(spec, tok, 1024, np.uint32).encode(conv)
+        assert isinstance(got, str) and got.startswith("the template refused it"), (body, got)
+    spec = ChatSpec(template="{{ messages[0].role }}:{{ messages[0].missing }}|{% generation %}"
+                             "{{ messages[1]['content'] }}{% endgeneration %}")
+    assert ChatEncoder(spec, tok, 1024, np.uint32).encode(conv).text == "user:|yo"
