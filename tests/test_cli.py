@@ -712,3 +712,16 @@ def test_ctrl_c_while_python_m_imports_the_command_line_is_one_line(tmp_path, ho
                        preexec_fn=lambda: sig.signal(sig.SIGINT, sig.SIG_DFL))  # as from a terminal
     assert r.returncode == 130, (r.returncode, r.stderr)
     assert r.stderr.strip() == "interrupted before anything started" and "Traceback" not in r.stderr
+
+
+def test_output_cut_short_by_its_reader_ends_quietly(dev_packed):
+    """`helixtok show OUT | head -1`: the reader going away is no error (it printed 'Error: Broken
+    pipe'): exit 141 as Unix tools do, and nothing on stderr."""
+    import subprocess
+    import sys
+
+    # 100 chunks of 512 tokens: far more than a pipe holds, so show writes after head has gone
+    chunks = " ".join(map(str, range(100)))
+    p = subprocess.run(f"set -o pipefail; {sys.executable} -m helixtok show {dev_packed} {chunks} | head -c 10",
+                       shell=True, capture_output=True, text=True, executable="/bin/bash")
+    assert p.stdout == "=== chunk " and p.stderr == "" and p.returncode == 141

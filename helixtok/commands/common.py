@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import signal
 import sys
 import threading
@@ -40,6 +41,11 @@ def handle_errors(fn):
             name = "" if signum == signal.SIGINT else f" ({signal.Signals(signum).name})"
             click.echo(f"\ninterrupted{name}; rerun the same command to resume", err=True)
             sys.exit(128 + signum)
+        except BrokenPipeError:
+            # Whoever read stdout stopped (`helixtok show OUT | head`): nothing is wrong; stop as a
+            # Unix tool does, quietly, with stdout pointed at /dev/null so its flush at exit is quiet too.
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            sys.exit(128 + signal.SIGPIPE)
         except MemoryError:
             raise click.ClickException("out of memory; use fewer --workers, a smaller --unit-size, or a machine "
                                        "with more memory, then rerun the same command (a build resumes)") from None
