@@ -276,3 +276,18 @@ def test_a_reader_killed_mid_fetch_leaves_a_cache_the_next_one_reads_right(remot
     for i in ChunkSampler(b, seed=3, shuffle="block", window=2):
         assert np.array_equal(a[i]["input_ids"], b[i]["input_ids"]), i
     assert b.cache_counts["hits"] > 0  # it read what the killed process had fetched
+
+
+def test_the_first_batch_needs_only_a_few_blocks(remote, tmp_path):
+    """Cold cache: the first batch arrives after the blocks its samples start in (and the ones
+    the sampler asked for ahead), not after the dataset."""
+    from torch.utils.data import DataLoader
+
+    (sets, _) = remote
+    local, url = sets["short"]
+    ds = MemmapChunkDataset(url, cache_dir=str(tmp_path / "c"), block_bytes=64 << 10, cache_limit=24 * (64 << 10))
+    blocks = sum(len(b) for b in ds._blocks)
+    batch = next(iter(DataLoader(ds, batch_size=8, sampler=ChunkSampler(ds, seed=0, shuffle="block", window=2),
+                                 collate_fn=ds.collate)))
+    assert batch["input_ids"].shape == (8, 256)
+    assert ds.cache_counts["gets"] <= ds._cache.prefetch_blocks + 2 < blocks // 4, ds.cache_counts
