@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from .backends import Stopped
 from .config import BuildConfig
 from .errors import InputError, TokenizerError
 from .longdoc import LongText
@@ -44,10 +45,6 @@ def sample_texts(units: list[Unit], config: BuildConfig, tok=None) -> list[str]:
             continue                      # and reports what is wrong, in corpus order (--strict: the first)
         sample += texts
     return sample
-
-
-class Stopped(Exception):
-    """The check was told to stop (the build it runs beside has ended)."""
 
 
 def choose_backend(info: TokenizerInfo, units: list[Unit], config: BuildConfig,

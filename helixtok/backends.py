@@ -477,15 +477,17 @@ def answers(encode, texts: list[str]):
         return f"failed on a text ({type(e).__name__}: {str(e)[:80]})"
 
 
+class Stopped(Exception):
+    """The backend check was told to stop (the build it runs beside has ended)."""
+
+
 def hf_answers(tok, texts: list[str], stop=None) -> tuple[np.ndarray, np.ndarray]:
     """tokenizers' side of the check, as answers() gives a backend's: (flat ids, lengths) of
     `texts`, made 64 at a time (their Encodings take ~100 bytes a character).  `stop` (an Event)
-    set: ends between two groups with backend_check.Stopped."""
+    set: ends between two groups with Stopped."""
     out = []
     for i in range(0, len(texts), 64):
         if stop is not None and stop.is_set():
-            from .backend_check import Stopped
-
             raise Stopped()
         out += hf_ids(tok, texts[i: i + 64], 64)
     return _flat(out)
