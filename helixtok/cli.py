@@ -38,7 +38,10 @@ for _command in (build.build, build.train_tokenizer, inspect.show, inspect.info,
 
 
 if __name__ == "__main__":
-    from helixtok.entry import release
+    from helixtok.entry import quiet_shutdown, release
 
     release(_guarded)
-    main()
+    try:
+        main()
+    finally:
+        quiet_shutdown()

@@ -24,9 +24,20 @@ def release(guarded: bool) -> None:
         signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+def quiet_shutdown() -> None:
+    """The command has ended (its result printed): a Ctrl-C from now on, while the interpreter
+    shuts down (joining threads, running atexit), ends it by the signal, with no traceback from
+    inside Python's own shutdown code."""
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def main():
     guarded = guard()
     from .cli import main as cli
 
     release(guarded)
-    return cli()
+    try:
+        return cli()
+    finally:
+        quiet_shutdown()

@@ -725,3 +725,23 @@ def test_output_cut_short_by_its_reader_ends_quietly(dev_packed):
     p = subprocess.run(f"set -o pipefail; {sys.executable} -m helixtok show {dev_packed} {chunks} | head -c 10",
                        shell=True, capture_output=True, text=True, executable="/bin/bash")
     assert p.stdout == "=== chunk " and p.stderr == "" and p.returncode == 141
+
+
+@pytest.mark.parametrize("how", [["-m", "helixtok.cli"], ["-m", "helixtok"]])
+def test_ctrl_c_while_the_interpreter_shuts_down_after_a_command_is_no_traceback(tmp_path, how):
+    """A Ctrl-C that arrives once the command has ended, while Python shuts down (joining threads,
+    atexit), ends it by the signal: no 'Exception ignored in ... KeyboardInterrupt' traceback from
+    Python's own shutdown code (seen under load in the Ctrl-C stress test).  The Ctrl-C comes,
+    deterministically, from an atexit callback (a sitecustomize registers it first: it runs last)."""
+    import signal as sig
+
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text("import atexit, os, signal\n"
+                                          "atexit.register(lambda: os.kill(os.getpid(), signal.SIGINT))\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), root])}
+    r = subprocess.run([sys.executable, *how, "--version"], capture_output=True, text=True, env=env, timeout=60,
+                       preexec_fn=lambda: sig.signal(sig.SIGINT, sig.SIG_DFL))  # as from a terminal
+    assert "helixtok, version" in r.stdout
+    assert r.returncode == -sig.SIGINT and r.stderr == "", (r.returncode, r.stderr)

@@ -59,9 +59,10 @@ def _rank_indices(args):
 
 @pytest.fixture(scope="module")
 def rank_pool():
-    """Four spawned processes for the tests of ranks in separate processes: shared, as each
-    costs ~1.5 s of imports (torch) to start."""
-    with mp.get_context("spawn").Pool(4) as pool:
+    """Two spawned processes for the tests of ranks in separate processes (ranks take turns in
+    them: each computes its slice apart from the test's process, from (seed, epoch) alone):
+    shared, as each costs ~1.5 s of imports (torch) to start, and two, as each holds ~170 MB."""
+    with mp.get_context("spawn").Pool(2) as pool:
         yield pool
 
 

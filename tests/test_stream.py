@@ -34,9 +34,14 @@ def _short_documents(root, texts, total: int = 3_500_000):
     return root
 
 
+def _build(corpus: str, out: str, tok: str, cfg: BuildConfig) -> None:
+    build([corpus], out, tok, cfg)
+
+
 @pytest.fixture(scope="module")
-def remote(tmp_path_factory, dev_corpus, dev_docs, tokenizer_path):
-    """Three datasets (one per packing) built locally and pushed to a moto S3 server on loopback."""
+def remote(tmp_path_factory, dev_corpus, dev_docs, tokenizer_path, apart):
+    """Datasets (one per packing, and one of short documents) built in a child process (the
+    suite's own stays small) and pushed to a moto S3 server on loopback."""
     import s3fs
 
     d = tmp_path_factory.mktemp("stream")
@@ -53,13 +58,14 @@ def remote(tmp_path_factory, dev_corpus, dev_docs, tokenizer_path):
         out = {}
         for packing in ("packed", "bestfit", "document"):
             local = str(d / packing)
-            build([str(dev_corpus / "txt")], local, tokenizer_path,
-                  BuildConfig(seq_len=256, packing=packing, workers=1, unit_bytes=4 << 10, shard_bytes=256 << 10))
+            apart.submit(_build, str(dev_corpus / "txt"), local, tokenizer_path,
+                         BuildConfig(seq_len=256, packing=packing, workers=1, unit_bytes=4 << 10,
+                                     shard_bytes=256 << 10)).result()
             upload(local, f"s3://helix-stream/{packing}", overwrite=False)
             out[packing] = (local, f"s3://helix-stream/{packing}")
         local = str(d / "short")
-        build([str(_short_documents(d / "short-docs", dev_docs))], local, tokenizer_path,
-              BuildConfig(seq_len=256, workers=1, unit_bytes=8 << 10, shard_bytes=512 << 10))
+        apart.submit(_build, str(_short_documents(d / "short-docs", dev_docs)), local, tokenizer_path,
+                     BuildConfig(seq_len=256, workers=1, unit_bytes=8 << 10, shard_bytes=512 << 10)).result()
         upload(local, "s3://helix-stream/short", overwrite=False)
         out["short"] = (local, "s3://helix-stream/short")
         yield out, d
@@ -147,10 +153,17 @@ def test_two_nodes_of_two_ranks_fetch_each_block_once_per_node(remote, tmp_path)
     (sets, _) = remote
     local, url = sets["short"]
     data = _shard_bytes(local)
-    with ProcessPoolExecutor(4, mp_context=mp.get_context("fork")) as ex:  # (fsspec resets its loop on fork)
-        futs = {(node, r): ex.submit(_rank_reads, url, str(tmp_path / f"node{node}"), 2 * node + r, 4)
-                for node in (0, 1) for r in (0, 1)}
-        counts = {k: f.result() for k, f in futs.items()}
+    import gc
+
+    gc.collect()
+    gc.freeze()  # the forked ranks' collector leaves the suite's objects alone: their pages stay shared
+    try:
+        with ProcessPoolExecutor(4, mp_context=mp.get_context("fork")) as ex:  # (fsspec resets its loop on fork)
+            futs = {(node, r): ex.submit(_rank_reads, url, str(tmp_path / f"node{node}"), 2 * node + r, 4)
+                    for node in (0, 1) for r in (0, 1)}
+            counts = {k: f.result() for k, f in futs.items()}
+    finally:
+        gc.unfreeze()
     for node in (0, 1):
         got = [counts[(node, r)] for r in (0, 1)]
         fetched = sum(c["bytes_fetched"] for c in got)
