@@ -1,5 +1,5 @@
 """`python -m helixtok`: the helixtok command (entry.py's guard included)."""
 
-from .entry import main
+from .cli.entry import main
 
 main()

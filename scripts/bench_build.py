@@ -44,7 +44,7 @@ def run_measured(cmd: list[str]) -> tuple[float, int, str]:
     build of its corpus: the backend check's cached verdicts on corpus samples are dropped
     before each (a rerun of the same build skips the check; the verdict on the tokenizer's
     long inputs, once per tokenizer, stays)."""
-    from helixtok.config import cache_root
+    from helixtok.pipeline.config import cache_root
 
     shutil.rmtree(os.path.join(cache_root(), "verdict"), ignore_errors=True)
     t0 = time.perf_counter()
@@ -67,10 +67,10 @@ def run_measured(cmd: list[str]) -> tuple[float, int, str]:
 
 
 def load_docs(corpus: str) -> list[str]:
-    from helixtok.discover import discover
-    from helixtok.sources import UnitReader
-    from helixtok.tally import Tally
-    from helixtok.units import plan_units
+    from helixtok.pipeline.discover import discover
+    from helixtok.pipeline.sources import UnitReader
+    from helixtok.pipeline.tally import Tally
+    from helixtok.pipeline.units import plan_units
 
     files, _ = discover([corpus])
     units, _ = plan_units(files, unit_bytes=4 << 20, text_field="text")
@@ -100,8 +100,8 @@ def raw_rows(docs, tok_path, variants=True):
         t = time.perf_counter()
         n = sum(len(tok.encode(d, add_special_tokens=False).ids) for d in docs)
         rows["encode (per document)"] = (time.perf_counter() - t, n)
-    from helixtok.backends import tiktoken_encoding, tiktoken_ids
-    from helixtok.tokenizer import inspect_tokenizer
+    from helixtok.pipeline.backends import tiktoken_encoding, tiktoken_ids
+    from helixtok.pipeline.tokenizer import inspect_tokenizer
 
     enc, _ = tiktoken_encoding(inspect_tokenizer(tok_path).sha256)
     if enc is not None:  # the limit of --backend auto when it picks tiktoken
@@ -191,7 +191,7 @@ def main() -> None:
     try:
         tok = args.tokenizer
         if tok is None:
-            from helixtok.tokenizer import train_tokenizer
+            from helixtok.pipeline.tokenizer import train_tokenizer
 
             tok = os.path.join(tmp, "tok.json")
             train_tokenizer((open(os.path.join(args.corpus, "txt", f)).read()

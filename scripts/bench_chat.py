@@ -59,10 +59,10 @@ def main() -> None:
     import numpy as np
     from tokenizers import Tokenizer
 
-    from helixtok.chat import ChatEncoder, conversation, load_spec, render
+    from helixtok.pipeline.chat import ChatEncoder, conversation, load_spec, render
 
-    from helixtok.backends import flat_encoder
-    from helixtok.tokenizer import hold_bytes
+    from helixtok.pipeline.backends import flat_encoder
+    from helixtok.pipeline.tokenizer import hold_bytes
 
     spec = load_spec(a.tokenizer, a.template, "assistant", False, "messages")
     tok_file = a.tokenizer if os.path.isfile(a.tokenizer) else os.path.join(a.tokenizer, "tokenizer.json")

@@ -15,8 +15,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from helixtok.bestfit import build_index  # noqa: E402
-from helixtok.layout import bestfit_pieces, shuffled_documents  # noqa: E402
+from helixtok.format.bestfit import build_index  # noqa: E402
+from helixtok.read.layout import bestfit_pieces, shuffled_documents  # noqa: E402
 
 
 def main() -> None:

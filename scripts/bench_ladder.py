@@ -35,18 +35,18 @@ def main() -> None:
     ap.add_argument("--steps", type=int, nargs="+", default=[0, 1, 2, 3], choices=sorted(NAMES))
     args = ap.parse_args()
 
-    from helixtok import builder as hb
-    from helixtok.backend_check import choose_backend
-    from helixtok.backends import flat_encoder, hf_tokenizer
-    from helixtok.config import BuildConfig
-    from helixtok.discover import discover
-    from helixtok.encode import Encoder
-    from helixtok.longdoc import utf8_len
-    from helixtok.sources import UnitReader
-    from helixtok.tally import Tally
-    from helixtok.tokenizer import inspect_tokenizer
-    from helixtok.unit import kept
-    from helixtok.units import plan_units
+    from helixtok.pipeline import builder as hb
+    from helixtok.pipeline.backend_check import choose_backend
+    from helixtok.pipeline.backends import flat_encoder, hf_tokenizer
+    from helixtok.pipeline.config import BuildConfig
+    from helixtok.pipeline.discover import discover
+    from helixtok.pipeline.encode import Encoder
+    from helixtok.pipeline.longdoc import utf8_len
+    from helixtok.pipeline.sources import UnitReader
+    from helixtok.pipeline.tally import Tally
+    from helixtok.pipeline.tokenizer import inspect_tokenizer
+    from helixtok.pipeline.unit import kept
+    from helixtok.pipeline.units import plan_units
 
     cfg = BuildConfig(seq_len=2048, workers=1)
     info = inspect_tokenizer(args.tokenizer)

@@ -29,9 +29,9 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from helixtok.builder import build  # noqa: E402
-from helixtok.config import BuildConfig  # noqa: E402
-from helixtok.splitview import SplitView  # noqa: E402
+from helixtok.pipeline.builder import build  # noqa: E402
+from helixtok.pipeline.config import BuildConfig  # noqa: E402
+from helixtok.read.splitview import SplitView  # noqa: E402
 
 
 def corpus_copies(corpus: str, n: int, tmp: str) -> str:
@@ -135,8 +135,8 @@ def whole_split(lengths: np.ndarray, L: int) -> dict:
 
 def epoch_index_times(lengths: np.ndarray, L: int) -> str:
     """One core's time to build the bestfit index and each epoch's layout, per 100 M tokens."""
-    from helixtok.bestfit import build_index
-    from helixtok.layout import bestfit_pieces, shuffled_documents
+    from helixtok.format.bestfit import build_index
+    from helixtok.read.layout import bestfit_pieces, shuffled_documents
 
     pos = np.concatenate(([0], np.cumsum(lengths)[:-1])).astype(np.int64)
     per = 1e8 / float(lengths.sum())

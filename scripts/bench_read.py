@@ -44,7 +44,7 @@ def raw_batches(ds: MemmapChunkDataset, B: int):
     would want, whatever the build's shards are)."""
     import tempfile
 
-    from helixtok.splitview import SplitView
+    from helixtok.read.splitview import SplitView
 
     view = SplitView(ds.path, ds.manifest, ds.split)
     path = os.path.join(tempfile.mkdtemp(prefix="bench-read-"), "chunks.bin")
@@ -239,7 +239,7 @@ def main() -> None:
         out = args.dataset
         tok = None
         if out is None:
-            from helixtok.tokenizer import train_tokenizer
+            from helixtok.pipeline.tokenizer import train_tokenizer
 
             tok = os.path.join(tmp, "tok.json")
             txt = os.path.join(DEV, "txt")

@@ -30,7 +30,7 @@ ROOT = os.path.dirname(HERE)
 BUILD = r'''
 import json, os, sys, time
 t0 = time.monotonic()
-from helixtok.builder import build
+from helixtok.pipeline.builder import build
 corpus, out, tok, n = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 first = [None]
 last = [None]
@@ -52,8 +52,8 @@ print(json.dumps({"wall": end, "first_bytes": first[0], "last_unit": last[0], "t
 
 POOL = r'''
 import json, os, sys, time
-from helixtok.config import BuildConfig
-from helixtok.dispatch import UnitPool
+from helixtok.pipeline.config import BuildConfig
+from helixtok.pipeline.dispatch import UnitPool
 tok, n = sys.argv[1], int(sys.argv[2])
 data = open(tok, "rb").read()
 t0 = time.monotonic()

@@ -16,7 +16,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments  # noqa: E402
 
 from helixtok import ChunkSampler, MemmapChunkDataset  # noqa: E402
-from helixtok.stats import stats_for  # noqa: E402
+from helixtok.read.stats import stats_for  # noqa: E402
 
 
 class ChunkTrainer(Trainer):

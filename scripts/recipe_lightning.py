@@ -22,7 +22,7 @@ import torch  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 from helixtok import ChunkSampler, MemmapChunkDataset  # noqa: E402
-from helixtok.stats import stats_for  # noqa: E402
+from helixtok.read.stats import stats_for  # noqa: E402
 
 # On a mid-epoch resume Lightning warns that "your dataloader is not resumable": it looks for
 # state_dict() on the DataLoader itself and cannot see that the sampler's position rides in the

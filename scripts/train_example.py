@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from helixtok import ChunkSampler, MemmapChunkDataset  # noqa: E402
-from helixtok.stats import stats_for  # noqa: E402
+from helixtok.read.stats import stats_for  # noqa: E402
 
 
 class TinyLM(nn.Module):

@@ -195,8 +195,8 @@ def dev_ids(dev_docs, tokenizer_path) -> list[list[int]]:
 
 
 def _build(tmp_path_factory, corpus, tok, name, **kw):
-    from helixtok.builder import build
-    from helixtok.config import BuildConfig
+    from helixtok.pipeline.builder import build
+    from helixtok.pipeline.config import BuildConfig
 
     out = str(tmp_path_factory.mktemp(name) / "out")
     with on_a_pool():  # the reference datasets come from a pool: the other builds compare with them

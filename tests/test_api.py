@@ -11,14 +11,14 @@ from click.testing import CliRunner
 
 import helixtok
 from helixtok.cli import main
-from helixtok.errors import ConfigError
+from helixtok.format.errors import ConfigError
 
 
 def test_build_takes_keywords_and_gives_what_the_command_line_gives(tmp_path, small_corpus, small_tok):
     seen = []
     m = helixtok.build(small_corpus, tmp_path / "api", small_tok, seq_len=16, workers=1, val_fraction=0.2,
                        on_progress=seen.append)
-    assert isinstance(m, helixtok.builder.Built) and m.reused_units == 0 and m["seq_len"] == 16
+    assert isinstance(m, helixtok.pipeline.builder.Built) and m.reused_units == 0 and m["seq_len"] == 16
     assert seen and seen[-1].bytes_done == seen[-1].bytes_total
     r = CliRunner().invoke(main, ["build", str(small_corpus), str(tmp_path / "cli"), "-t", small_tok, "-L", "16",
                                   "-j", "1", "-q", "--val-fraction", "0.2"])
@@ -42,7 +42,7 @@ def test_a_datasets_dataset_is_a_corpus(tmp_path, small_tok):
         "mem = datasets.Dataset.from_dict({'text': rows})\n"
         "try:\n"
         "    helixtok.build(mem, sys.argv[1] + '/mem', sys.argv[2], seq_len=8, workers=1)\n"
-        "except helixtok.errors.ConfigError as e:\n"
+        "except helixtok.format.errors.ConfigError as e:\n"
         "    print('refused:', e)\n"
         "mem.save_to_disk(sys.argv[1] + '/saved')\n"
         "ds = datasets.load_from_disk(sys.argv[1] + '/saved')\n"
@@ -73,7 +73,7 @@ def test_the_readme_api_snippet_runs_as_written(tmp_path, small_corpus, small_to
 
 def test_an_unknown_keyword_is_named_with_the_nearest_option_and_the_list(tmp_path, small_corpus, small_tok):
     """helixtok.build(..., pack="bestfit") was a bare TypeError from the dataclass (issue 41)."""
-    from helixtok.errors import ConfigError
+    from helixtok.format.errors import ConfigError
 
     with pytest.raises(ConfigError, match=r"unknown keyword 'pack' \(did you mean 'packing'\?\); its options: add_bos, "):
         helixtok.build([str(small_corpus)], str(tmp_path / "o"), small_tok, pack="bestfit")
@@ -83,7 +83,7 @@ def test_an_unknown_keyword_is_named_with_the_nearest_option_and_the_list(tmp_pa
 def test_errors_name_keywords_in_python_and_options_on_the_command_line(tmp_path, small_corpus, small_tok):
     """The same refusal says `pass overwrite=True` to a caller of helixtok.build and `pass
     --overwrite` on the command line (issue 41: the Python API spoke CLI)."""
-    from helixtok.errors import ConfigError
+    from helixtok.format.errors import ConfigError
 
     helixtok.build([str(small_corpus)], str(tmp_path / "o"), small_tok, seq_len=16, workers=1)
     with pytest.raises(ConfigError, match=r"\(seq_len: 16 -> 32\); pass overwrite=True to replace it$"):
@@ -103,8 +103,8 @@ def test_a_program_beside_the_clone_imports_the_package_not_the_clones_folder(tm
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     os.symlink(root, tmp_path / "helixtok")
-    code = ("import sys; sys.path.insert(0, ''); import helixtok, helixtok.builder; "
-            "print(helixtok.build is helixtok.builder.build, helixtok.__version__)")
+    code = ("import sys; sys.path.insert(0, ''); import helixtok, helixtok.pipeline.builder; "
+            "print(helixtok.build is helixtok.pipeline.builder.build, helixtok.__version__)")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, env=env)
     assert r.returncode == 0, r.stderr

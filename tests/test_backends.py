@@ -14,9 +14,9 @@ import pytest
 from conftest import cache_knowing_the_tokenizers
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from helixtok.builder import build
-from helixtok.config import BuildConfig
-from helixtok.errors import TokenizerError
+from helixtok.pipeline.builder import build
+from helixtok.pipeline.config import BuildConfig
+from helixtok.format.errors import TokenizerError
 
 LLAMA3_PAT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
               r"|\s*[\r\n]+|\s+(?!\S)|\s+")
@@ -91,7 +91,7 @@ def _shards(out):
 
 def _stream(out):
     """A build's train stream and document starts, whatever its units (each unit writes its own shards)."""
-    from helixtok.splitview import SplitView
+    from helixtok.read.splitview import SplitView
 
     v = SplitView(str(out), json.load(open(os.path.join(out, "manifest.json"))))
     ids = np.concatenate(list(v.iter_stream()))
@@ -167,8 +167,8 @@ def test_the_tokenizer_inspect_loaded_is_handed_on_once_and_a_replaced_file_is_n
     loads by sha256: a file replaced after the inspection used to be loaded afresh.)"""
     import shutil
 
-    from helixtok.errors import TokenizerError
-    from helixtok.tokenizer import inspect_tokenizer, load_held, release_bytes
+    from helixtok.format.errors import TokenizerError
+    from helixtok.pipeline.tokenizer import inspect_tokenizer, load_held, release_bytes
 
     own = tmp_path / "own.json"  # bytes no other test holds (held bytes are shared by sha256)
     own.write_bytes(open(small_tok, "rb").read() + b"\n  \n")  # trailing whitespace: the same tokenizer
@@ -192,9 +192,9 @@ def test_workers_load_the_likely_backend_early_and_drop_it_when_another_is_chose
     """Pool workers load fastokens' tokenizer while the main process checks backends; the Encoder
     reuses it when fastokens is chosen, and it is freed when another backend is."""
 
-    from helixtok import backends
-    from helixtok import unit as hb
-    from helixtok.tokenizer import inspect_tokenizer
+    from helixtok.pipeline import backends
+    from helixtok.pipeline import unit as hb
+    from helixtok.pipeline.tokenizer import inspect_tokenizer
 
     tok = shapes["llama3-like (uint32)"]
     info = inspect_tokenizer(tok)
@@ -224,7 +224,7 @@ def test_a_pool_build_checks_the_backend_in_a_worker(tmp_path, dev_corpus, shape
     where no verdict on the long inputs is cached: a worker sends its ids of the corpus sample
     and digests of its ids of the long inputs, compared here with tokenizers'.  The choice and
     the bytes are those of a build that checked everything itself."""
-    from helixtok import backends
+    from helixtok.pipeline import backends
 
     lines = open(dev_corpus / "jsonl" / "plain.jsonl").read().split()
     short = tmp_path / "short.jsonl"  # many short documents: the corpus sample is hundreds of texts
@@ -270,7 +270,7 @@ def test_an_inline_build_tokenizes_with_the_library_its_check_loaded(tmp_path, d
     """Without worker processes the backend check and the encoder share one loaded tokenizer,
     whichever fast library is chosen (only a tokenizer a worker preloaded for nothing is freed),
     until the build ends."""
-    from helixtok import backends
+    from helixtok.pipeline import backends
 
     loads, real = [], backends._fast_tokenizer
 
@@ -289,7 +289,7 @@ def test_an_inline_build_tokenizes_with_the_library_its_check_loaded(tmp_path, d
     # ... and freed when build() returns: a notebook that builds keeps no tokenizer (~100 MB for
     # a 100k vocabulary) alive, in the encoder or the cache; nor its one-core settings, which
     # would slow the notebook's own tokenizers.
-    from helixtok import unit as hu
+    from helixtok.pipeline import unit as hu
     assert real.cache_info().currsize == 0 and hu._here.__dict__ == {}
     assert [os.environ.get(k) for k in hu.THREAD_ENV] == [None, "4"]
 
@@ -304,7 +304,7 @@ def test_an_inline_build_loads_the_likely_library_ahead_and_a_failure_meanwhile_
 
     import fastokens
 
-    from helixtok import backends, preload
+    from helixtok.pipeline import backends, preload
 
     where, real = [], fastokens.Tokenizer
 
@@ -337,7 +337,7 @@ def test_a_backend_wrong_only_on_a_long_input_is_refused_and_the_references_are_
     """The long hostile inputs are checked against digests of tokenizers' ids, computed once per
     tokenizer file (in a child process: never in the build's own) and reused for every backend
     and build; a changed file is checked again."""
-    from helixtok import backends
+    from helixtok.pipeline import backends
 
     monkeypatch.setenv("HELIXTOK_CACHE", str(tmp_path / "cache"))
     real_encoder, real_hf_ids = backends.flat_encoder, backends.hf_ids
@@ -362,7 +362,7 @@ def test_a_backend_wrong_only_on_a_long_input_is_refused_and_the_references_are_
     monkeypatch.setattr(backends, "flat_encoder", off_on_long_x)
     # The long inputs are encoded in a child process: it gets the same fault.
     fault = inspect.getsource(off_on_long_x)
-    monkeypatch.setattr(backends, "_LONG_CHILD", "import helixtok.backends as b\nreal_encoder = b.flat_encoder\n"
+    monkeypatch.setattr(backends, "_LONG_CHILD", "import helixtok.pipeline.backends as b\nreal_encoder = b.flat_encoder\n"
                         + textwrap.dedent(fault) + "b.flat_encoder = off_on_long_x\n" + backends._LONG_CHILD)
     monkeypatch.setattr(backends, "hf_ids", counted)
     corpus = tmp_path / "c"
@@ -402,7 +402,7 @@ def test_a_rebuild_of_the_same_corpus_takes_the_cached_verdict_and_writes_the_sa
     and corpus sample) is cached: a rerun, a resumed build or another task of the corpus encodes
     nothing for the check, and its manifest (backend_check included) is the checked build's.  A
     changed sample, or a damaged entry, is checked again."""
-    from helixtok import backends
+    from helixtok.pipeline import backends
 
     monkeypatch.setenv("HELIXTOK_CACHE", cache_knowing_the_tokenizers(tmp_path / "cache"))
     checked, real = [], backends.hf_answers
@@ -436,7 +436,7 @@ def test_a_rebuild_of_the_same_corpus_takes_the_cached_verdict_and_writes_the_sa
 def test_a_damaged_or_foreign_verdict_cache_entry_is_ignored_and_removed(tmp_path, monkeypatch):
     """Cached verdicts carry the sha256 of their value: a torn or edited entry (an unsealed
     {"ok": true} included) is never believed; and they are kept per reference tokenizers release."""
-    from helixtok import backends
+    from helixtok.pipeline import backends
 
     monkeypatch.setenv("HELIXTOK_CACHE", str(tmp_path / "cache"))
     key = ("fastokens", "fastokens 9", "ab" * 32, "text")
@@ -456,7 +456,7 @@ def test_the_long_input_processes_of_a_refused_backend_are_stopped(tmp_path, sma
     """A backend refused on the sample has no use for its digests of the long inputs, nor the
     build for tokenizers': the processes making them are killed, not left to take cores from
     the build (or from the next backend's check) for seconds."""
-    from helixtok import backends, children
+    from helixtok.pipeline import backends, children
 
     monkeypatch.setenv("HELIXTOK_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(backends, "_LONG_CHILD", "import time\ntime.sleep(60)\n" + backends._LONG_CHILD)
@@ -499,9 +499,9 @@ def test_the_long_input_processes_of_a_refused_backend_are_stopped(tmp_path, sma
 
 def test_the_check_refuses_a_backend_that_answers_for_fewer_texts(small_tok):
     """Ids and lengths that cover only some of the texts are refused, not compared as a prefix."""
-    from helixtok import backends
+    from helixtok.pipeline import backends
 
-    from helixtok.tokenizer import hold_bytes
+    from helixtok.pipeline.tokenizer import hold_bytes
 
     sha = hold_bytes(open(small_tok, "rb").read())
     tok = backends.hf_tokenizer(sha, "text")
@@ -537,7 +537,7 @@ def test_the_command_line_loads_fastokens_while_it_imports_and_the_build_takes_t
     import fastokens
     from click.testing import CliRunner
 
-    from helixtok import backends, preload
+    from helixtok.pipeline import backends, preload
     from helixtok.cli import main
 
     real, where = fastokens.Tokenizer, []
@@ -566,7 +566,7 @@ def test_the_command_line_loads_fastokens_while_it_imports_and_the_build_takes_t
     assert _shards(tmp_path / "cli") == _shards(tmp_path / "lib")
 
     # A wrong guess: loaded for nothing, dropped; the workers load their own.
-    from helixtok import builder as hb
+    from helixtok.pipeline import builder as hb
 
     where.clear()
     pools, pool_cls = [], hb.UnitPool
@@ -612,8 +612,8 @@ def test_a_build_whose_check_rejected_fastokens_resumes(tmp_path, small_corpus, 
     and is interrupted: the same command resumes with that library (it refused for ever: 'holds an
     unfinished build with other inputs or options (backend: ... -> 'fastokens')'), reuses what it
     had, and gives the uninterrupted build's dataset."""
-    import helixtok.dispatch as hdisp
-    from helixtok import backends
+    import helixtok.pipeline.dispatch as hdisp
+    from helixtok.pipeline import backends
 
     real_encoder = backends.flat_encoder
 

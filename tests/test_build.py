@@ -9,9 +9,9 @@ import pytest
 from tokenizers import Tokenizer
 
 from conftest import UNIT
-from helixtok.builder import UpToDate, build
-from helixtok.config import BuildConfig
-from helixtok.errors import ConfigError, InputError
+from helixtok.pipeline.builder import UpToDate, build
+from helixtok.pipeline.config import BuildConfig
+from helixtok.format.errors import ConfigError, InputError
 
 
 def read_split(out, split="train"):
@@ -104,7 +104,7 @@ def test_two_builds_in_threads_of_one_program_keep_to_their_own_options(tmp_path
     that set-up was process-wide, the second's options and folder were used by the first."""
     import threading
 
-    from helixtok import unit as hb
+    from helixtok.pipeline import unit as hb
 
     def config(k):  # options that change the bytes (the split, stripping); tokenizers: no backend check
         return BuildConfig(seq_len=64, workers=1, val_fraction=0.3 * k, strip=k == 0, backend="hf")
@@ -149,10 +149,10 @@ def test_workers_are_what_j_says_or_as_many_as_the_input_keeps_busy(tmp_path, sm
     starts then.  The bytes never depend on it.  (Rule changed by issue 38: -j used to be a
     maximum that the input's size and the tokenizer file's size cut down.)"""
 
-    import helixtok.builder as hb
-    import helixtok.config
-    from helixtok.discover import discover
-    from helixtok.units import plan_units
+    import helixtok.pipeline.builder as hb
+    import helixtok.pipeline.config
+    from helixtok.pipeline.discover import discover
+    from helixtok.pipeline.units import plan_units
 
     made = []
 
@@ -193,10 +193,10 @@ def test_workers_are_what_j_says_or_as_many_as_the_input_keeps_busy(tmp_path, sm
         hb.worker_count(cfg, units, "fastokens")
     monkeypatch.delenv("HELIXTOK_WORKER_BYTES")
     total = sum(u.est_bytes for u in units)
-    monkeypatch.setattr(helixtok.config, "WORKER_BYTES", {"fastokens": -(-total // 2)})  # the corpus: two workers' worth
+    monkeypatch.setattr(helixtok.pipeline.config, "WORKER_BYTES", {"fastokens": -(-total // 2)})  # the corpus: two workers' worth
     assert run("share", task=(1, 3))[1] == []  # one task of three (the last two files): sized for its share
-    monkeypatch.setattr(helixtok.config, "WORKER_BYTES", {"fastokens": 1 << 30})  # kilobytes stand for MiB
-    monkeypatch.setattr(helixtok.config, "WORKER_BYTES_SLOW", 16 << 10)
+    monkeypatch.setattr(helixtok.pipeline.config, "WORKER_BYTES", {"fastokens": 1 << 30})  # kilobytes stand for MiB
+    monkeypatch.setattr(helixtok.pipeline.config, "WORKER_BYTES_SLOW", 16 << 10)
     m, pools, got = run("hf", backend="hf")
     assert (m["tokenizer"]["backend"], pools, got) == ("hf", [(2, True)], shards)  # sized for tokenizers at once
     real = hb.choose_backend
@@ -204,8 +204,8 @@ def test_workers_are_what_j_says_or_as_many_as_the_input_keeps_busy(tmp_path, sm
         info, units, dataclasses.replace(config, backend="hf"), ex, **kw))  # the check finds only tokenizers exact
     m, pools, got = run("late")
     assert (m["tokenizer"]["backend"], pools, got) == ("hf", [(2, False)], shards)  # started after the check
-    monkeypatch.setattr(helixtok.config, "WORKER_BYTES", {"fastokens": -(-total // 2)})  # two workers for fastokens,
-    monkeypatch.setattr(helixtok.config, "WORKER_BYTES_SLOW", -(-total // 3))  # three for tokenizers
+    monkeypatch.setattr(helixtok.pipeline.config, "WORKER_BYTES", {"fastokens": -(-total // 2)})  # two workers for fastokens,
+    monkeypatch.setattr(helixtok.pipeline.config, "WORKER_BYTES_SLOW", -(-total // 3))  # three for tokenizers
     m, pools, got = run("larger")
     assert (m["tokenizer"]["backend"], pools, got) == ("hf", [(2, True), (3, False)], shards)  # replaced
 
@@ -213,8 +213,8 @@ def test_workers_are_what_j_says_or_as_many_as_the_input_keeps_busy(tmp_path, sm
 def test_auto_backend_is_the_fastest_exact_one_and_says_why(tmp_path, tokenizer_path, small_tok, monkeypatch):
     from tokenizers import normalizers
 
-    import helixtok.backends as hbk
-    from helixtok.errors import TokenizerError
+    import helixtok.pipeline.backends as hbk
+    from helixtok.format.errors import TokenizerError
 
     write(tmp_path / "c" / "a.txt", "hello world, It's 2026! 日本語 😀 <|endoftext|> " * 20)
     m = build([str(tmp_path / "c")], str(tmp_path / "o1"), tokenizer_path, BuildConfig(seq_len=4, workers=1))
@@ -323,7 +323,7 @@ def test_val_split_is_document_level_and_deterministic(tmp_path, small_tok):
     tr, va = m["splits"]["train"]["documents"], m["splits"]["val"]["documents"]
     assert tr + va == 220 and 20 < va < 80
     # Duplicates go to the same split (content hash), so no document is in both.
-    from helixtok.unit import _split_of
+    from helixtok.pipeline.unit import _split_of
 
     assert all(_split_of(t, 0.2, 0) == _split_of(t, 0.2, 0) for t in texts[:20])
 
@@ -364,8 +364,8 @@ def test_long_document_split_encoding_is_exact(tmp_path, tokenizer_path, dev_doc
 
 
 def test_schedule_puts_costly_units_first_then_corpus_order():
-    from helixtok.dispatch import schedule
-    from helixtok.units import Unit
+    from helixtok.pipeline.dispatch import schedule
+    from helixtok.pipeline.units import Unit
 
     U = 1000
     units = [Unit(0, "jsonl", ("a",), ("a",), est_bytes=1010), Unit(1, "jsonl", ("a",), ("a",), est_bytes=990),
@@ -383,7 +383,7 @@ def test_a_build_keeps_no_tokenizer_in_the_callers_process(tmp_path, small_tok, 
     """A notebook that builds keeps none of the build's tokenizers: the one inspect_tokenizer
     handed on for the backend check is dropped even where nothing took it (a pool build with
     tokenizers: the workers encode), as are those of a build that failed."""
-    from helixtok import tokenizer as ht
+    from helixtok.pipeline import tokenizer as ht
 
     build([str(small_corpus)], str(tmp_path / f"o{workers}"), small_tok,
           BuildConfig(seq_len=64, workers=workers, backend="hf", unit_bytes=1 << 12))  # 7+ units
@@ -463,7 +463,7 @@ def test_a_workers_progress_is_sent_coalesced_and_complete():
     import io
     import threading
 
-    from helixtok import pool
+    from helixtok.pipeline import pool
 
     buf = io.BytesIO()
     beat = pool.Beat(buf, threading.Lock())
@@ -491,7 +491,7 @@ def test_units_tokenize_while_the_backend_check_runs_and_a_rejected_librarys_uni
     import dataclasses
     import threading
 
-    import helixtok.builder as hb
+    import helixtok.pipeline.builder as hb
 
     cfg = BuildConfig(seq_len=16, workers=workers, unit_bytes=1)
     ref = tmp_path / "ref"

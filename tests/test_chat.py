@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from helixtok.builder import build
-from helixtok.chat import ChatEncoder, ChatSpec, load_spec, loss_mask
+from helixtok.pipeline.builder import build
+from helixtok.pipeline.chat import ChatEncoder, ChatSpec, load_spec, loss_mask
 from helixtok.cli import main as cli
-from helixtok.config import BuildConfig
-from helixtok.errors import ConfigError
+from helixtok.pipeline.config import BuildConfig
+from helixtok.format.errors import ConfigError
 
 
 def _package_dir(name: str, sub: str) -> Path:
@@ -115,8 +115,8 @@ def _ours(folder: Path, template: str, convs: list[dict], loss: str = "assistant
     """helixtok's ids and masks: tokenizers' offsets, or (backend) that library's ids with byte offsets."""
     from tokenizers import Tokenizer
 
-    from helixtok.backends import flat_encoder
-    from helixtok.tokenizer import hold_bytes
+    from helixtok.pipeline.backends import flat_encoder
+    from helixtok.pipeline.tokenizer import hold_bytes
 
     import tempfile
 
@@ -246,7 +246,7 @@ def _write_chat_corpus(root: Path, convs: list[dict]) -> Path:
 
 def _documents(out: str, split: str = "train") -> list[tuple[list, list]]:
     """Every stored conversation (ids, mask) of a bestfit chat build, read from its files."""
-    from helixtok.manifest import load_manifest
+    from helixtok.format.manifest import load_manifest
 
     m = load_manifest(out)
     dt = np.dtype(m["dtype"])
@@ -353,7 +353,7 @@ def test_shifted_labels_of_packed_chat_are_the_next_tokens_mask(tmp_path, llama_
 def test_chat_build_verifies_and_a_changed_mask_is_found(chat_build, tmp_path):
     import shutil
 
-    from helixtok.verify import verify
+    from helixtok.inspect.verify import verify
 
     out, _ = chat_build
     assert verify(out).ok
@@ -429,8 +429,8 @@ def test_chat_parts_merged_equal_the_single_build(tmp_path, llama_dir, dev_docs)
     import shutil
 
     from helixtok import MemmapChunkDataset
-    from helixtok.merge import merge
-    from helixtok.verify import verify
+    from helixtok.pipeline.merge import merge
+    from helixtok.inspect.verify import verify
 
     corpus = _write_chat_corpus(tmp_path / "c", real_conversations(dev_docs, 120, seed=7))
     spec = load_spec(str(llama_dir), None, "assistant", False, "messages")
@@ -492,7 +492,7 @@ def test_stats_say_what_trains(chat_build):
 def test_show_marks_what_trains(chat_build):
     import re
 
-    from helixtok.splitview import SplitView
+    from helixtok.read.splitview import SplitView
 
     out, _ = chat_build
     m = json.loads(Path(out, "manifest.json").read_text())

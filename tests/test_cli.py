@@ -197,7 +197,7 @@ def test_train_tokenizer(tmp_path, corpus):
 
 
 def test_cli_does_not_import_torch():
-    code = "import sys, helixtok.cli, helixtok.builder, helixtok.stats; print('torch' in sys.modules)"
+    code = "import sys, helixtok.cli, helixtok.pipeline.builder, helixtok.read.stats; print('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"
 
 
@@ -240,7 +240,7 @@ def test_dataset_without_torch_names_the_extra():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 1 and "pip install 'helixtok[torch]'" in r.stderr
     # ...while building and stats need no torch at all.
-    code = "import sys; sys.modules['torch'] = None\nimport helixtok.cli, helixtok.builder, helixtok.stats, helixtok.verify"
+    code = "import sys; sys.modules['torch'] = None\nimport helixtok.cli, helixtok.pipeline.builder, helixtok.read.stats, helixtok.inspect.verify"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 
@@ -480,14 +480,14 @@ def test_the_html_report_shows_the_charts_each_packing_has(dev_bestfit, dev_docu
         assert [t.strip() for t in re.findall(r"<h2>([^<(]+)", text) if " in train" in t] == want
         assert text.count("<svg") == 1 + len(want) and text.count('text-anchor="end"') == 3 * (1 + len(want))
     m = json.load(open(os.path.join(dev_bestfit, "manifest.json")))
-    from helixtok.splitview import SplitView
+    from helixtok.read.splitview import SplitView
 
     lengths = SplitView(dev_bestfit, m).pieces().size  # every item's tokens: with the padding, the stored tokens
     assert lengths.min() > 0 and lengths.sum() + m["splits"]["train"]["pad_tokens"] == m["splits"]["train"]["num_tokens"]
 
 
 def test_show_of_a_bestfit_chunk_marks_each_document_and_the_padding(dev_bestfit):
-    from helixtok.splitview import SplitView
+    from helixtok.read.splitview import SplitView
 
     m = json.load(open(os.path.join(dev_bestfit, "manifest.json")))
     v = SplitView(dev_bestfit, m)
@@ -508,7 +508,7 @@ def test_ctrl_c_while_the_command_line_is_imported_is_one_line_and_exit_130():
     the commands are imported used to print a KeyboardInterrupt traceback (issue 39, 2 of 30 trials)."""
     code = """
 import builtins, os, signal, sys
-import helixtok.entry as entry
+import helixtok.cli.entry as entry
 real = builtins.__import__
 def interrupted(name, *a, **k):
     if name == "click":
@@ -528,8 +528,8 @@ def test_every_reader_names_a_damaged_dataset_in_one_line(tmp_path, small_corpus
     39: an IndexError traceback for a wrong num_tokens, a tokenizers traceback for a missing
     tokenizer.json, an empty chunk printed with exit 0 for a truncated last shard or a link to
     /dev/zero)."""
-    from helixtok.builder import build
-    from helixtok.config import BuildConfig
+    from helixtok.pipeline.builder import build
+    from helixtok.pipeline.config import BuildConfig
 
     out = tmp_path / "out"
     build([str(small_corpus)], str(out), small_tok, BuildConfig(seq_len=16, workers=1, shard_bytes=8 << 10))
@@ -565,8 +565,8 @@ def test_every_reader_names_a_damaged_dataset_in_one_line(tmp_path, small_corpus
 def test_no_eta_before_a_rate_is_known_and_none_counting_start_up():
     """The ETA comes from tokenizing alone, after a second of it: start-up is not throughput
     (issue 41: 'ETA 20:42:52' for an 8 s build, the first progress line counting the start)."""
-    from helixtok.commands.build import eta
-    from helixtok.dispatch import Progress
+    from helixtok.cli.build import eta
+    from helixtok.pipeline.dispatch import Progress
 
     def p(done):
         return Progress(done, 100_000_000, 0, 0, 0, 10, "tokenize")
@@ -628,7 +628,7 @@ def test_a_corpus_of_skipped_records_says_what_was_skipped_not_seq_len(tmp_path,
 def test_summary_alerts_say_what_is_true_of_the_packing(small_tok):
     """bestfit's padding alert no longer recommends bestfit ('about 2% padding' beside 33.7%); a
     one-token --seq-len is said; --workers' help gives the shares the build uses."""
-    from helixtok.summary import alerts
+    from helixtok.inspect.summary import alerts
 
     m = {"packing": "bestfit", "seq_len": 2048, "min_tail_len": 0,
          "totals": {"documents": 10, "tokens": 1000, "dropped_documents": 0, "dropped_tokens": 0,

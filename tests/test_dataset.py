@@ -19,7 +19,7 @@ from click.testing import CliRunner
 
 from helixtok import MemmapChunkDataset
 from helixtok.cli import main
-from helixtok.errors import DatasetError
+from helixtok.format.errors import DatasetError
 
 
 def all_chunks(out, split="train"):
@@ -262,7 +262,7 @@ def test_the_dataset_says_its_vocabulary_special_ids_and_manifest(dev_packed):
 def _as_version_1(src: str, dst) -> str:
     """A copy of a packed format 2 dataset as helixtok 0.1 wrote it: one shard of whole chunks
     (the stream's last partial chunk not stored), .docs offsets inside it, num_chunks per shard."""
-    from helixtok.splitview import SplitView
+    from helixtok.read.splitview import SplitView
 
     m = json.load(open(os.path.join(src, "manifest.json")))
     v = SplitView(src, m)
@@ -288,7 +288,7 @@ def _as_version_1(src: str, dst) -> str:
 def test_a_format_1_dataset_still_reads_alike(dev_packed, tmp_path):
     """A dataset helixtok 0.1 wrote (format 1: shards of whole chunks) reads as the format 2 one
     it was made from: every batch, document masks, stats, verify, show; merge refuses it."""
-    from helixtok.merge import merge
+    from helixtok.pipeline.merge import merge
 
     old = _as_version_1(dev_packed, tmp_path / "v1")
     a, b = MemmapChunkDataset(dev_packed, document_masking=True), MemmapChunkDataset(old, document_masking=True)
@@ -315,7 +315,7 @@ def test_a_damaged_bestfit_index_is_named_never_read(dev_bestfit, tmp_path):
     read before the index was hashed on first read.)"""
     import hashlib
 
-    from helixtok.verify import verify
+    from helixtok.inspect.verify import verify
 
     out = copy_dataset(dev_bestfit, tmp_path / "d")
     items = np.fromfile(os.path.join(out, "train.items"), dtype="<u8").reshape(-1, 2)
@@ -348,7 +348,7 @@ def test_a_bestfit_index_that_is_not_the_lengths_placement_fails_verify(dev_best
     lengths (a manifest and index from another placement) is named by verify."""
     import hashlib
 
-    from helixtok.verify import verify
+    from helixtok.inspect.verify import verify
 
     out = copy_dataset(dev_bestfit, tmp_path / "d")
     items = np.fromfile(os.path.join(out, "train.items"), dtype="<u8").reshape(-1, 2)
@@ -374,8 +374,8 @@ def test_a_damaged_index_or_sidecar_is_named_by_every_reader_never_read(tmp_path
     gave every chunk its items' tokens from the wrong place, with no error, as would a flipped byte
     in a .docs or .valid sidecar; only verify said so.  These small files are hashed as they are
     first read: the dataset and show name the file."""
-    from helixtok.builder import build
-    from helixtok.config import BuildConfig
+    from helixtok.pipeline.builder import build
+    from helixtok.pipeline.config import BuildConfig
 
     out = tmp_path / "out"
     build([str(small_corpus)], str(out), small_tok, BuildConfig(seq_len=64, workers=1, packing=packing))

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from helixtok.sampler import ChunkSampler
+from helixtok.read.sampler import ChunkSampler
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -46,8 +46,8 @@ class TinyLM(torch.nn.Module):
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory, dev_corpus, tokenizer_path):
     """A folder laid out as the snippets assume: out/ (with a val split), tokenizer.json, web/, code/."""
-    from helixtok.builder import build
-    from helixtok.config import BuildConfig
+    from helixtok.pipeline.builder import build
+    from helixtok.pipeline.config import BuildConfig
 
     d = tmp_path_factory.mktemp("docs")
     build([str(dev_corpus / "txt")], str(d / "out"), tokenizer_path,
@@ -63,8 +63,8 @@ def recipe_out(tmp_path_factory, dev_corpus, tokenizer_path) -> str:
     """A few hundred chunks: enough for partial accumulation windows and a resume, quick to train on."""
     import gzip
 
-    from helixtok.builder import build
-    from helixtok.config import BuildConfig
+    from helixtok.pipeline.builder import build
+    from helixtok.pipeline.config import BuildConfig
 
     d = tmp_path_factory.mktemp("recipes")
     with gzip.open(dev_corpus / "jsonl" / "part0.jsonl.gz", "rt", encoding="utf-8") as fh:
@@ -181,7 +181,7 @@ def test_training_md_trainer_swap_resume_and_mixture(workdir, monkeypatch):
 
 
 def test_training_md_document_masking_snippet(workdir, monkeypatch):
-    from helixtok.masking import block_causal_mask
+    from helixtok.read.masking import block_causal_mask
 
     ns = run(snippet("docs/training.md", "document_masking=True"), workdir, monkeypatch)
     b = ns["batch"]
@@ -238,7 +238,7 @@ def test_trainer_recipes_run_the_steps_stats_predicts_and_lightning_resumes_exac
         if importlib.util.find_spec(lib) is None:
             pytest.skip(f"{lib} is not installed (it is in the [test] extra)")
     from helixtok import ChunkSampler, MemmapChunkDataset
-    from helixtok.stats import stats_for
+    from helixtok.read.stats import stats_for
 
     out = recipe_out
     B = next(b for b in (8, 12, 16) if stats_for(out, batch_size=b).batches_per_epoch % 3)

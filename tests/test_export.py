@@ -11,11 +11,11 @@ import pytest
 from click.testing import CliRunner
 from tokenizers import Tokenizer
 
-from helixtok.builder import build
+from helixtok.pipeline.builder import build
 from helixtok.cli import main
-from helixtok.config import BuildConfig
-from helixtok.errors import ConfigError
-from helixtok.helixlm import FIELDS, SHARD_FIELDS, export_helixlm
+from helixtok.pipeline.config import BuildConfig
+from helixtok.format.errors import ConfigError
+from helixtok.export.helixlm import FIELDS, SHARD_FIELDS, export_helixlm
 
 ROWS = ["  leading spaces and a tail  \n", "plain row", "\n\nnewlines around\n\n", "   ", "x y z " * 400,
         "日本語 with spaces  "]
@@ -197,7 +197,7 @@ def test_megatron_import_round_trips_and_reads_megatron_cores_own_files(tmp_path
     assert r.exit_code == 0, r.output
     # Export then import gives back the very stream and document starts (format 2: in shards of
     # --shard-size, where the build wrote one stream per work unit).
-    from helixtok.splitview import SplitView
+    from helixtok.read.splitview import SplitView
 
     views = [SplitView(p, json.load(open(os.path.join(p, "manifest.json")))) for p in (dev_packed, tmp_path / "back")]
     (a, b) = [np.concatenate(list(v.iter_stream())) for v in views]
@@ -233,7 +233,7 @@ def test_megatron_import_killed_halfway_is_rerun_by_the_same_command(tmp_path, d
     assert CliRunner().invoke(main, ["export", "megatron", dev_packed, prefix]).exit_code == 0
     args = [prefix, "-t", tokenizer_path, "-L", "512", "--shard-size", "256KiB"]
     # Killed (os._exit: no handler runs) after the shards are written, before they are published.
-    code = ("import os, sys; import helixtok.shards as s; close = s.ShardFiles.close\n"
+    code = ("import os, sys; import helixtok.format.shards as s; close = s.ShardFiles.close\n"
             "def killed(self):\n    close(self); os._exit(9)\n"
             "s.ShardFiles.close = killed\n"
             "from helixtok.cli import main; sys.argv = ['helixtok'] + sys.argv[1:]; main()")
@@ -277,8 +277,8 @@ def test_megatron_export_of_bestfit_is_one_sequence_per_item(tmp_path, dev_bestf
     """bestfit: one sequence per item, padding left out: every document of at most seq_len
     tokens whole, a longer one as its seq_len pieces; megatron-core reads them unchanged.  A
     document-packed build is refused with one line; HelixLM's store refuses bestfit too."""
-    from helixtok.helixlm import export_helixlm
-    from helixtok.splitview import SplitView
+    from helixtok.export.helixlm import export_helixlm
+    from helixtok.read.splitview import SplitView
 
     r = CliRunner().invoke(main, ["export", "megatron", dev_bestfit, str(tmp_path / "mg" / "bf")])
     assert r.exit_code == 0, r.output

@@ -16,13 +16,13 @@ import time
 import pytest
 from click.testing import CliRunner
 
-import helixtok.builder as hb
-import helixtok.dispatch as hdisp
+import helixtok.pipeline.builder as hb
+import helixtok.pipeline.dispatch as hdisp
 from conftest import UNIT
-from helixtok.builder import STATE, build
+from helixtok.pipeline.builder import STATE, build
 from helixtok.cli import main
-from helixtok.config import BuildConfig
-from helixtok.errors import ConfigError, HelixtokError
+from helixtok.pipeline.config import BuildConfig
+from helixtok.format.errors import ConfigError, HelixtokError
 
 # Kilobyte corpora with --workers 2 still start a pool: these tests are about its processes.
 pytestmark = pytest.mark.usefixtures("pooled")
@@ -71,7 +71,7 @@ def test_kill_9_then_resume_is_byte_identical(tmp_path, dev_corpus, tokenizer_pa
     assert done and not (out / "manifest.json").exists()
     mtimes = {d: os.stat(d).st_mtime_ns for d in done}
     from helixtok import MemmapChunkDataset
-    from helixtok.errors import DatasetError
+    from helixtok.format.errors import DatasetError
 
     with pytest.raises(DatasetError, match="unfinished"):
         MemmapChunkDataset(str(out))
@@ -211,7 +211,7 @@ def test_changed_option_or_input_refuses_resume(tmp_path, small_tok, monkeypatch
     with pytest.raises(ConfigError, match=r"unfinished build .*seq_len: 4 -> 8"):
         build([str(c)], out, small_tok, BuildConfig(seq_len=8, workers=1))
     # Another tokenizers release as the reference (its ids may differ): refused like another backend version.
-    import helixtok.tokenizer as ht
+    import helixtok.pipeline.tokenizer as ht
     monkeypatch.setattr(ht, "reference_version", lambda: "tokenizers 0.0.1")
     with pytest.raises(ConfigError, match=r"unfinished build .*reference_version: 'tokenizers [\d.]+' -> "
                                           r"'tokenizers 0.0.1'"):
@@ -345,7 +345,7 @@ def test_hung_worker_fails_promptly_with_location(tmp_path, dev_corpus, tokenize
 
 
 def test_disk_full_is_a_clear_error_and_publishes_nothing(tmp_path, small_tok, monkeypatch):
-    from helixtok import shards
+    from helixtok.format import shards
 
     def full(self, arr):
         raise OSError(errno.ENOSPC, "No space left on device", self.tmp)
@@ -367,7 +367,7 @@ def test_a_one_process_build_stops_at_a_failed_write_and_leaves_nothing_half_wri
     """-j 1: a write error in the third unit stops the build there (no later unit is tokenized),
     with the disk-full line; nothing is published and no temp file is left open or behind.
     (Form changed with format 2: this was about the assembly thread behind the tokenizing.)"""
-    from helixtok import shards
+    from helixtok.format import shards
 
     c = tmp_path / "c"
     c.mkdir()
@@ -396,7 +396,7 @@ def test_a_one_process_build_stops_at_a_failed_write_and_leaves_nothing_half_wri
 
 
 def test_too_many_open_files_is_one_line_with_the_fix(tmp_path, small_corpus, small_tok, monkeypatch):
-    from helixtok.sources import UnitReader
+    from helixtok.pipeline.sources import UnitReader
 
     def emfile(self):
         raise OSError(errno.EMFILE, "Too many open files", self.unit.files[0])
@@ -518,7 +518,7 @@ def test_a_pool_that_breaks_while_starting_is_one_line_and_leaves_no_worker(tmp_
     """Workers that die before they are ready (here: at once) fail the build with one line, from
     the backend check's wait on them; none is left running.  (Form changed with the pool: it was
     a ProcessPoolExecutor whose submit raised BrokenProcessPool.)"""
-    import helixtok.pool as hp
+    import helixtok.pipeline.pool as hp
 
     made = []
     real_init = hb.UnitPool.__init__
@@ -542,7 +542,7 @@ def test_a_failed_pool_build_leaves_no_traceback_from_the_pool_thread(tmp_path, 
     the shutdown printed InvalidStateError once in six --strict runs)."""
     import threading
 
-    from helixtok.errors import InputError
+    from helixtok.format.errors import InputError
 
     c = tmp_path / "c"
     c.mkdir()
@@ -564,9 +564,9 @@ def test_kill_9_while_a_gz_is_indexed_leaves_no_indexer_behind(tmp_path, dev_doc
     (tmp_path / "big.jsonl.gz").write_bytes(gzip.compress("".join(json.dumps({"text": t}) + "\n"
                                                                   for t in dev_docs[:200]).encode()))
     code = f"""
-import helixtok.compressed as hc
-import helixtok.discover as hd
-import helixtok.units as hu
+import helixtok.pipeline.compressed as hc
+import helixtok.pipeline.discover as hd
+import helixtok.pipeline.units as hu
 hu.SPLIT_BYTES = hu.RANGE_MIN_BYTES = 1
 hc._GZ_INDEXER = hc._GZ_INDEXER.replace("import indexed_gzip", "import time; time.sleep(60); import indexed_gzip")
 files, _ = hd.discover([{str(tmp_path / "big.jsonl.gz")!r}])
@@ -752,7 +752,7 @@ def test_file_size_limit_and_open_files_and_a_dangling_out_are_one_line_with_the
         "use a smaller --shard-size, then rerun the same command to resume"], p.stderr
     assert subprocess.run(args, capture_output=True).returncode == 0  # the limit lifted: it resumes
     # Too many open files met before the build's own handler (listing the corpus): the same line.
-    import helixtok.builder as hbuild
+    import helixtok.pipeline.builder as hbuild
 
     def emfile(*a, **k):
         raise OSError(errno.EMFILE, "Too many open files", str(small_corpus / "c.txt"))
@@ -774,11 +774,11 @@ def test_a_stopped_helper_process_fails_its_phase_within_the_stall_timeout(tmp_p
     line within --stall-timeout (they used to be waited for without any bound)."""
     import gzip
 
-    import helixtok.backends as hbk
-    import helixtok.compressed as hc
-    import helixtok.units as hu
-    from helixtok.discover import discover
-    from helixtok.units import plan_units
+    import helixtok.pipeline.backends as hbk
+    import helixtok.pipeline.compressed as hc
+    import helixtok.pipeline.units as hu
+    from helixtok.pipeline.discover import discover
+    from helixtok.pipeline.units import plan_units
 
     stop_self = "import os, signal\nos.kill(os.getpid(), signal.SIGSTOP)\n"
     monkeypatch.setenv("HELIXTOK_CACHE", str(tmp_path / "cache"))
@@ -930,8 +930,8 @@ def test_a_unit_file_changed_before_its_join_stops_the_build_and_the_rerun_is_ri
     dataset of its bytes; the same command then tokenizes that unit again and gives the build
     an undisturbed run gives.  (Form: the join's GroupWriter.append became join.place_unit, which
     places the units that wrote their ids to a file: none is held in memory here.)"""
-    import helixtok.unit as hu
-    from helixtok.errors import HelixtokError
+    import helixtok.pipeline.unit as hu
+    from helixtok.format.errors import HelixtokError
 
     monkeypatch.setattr(hu, "HOLD_BYTES", 0)
 
@@ -992,7 +992,7 @@ def test_units_placed_as_they_end_write_their_ids_once(tmp_path, dev_corpus, tok
                                                        monkeypatch):
     """Without workers every unit's offset is known as it ends: its ids go from memory straight to
     their place in the group's shard, never into a file of their own; the dataset is the pool's."""
-    import helixtok.shards as hs
+    import helixtok.format.shards as hs
 
     spilled, real = [], hs.HeldIds.spill
     monkeypatch.setattr(hs.HeldIds, "spill", lambda self: spilled.append(self.final) or real(self))
@@ -1010,7 +1010,7 @@ def test_units_placed_as_they_end_write_their_ids_once(tmp_path, dev_corpus, tok
 def test_units_too_large_to_hold_are_written_then_placed(tmp_path, dev_corpus, tokenizer_path, monkeypatch, packing):
     """A unit whose ids pass the memory it may hold writes them to its own file and is placed from
     there (checked against its sha256 as it is copied), its file then deleted: the same dataset."""
-    import helixtok.unit as hu
+    import helixtok.pipeline.unit as hu
 
     cfg = BuildConfig(seq_len=512, workers=1, shard_bytes=1 << 20, unit_bytes=UNIT, packing=packing,
                       val_fraction=0.1)

@@ -11,15 +11,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
-from helixtok import longdoc
-from helixtok.builder import build
-from helixtok.config import BuildConfig
-from helixtok.errors import InputError
-from helixtok.longdoc import LongText
-from helixtok.discover import discover
-from helixtok.sources import UnitReader
-from helixtok.tally import Tally
-from helixtok.units import plan_units
+from helixtok.pipeline import longdoc
+from helixtok.pipeline.builder import build
+from helixtok.pipeline.config import BuildConfig
+from helixtok.format.errors import InputError
+from helixtok.pipeline.longdoc import LongText
+from helixtok.pipeline.discover import discover
+from helixtok.pipeline.sources import UnitReader
+from helixtok.pipeline.tally import Tally
+from helixtok.pipeline.units import plan_units
 
 # Characters that stress every cut rule: escapes, multi-byte UTF-8, astral pairs, lone surrogates.
 ALPHABET = st.sampled_from(list('ab "\\\n\t\x01/é日😀') + ["\ud800", "\udc00", "u", "0", "D"])
@@ -106,12 +106,12 @@ def test_build_is_byte_identical_whether_documents_are_read_whole_or_in_pieces(t
 
 PEAK = """
 import sys
-import helixtok.shards
-from helixtok.builder import build
-from helixtok.config import BuildConfig
+import helixtok.format.shards
+from helixtok.pipeline.builder import build
+from helixtok.pipeline.config import BuildConfig
 # The bounded buffer a large input fills and a small one does not (the hash thread's queue:
 # 32 MiB), made small: what is left to grow with the input is what this test is about.
-helixtok.shards._Sha256Behind.QUEUED_BYTES = 2 << 20
+helixtok.format.shards._Sha256Behind.QUEUED_BYTES = 2 << 20
 build([sys.argv[1]], sys.argv[2], sys.argv[3], BuildConfig(seq_len=1024, workers=1))
 # VmHWM, not ru_maxrss: Linux carries ru_maxrss over from the forking parent (pytest) across exec.
 print(next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmHWM:")))
@@ -171,10 +171,10 @@ def test_a_long_document_reports_progress_piece_by_piece(tmp_path, small_tok):
     worker silent that long would also pass for hung); the sums are the unit's exact counts."""
     import dataclasses
 
-    from helixtok import unit as hu
-    from helixtok.discover import discover
-    from helixtok.tokenizer import inspect_tokenizer
-    from helixtok.units import plan_units
+    from helixtok.pipeline import unit as hu
+    from helixtok.pipeline.discover import discover
+    from helixtok.pipeline.tokenizer import inspect_tokenizer
+    from helixtok.pipeline.units import plan_units
 
     text = "the quick brown fox jumps over the lazy dog " * 60_000  # 2.6 MB
     (tmp_path / "c.jsonl").write_text(json.dumps({"text": "short one"}) + "\n" + json.dumps({"text": text}) + "\n")

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from torch.utils.data import DataLoader
 
 from helixtok import MemmapChunkDataset
-from helixtok.masking import block_causal_mask, boundaries, flex_block_mask
+from helixtok.read.masking import block_causal_mask, boundaries, flex_block_mask
 
 
 def test_boundaries_example():
@@ -128,7 +128,7 @@ def test_packed_logits_equal_each_document_alone(dev_packed, dev_bestfit):
 
 
 def test_document_masking_needs_packed_data(dev_document):
-    from helixtok.errors import DatasetError
+    from helixtok.format.errors import DatasetError
 
     with pytest.raises(DatasetError, match="need packed or bestfit data"):
         MemmapChunkDataset(dev_document, document_masking=True)

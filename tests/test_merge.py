@@ -10,23 +10,23 @@ import pytest
 from click.testing import CliRunner
 
 from helixtok import MemmapChunkDataset
-from helixtok.builder import build
+from helixtok.pipeline.builder import build
 from helixtok.cli import main
-from helixtok.config import BuildConfig
-from helixtok.errors import ConfigError, DatasetError
-from helixtok.manifest import write_json_atomic
-from helixtok.merge import merge, task_from_env
+from helixtok.pipeline.config import BuildConfig
+from helixtok.format.errors import ConfigError, DatasetError
+from helixtok.format.manifest import write_json_atomic
+from helixtok.pipeline.merge import merge, task_from_env
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import on_a_pool
-from helixtok.verify import verify
+from helixtok.inspect.verify import verify
 
 
 def rows(out, split="train"):
     m = json.load(open(os.path.join(out, "manifest.json")))
     if m["packing"] == "bestfit":  # format 3: chunks gathered by the split's index
-        from helixtok.splitview import SplitView
+        from helixtok.read.splitview import SplitView
 
         view = SplitView(out, m, split)
         return m, np.stack([view.chunk(i) for i in range(view.num_chunks)])
@@ -54,7 +54,7 @@ def test_three_tasks_merged_equal_a_single_build(tmp_path, txt_corpus, tokenizer
     mm = merge(list(reversed(parts)), str(root))  # order given does not matter: task order is used
     assert mm["merged_from"] == ["part-00000", "part-00001", "part-00002"]
     # Each document's source is the single build's (the parts hold the whole plan; unit_documents run over all).
-    from helixtok.show import document_source
+    from helixtok.inspect.show import document_source
 
     n = ms["totals"]["documents"]
     for d in (0, n // 2, n - 1):
@@ -305,7 +305,7 @@ def test_a_merge_killed_before_its_manifest_is_finished_by_the_rerun(tmp_path, s
     """merge records what it is about to write before writing it: one stopped after its tokenizer
     copy and before its manifest leaves files a rerun knows as its own (issue 39: every later
     merge refused them as 'not written by helixtok', --overwrite included)."""
-    import helixtok.merge as hm
+    import helixtok.pipeline.merge as hm
 
     parts = _two_parts(tmp_path, small_corpus, small_tok, tmp_path / "a")
     out = tmp_path / "m"

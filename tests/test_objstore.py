@@ -18,10 +18,10 @@ import pytest
 from click.testing import CliRunner
 
 from conftest import UNIT
-from helixtok.builder import STATE, build
+from helixtok.pipeline.builder import STATE, build
 from helixtok.cli import main
-from helixtok.config import BuildConfig
-from helixtok.errors import ConfigError, DatasetError, InputError
+from helixtok.pipeline.config import BuildConfig
+from helixtok.format.errors import ConfigError, DatasetError, InputError
 
 pytest.importorskip("s3fs")
 pytest.importorskip("moto")
@@ -174,7 +174,7 @@ def test_object_changed_between_runs_or_during_the_build_is_detected(s3, tmp_pat
     assert not (out / "manifest.json").exists()
     # An unfinished build whose object then changes: the rerun refuses to mix the two versions.
     state_plan = tmp_path / "resume"
-    import helixtok.builder as hb
+    import helixtok.pipeline.builder as hb
 
     real = hb._check_unchanged
 
@@ -217,14 +217,14 @@ def test_kill_9_during_an_s3_build_then_resume_is_byte_identical(s3, s3_corpus, 
 def test_publish_to_s3_manifest_last_then_stats_verify_and_pull(s3, dev_packed, small_corpus, small_tok, tmp_path,
                                                                 tokenizer_path, s3_corpus):
     from helixtok import MemmapChunkDataset
-    from helixtok.publish import upload
-    from helixtok.verify import verify
+    from helixtok.pipeline.publish import upload
+    from helixtok.inspect.verify import verify
 
     b = new_bucket(s3)
     s3.pipe_file(f"{b}/ds/NOTES.md", b"the user's own file\n")
     url = f"s3://{b}/ds"
     # Upload a finished build; watch the server while it happens: no manifest before every file is there.
-    import helixtok.publish as hp
+    import helixtok.pipeline.publish as hp
 
     seen = []
     real_put = hp.ThreadPoolExecutor
@@ -292,8 +292,8 @@ def test_a_gz_object_split_into_ranges_reads_like_the_local_file(s3, s3_corpus, 
                                                                  monkeypatch):
     """A large .jsonl.gz object is cut into ranges like a local file; its seek index is built in
     this process (the indexer process reads only local files): the same units and bytes."""
-    import helixtok.compressed as hc
-    import helixtok.units as hu
+    import helixtok.pipeline.compressed as hc
+    import helixtok.pipeline.units as hu
 
     monkeypatch.setattr(hu, "SPLIT_BYTES", 1)
     monkeypatch.setattr(hu, "RANGE_MIN_BYTES", 1)

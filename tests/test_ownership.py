@@ -12,15 +12,15 @@ import time
 import pytest
 from click.testing import CliRunner
 
-import helixtok.builder as hb
+import helixtok.pipeline.builder as hb
 from helixtok import MemmapChunkDataset
-from helixtok.builder import build
+from helixtok.pipeline.builder import build
 from helixtok.cli import main
-from helixtok.config import BuildConfig
-from helixtok.errors import ConfigError, DatasetError, HelixtokError, InputError
-from helixtok.outdir import LOCK_INFO, STATE
-from helixtok.unit import done_path
-from helixtok.discover import discover
+from helixtok.pipeline.config import BuildConfig
+from helixtok.format.errors import ConfigError, DatasetError, HelixtokError, InputError
+from helixtok.pipeline.outdir import LOCK_INFO, STATE
+from helixtok.pipeline.unit import done_path
+from helixtok.pipeline.discover import discover
 
 
 def shards_of(out):
@@ -355,7 +355,7 @@ def test_a_panic_inside_the_tokenizer_is_one_line_naming_the_unit(tmp_path, smal
     def panic(self, docs):
         raise PanicException("called `Result::unwrap()` on an `Err` value")
 
-    from helixtok.encode import Encoder
+    from helixtok.pipeline.encode import Encoder
 
     monkeypatch.setattr(Encoder, "encode", panic)
     with pytest.raises(HelixtokError, match=r"tokenizing .*a.txt.* failed: PanicException: called"):

@@ -8,10 +8,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from helixtok import shards
-from helixtok.bestfit import build_index, epoch_order, place
-from helixtok.layout import bestfit_pieces, shuffled_documents
-from helixtok.pack import PACKERS, document_chunks
+from helixtok.format import shards
+from helixtok.format.bestfit import build_index, epoch_order, place
+from helixtok.read.layout import bestfit_pieces, shuffled_documents
+from helixtok.pipeline.pack import PACKERS, document_chunks
 
 
 def reference_document(docs, L, min_tail, pad):

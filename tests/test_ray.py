@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from helixtok.builder import STATE
+from helixtok.pipeline.builder import STATE
 
 ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'helixtok[ray]'; it is in [test])")
 RAY = os.path.join(os.path.dirname(sys.executable), "ray")

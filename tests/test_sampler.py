@@ -11,9 +11,9 @@ from hypothesis import strategies as st
 from torch.utils.data import DataLoader
 
 from helixtok import ChunkSampler, MemmapChunkDataset, MixtureDataset
-from helixtok.errors import ConfigError
-from helixtok.sampler import Permutation
-from helixtok.stats import batches_per_epoch, samples_per_rank
+from helixtok.format.errors import ConfigError
+from helixtok.read.sampler import Permutation
+from helixtok.read.stats import batches_per_epoch, samples_per_rank
 
 
 @settings(max_examples=200, deadline=None)
@@ -220,7 +220,7 @@ def test_a_new_packing_every_epoch_through_dataloader_workers_and_a_resume(dev_p
     epoch's chunks are its shuffled documents cut every seq_len (each document's tokens once, in
     order); bestfit: each chunk holds the same items, in a new order; a resume mid-epoch with
     another worker count gives the exact rest of that epoch."""
-    from helixtok.splitview import SplitView
+    from helixtok.read.splitview import SplitView
 
     out = dev_packed if packing == "packed" else dev_bestfit
     ds = MemmapChunkDataset(out, repack=True, seed=9, position_ids=True)

@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader
 
 from helixtok import MemmapChunkDataset, Mixture, Stage
 from helixtok.cli import main
-from helixtok.errors import ConfigError
+from helixtok.format.errors import ConfigError
 
 
 class Source(list):
@@ -197,7 +197,7 @@ def test_document_masks_come_through_the_mixture_and_a_yaml_file_reads_as_json(d
             "stages": [{"until_steps": 5, "weights": {"a": 1}}]}
     (tmp_path / "m.yaml").write_text(yaml.safe_dump(spec))
     (tmp_path / "m.json").write_text(json.dumps(spec))
-    from helixtok.schedule import load_mixture
+    from helixtok.read.schedule import load_mixture
 
     assert load_mixture(str(tmp_path / "m.yaml")).stats() == load_mixture(str(tmp_path / "m.json")).stats()
     (tmp_path / "bad.yaml").write_text("sources: [")

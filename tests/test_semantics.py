@@ -8,12 +8,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from helixtok.backends import hf_ids, hf_tokenizer, tiktoken_encoding
-from helixtok.builder import build
-from helixtok.config import BuildConfig
-from helixtok.errors import TokenizerError
-from helixtok.encode import Encoder
-from helixtok.tokenizer import inspect_tokenizer
+from helixtok.pipeline.backends import hf_ids, hf_tokenizer, tiktoken_encoding
+from helixtok.pipeline.builder import build
+from helixtok.pipeline.config import BuildConfig
+from helixtok.format.errors import TokenizerError
+from helixtok.pipeline.encode import Encoder
+from helixtok.pipeline.tokenizer import inspect_tokenizer
 
 
 def stream(out, split="train"):
@@ -28,7 +28,7 @@ def reference(tok_path, text, special="text"):
 
 def held(tok_path) -> str:
     """The sha256 under which the tokenizer file's bytes are held for loads (as a build holds them)."""
-    from helixtok.tokenizer import hold_bytes
+    from helixtok.pipeline.tokenizer import hold_bytes
 
     with open(tok_path, "rb") as fh:
         return hold_bytes(fh.read())

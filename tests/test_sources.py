@@ -21,14 +21,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
-import helixtok.compressed as hc
-from helixtok.builder import build
-from helixtok.config import BuildConfig
-from helixtok.errors import ConfigError, InputError
-from helixtok.discover import discover
-from helixtok.sources import LineRefs, UnitReader
-from helixtok.tally import Tally
-from helixtok.units import plan_units
+import helixtok.pipeline.compressed as hc
+from helixtok.pipeline.builder import build
+from helixtok.pipeline.config import BuildConfig
+from helixtok.format.errors import ConfigError, InputError
+from helixtok.pipeline.discover import discover
+from helixtok.pipeline.sources import LineRefs, UnitReader
+from helixtok.pipeline.tally import Tally
+from helixtok.pipeline.units import plan_units
 
 
 def do_build(tmp_path, tok, *paths, **kw):
@@ -43,7 +43,7 @@ def assert_same_build(a: dict, out_a: str, b: dict, out_b: str) -> None:
     plan, the options, the backend check's sample, which is drawn from the plan, and the shard
     list: each unit writes its own shards) and, split by split, the same token stream and the
     same document starts in it (format 2 changed this test's form: it compared shard files)."""
-    from helixtok.splitview import SplitView
+    from helixtok.read.splitview import SplitView
 
     for name in a["splits"]:
         va, vb = SplitView(out_a, a, name), SplitView(out_b, b, name)
@@ -181,8 +181,8 @@ def test_a_large_jsonl_zst_is_read_by_several_workers_with_the_same_bytes(tmp_pa
     frames that do not (as pzstd writes them) are cut between, by compressed offset, also without."""
     import zstandard
 
-    import helixtok.discover as hd
-    import helixtok.units as hu
+    import helixtok.pipeline.discover as hd
+    import helixtok.pipeline.units as hu
 
     lines = [json.dumps({"text": t}, ensure_ascii=False) + "\n" for t in dev_docs[:300]]
     lines[237] = "{not json\n"
@@ -252,7 +252,7 @@ def test_zst_ranges_read_every_line_once(tmp_path_factory, monkeypatch, texts, b
     depend on it)."""
     import zstandard
 
-    import helixtok.units as hu
+    import helixtok.pipeline.units as hu
 
     lines = []
     for i, t in enumerate(texts):
@@ -303,8 +303,8 @@ def test_a_zst_whose_headers_misstate_its_size_fails(tmp_path, small_tok, dev_do
     publish a dataset missing the lines past the declared end."""
     import zstandard
 
-    import helixtok.discover as hd
-    import helixtok.units as hu
+    import helixtok.pipeline.discover as hd
+    import helixtok.pipeline.units as hu
 
     data = "".join(json.dumps({"text": t}) + "\n" for t in dev_docs[:300]).encode()
     c = tmp_path / "c"
@@ -334,8 +334,8 @@ def test_several_large_compressed_files_are_planned_side_by_side(tmp_path, small
     same bytes as reading each whole; a damaged one is named even while the other's pass runs."""
     import zstandard
 
-    import helixtok.discover as hd
-    import helixtok.units as hu
+    import helixtok.pipeline.discover as hd
+    import helixtok.pipeline.units as hu
 
     c = tmp_path / "c"
     c.mkdir()
@@ -366,8 +366,8 @@ def test_a_failing_plan_stops_the_passes_it_started(tmp_path, monkeypatch):
     reading its file to the end before the error is shown."""
     import zstandard
 
-    import helixtok.discover as hd
-    import helixtok.units as hu
+    import helixtok.pipeline.discover as hd
+    import helixtok.pipeline.units as hu
 
     c = tmp_path / "c"
     c.mkdir()
@@ -472,7 +472,7 @@ _RECORD_PARTS = [b'{"text": "plain"}', b'{"text": "caf\xc3\xa9 \\u00e9"}', b'{"t
        text=st.lists(st.text(max_size=12), max_size=5))
 def test_the_orjson_fast_path_reads_every_line_as_json_does(tmp_path_factory, picks, text):
     """With and without orjson, a unit yields the same texts, locations and counted warnings."""
-    import helixtok.sources as hs
+    import helixtok.pipeline.sources as hs
 
     # The first record has the field (a first record without it fails the build at once).
     lines = [_RECORD_PARTS[0]] + [_RECORD_PARTS[i] for i in picks] + [json.dumps({"text": t}).encode() for t in text]
@@ -561,8 +561,8 @@ def test_a_large_jsonl_gz_is_read_by_several_workers_with_the_same_bytes(tmp_pat
                                                                           pooled):
     """One .jsonl.gz cut into decompressed line ranges (a seek index per file): several units,
     byte-identical output to reading it whole, exact line numbers in warnings; damage still fails."""
-    import helixtok.discover as hd
-    import helixtok.units as hu
+    import helixtok.pipeline.discover as hd
+    import helixtok.pipeline.units as hu
 
     lines = [json.dumps({"text": t}) + "\n" for t in dev_docs[:300]]
     lines[237] = "{not json\n"
@@ -618,7 +618,7 @@ def test_a_damaged_gz_seek_index_never_changes_the_data(tmp_path, small_tok, dev
     CRC-32: a damaged entry is dropped and rebuilt, or the range is read without it; the dataset is
     the one the intact corpus gives, every time (a zeroed page used to drop 500 of 16,153 documents
     as "malformed json" with exit 0)."""
-    import helixtok.units as hu
+    import helixtok.pipeline.units as hu
 
     monkeypatch.setattr(hu, "SPLIT_BYTES", 1)
     monkeypatch.setattr(hu, "RANGE_MIN_BYTES", 1)
@@ -660,8 +660,8 @@ def test_a_damaged_gz_seek_index_never_changes_the_data(tmp_path, small_tok, dev
 
 
 def test_a_gz_seek_index_is_built_here_when_no_process_can_be_started(tmp_path, dev_docs, monkeypatch):
-    import helixtok.discover as hd
-    import helixtok.units as hu
+    import helixtok.pipeline.discover as hd
+    import helixtok.pipeline.units as hu
 
     monkeypatch.setattr(hu, "SPLIT_BYTES", 1)
     monkeypatch.setattr(hu, "RANGE_MIN_BYTES", 1)
@@ -678,8 +678,8 @@ def test_a_gz_seek_index_is_built_here_when_no_process_can_be_started(tmp_path, 
 
 
 def test_a_line_is_named_by_its_place_in_the_file_or_by_its_range():
-    from helixtok.sources import line_ref
-    from helixtok.units import Unit
+    from helixtok.pipeline.sources import line_ref
+    from helixtok.pipeline.units import Unit
 
     runs = [Unit(i, "jsonl.zst", ("a",), ("a.jsonl.zst",), a, b, 0, (b - a) * 4, seek=(a, 0), frames=True)
             for i, (a, b) in enumerate([(0, 100), (100, 250), (250, 300)])]
@@ -738,7 +738,7 @@ def test_a_samples_reader_passes_over_long_lines_without_holding_them(lines, cap
     its whole mode, what the reader uses for documents over long_doc_bytes.)"""
     import io
 
-    from helixtok.sources import _lines
+    from helixtok.pipeline.sources import _lines
 
     raw = b"".join(x + b"\n" for x in lines)
     if last_open and lines:

@@ -5,7 +5,7 @@ import itertools
 import pytest
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from helixtok.stats import batches_per_epoch, compute_stats
+from helixtok.read.stats import batches_per_epoch, compute_stats
 
 
 class Sized(Dataset):
@@ -27,7 +27,7 @@ def manifest(n, L=8):
 def test_batches_equal_len_dataloader_grid(n):
     """Every combination of the two independent torch settings: DistributedSampler(drop_last=SD)
     and DataLoader(drop_last=LD)."""
-    from helixtok.errors import ConfigError
+    from helixtok.format.errors import ConfigError
 
     ds = Sized(n)
     for B, W, SD, LD in itertools.product([1, 3, 16], [1, 2, 3, 8], [False, True], [False, True]):
@@ -88,7 +88,7 @@ def test_steps_count_a_real_accumulation_loop():
 
 def test_stats_on_real_dataset_match_dataloader(dev_packed):
     from helixtok import MemmapChunkDataset
-    from helixtok.stats import stats_for
+    from helixtok.read.stats import stats_for
 
     ds = MemmapChunkDataset(dev_packed)
     st = stats_for(dev_packed, batch_size=16, world_size=3, drop_last=True)

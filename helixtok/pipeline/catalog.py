@@ -1,0 +1,92 @@
+"""The manifest from the units' (or parts') journal entries, shard lists and counts: metadata only, no token read."""
+
+from __future__ import annotations
+
+from ..format.manifest import DOC_SKIPS, FORMAT_VERSION, REPAIRS, SIDE_NAMES, sum_sources
+from ..version import __version__
+
+CHAT_TEMPLATE = "chat_template.jinja"  # a chat build's template, beside its tokenizer.json
+COUNTED = ("documents", "tokens", "text_bytes", "pad_tokens", "dropped_tokens", "dropped_documents")
+
+
+def join_split(pieces: list[dict], shards: list[dict], seq_len: int, packing: str, index=None) -> dict:
+    """The entry of a split made of `pieces` (each with the COUNTED keys: one unit's counts, or a
+    part's split entry), whose shards in order are `shards`.
+
+    packed: the shards concatenated are the split's stream; its chunks are cut over all of it,
+    so only the stream's last partial chunk is dropped, however the units were partitioned.
+    bestfit: `index` (bestfit.Index, with its files' entry as `index.entry`) places the chunks
+    over the whole stream and says what was padded and dropped.
+    document: every shard holds whole chunks; the pieces' counts add up.
+    """
+    d = {k: sum(p[k] for p in pieces) for k in COUNTED}
+    stored = sum(e["num_tokens"] for e in shards)
+    chunks = stored // seq_len
+    if packing == "packed":
+        d["pad_tokens"] = d["dropped_documents"] = 0
+        d["dropped_tokens"] = stored - chunks * seq_len
+    extra = {}
+    if packing == "bestfit":
+        chunks = index.num_chunks
+        d.update(pad_tokens=index.pad_tokens, dropped_tokens=index.dropped_tokens,
+                 dropped_documents=index.dropped_documents)
+        extra = {"index": index.entry}
+    return {"num_chunks": chunks, "num_tokens": chunks * seq_len, **d, "shards": shards, **extra}
+
+
+def split_totals(splits: dict) -> dict:
+    """The manifest's totals over its splits (a caller adds what never reached a split)."""
+    t = {k: sum(s[k] for s in splits.values()) for k in COUNTED}
+    t["chunks"] = sum(s["num_chunks"] for s in splits.values())
+    t["stored_tokens"] = sum(s["num_tokens"] for s in splits.values())
+    return t
+
+
+def unit_counts(result: dict, split: str) -> dict:
+    """One unit's journal entry as a piece of join_split."""
+    c = result["counts"][split]
+    return {"documents": result["documents"][split], "tokens": result["tokens"][split],
+            "text_bytes": result["text_bytes"][split], "pad_tokens": c["pad_tokens"],
+            "dropped_tokens": c["dropped_tokens"], "dropped_documents": c["dropped_documents"]}
+
+
+def published(e: dict) -> dict:
+    """A journal entry's shard as the manifest lists it (without its name in the build's state folder)."""
+    e = {k: v for k, v in e.items() if k != "state"}
+    for side in SIDE_NAMES:
+        if side in e:
+            e[side] = {k: v for k, v in e[side].items() if k != "state"}
+    return e
+
+
+def build_manifest(config, info, backend_check: dict, files, units, part: dict | None, splits: dict,
+                   results: list[dict], tally, warnings) -> dict:
+    """A build's manifest.json: its options, tokenizer, inputs, splits and every count, from the
+    units' journal entries `results` (in unit order) and what was skipped (`tally`, `warnings`)."""
+    totals = split_totals(splits)
+    totals["skipped_documents"] = sum(tally.counts.get(r, 0) for r in DOC_SKIPS)
+    totals["repaired_documents"] = sum(tally.counts.get(r, 0) for r in REPAIRS)
+    return {
+        "format_version": FORMAT_VERSION,
+        "helixtok_version": __version__,
+        "dtype": "uint16" if info.dtype.itemsize == 2 else "uint32",
+        "seq_len": config.seq_len,
+        "packing": config.packing,
+        "min_tail_len": config.tail_len if config.packing != "packed" else None,
+        "tokenizer": {**info.to_json(), "file": "tokenizer.json", "backend_check": backend_check},
+        "options": {"text_field": config.text_field, "val_fraction": config.val_fraction,
+                    "split_seed": config.split_seed, "shard_bytes": config.shard_bytes,
+                    "unit_bytes": config.unit_bytes, "max_piece_chars": config.max_piece_chars,
+                    "strip": config.strip},
+        "inputs": {"files": len(files), "bytes": sum(f.size for f in files), "units": len(units),
+                   "list": [{"name": f.name, "bytes": f.size} for f in files]},
+        **({"partition": part} if part else {}),
+        "splits": splits,
+        "totals": totals,
+        "sources": sum_sources(r["sources"] for r in results),
+        # Documents per work unit and split, in unit order: where a document came from (inspect/show.py).
+        "unit_documents": {sp: [r["documents"].get(sp, 0) for r in results] for sp in splits},
+        "skipped": tally.to_json(),
+        "warnings": warnings.to_json(),
+        **({"chat": {**config.chat.to_json(), "template_file": CHAT_TEMPLATE}} if config.chat else {}),
+    }

@@ -1,0 +1,492 @@
+"""Conversations -> the model's chat template rendered (as transformers renders it) -> ids and a per-token loss mask.
+
+One conversation is rendered into one string, which is tokenized once: no seam between
+messages where BPE merges could differ from the model's own tokenization.  Which tokens train
+comes from the template's `{% generation %}` ... `{% endgeneration %}` spans (character ranges
+of the rendered string, recorded while it renders); a token trains when it overlaps one, the
+rule of transformers' `apply_chat_template(..., return_assistant_tokens_mask=True)`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+from datetime import datetime
+
+from ..format.errors import ConfigError
+
+LOSSES = ("assistant", "all", "last")
+GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
+_COMMENT = re.compile(r"\{#.*?#\}", re.S)  # a comment naming the tag is not a span
+# Markers around special-token strings found in a conversation's own strings (noncharacters:
+# never in interchange text; a conversation holding one is skipped, counted).
+OPEN, CLOSE = "\ufdd0", "\ufdd1"
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")  # as transformers aliases them
+_DICT_NAMES = frozenset(dir(dict))
+
+
+@dataclass(frozen=True)
+class ChatSpec:
+    """What decides a chat build's bytes besides the tokenizer: the template and the options."""
+
+    template: str
+    loss: str = "assistant"
+    truncate: bool = False
+    field: str = "messages"
+    # The tokenizer's special-token strings a template may use (bos_token, eos_token, ...).
+    token_strings: tuple[tuple[str, str], ...] = ()
+
+    def to_json(self) -> dict:
+        import hashlib
+
+        return {"template_sha256": hashlib.sha256(self.template.encode()).hexdigest(), "loss": self.loss,
+                "truncate": self.truncate, "field": self.field, "token_strings": dict(self.token_strings)}
+
+
+def _token_string(v) -> str | None:
+    if isinstance(v, str):
+        return v
+    if isinstance(v, dict) and isinstance(v.get("content"), str):
+        return v["content"]
+    return None
+
+
+def load_spec(tokenizer: str, template_file: str | None, loss: str, truncate: bool, field_name: str) -> ChatSpec:
+    """The template from --chat-template, else `chat_template` of the tokenizer_config.json beside
+    the tokenizer; refused in one line when it has no `{% generation %}` span and --loss needs one."""
+    folder = tokenizer if os.path.isdir(tokenizer) else os.path.dirname(os.path.abspath(tokenizer))
+    cfg_path = os.path.join(folder, "tokenizer_config.json")
+    config = {}
+    if os.path.isfile(cfg_path):
+        try:
+            with open(cfg_path, encoding="utf-8") as fh:
+                config = json.load(fh)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"{cfg_path}: not readable JSON ({e}); fix it or pass --chat-template") from None
+        if not isinstance(config, dict):
+            raise ConfigError(f"{cfg_path}: not a JSON object; fix it or pass --chat-template")
+    if template_file:
+        try:
+            with open(template_file, encoding="utf-8") as fh:
+                template = fh.read()
+        except OSError as e:
+            raise ConfigError(f"--chat-template {template_file}: cannot read it ({e.strerror})") from None
+        where = f"--chat-template {template_file}"
+    else:
+        template = config.get("chat_template")
+        if isinstance(template, list):  # named templates: the default one
+            template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"),
+                            None)
+        if not isinstance(template, str) or not template.strip():
+            raise ConfigError(f"{tokenizer}: no chat_template in {cfg_path}; pass --chat-template FILE.jinja")
+        where = cfg_path
+    if loss not in LOSSES:
+        raise ConfigError(f"--loss {loss}: give one of {', '.join(LOSSES)}")
+    if loss != "all" and not GENERATION_TAG.search(_COMMENT.sub("", template)):
+        raise ConfigError(f"{where}: the template has no {{% generation %}} span, so which tokens are the assistant's "
+                          "is unknown; pass --chat-template with a training template that marks them (TRL ships "
+                          "patched ones: trl/chat_templates/*_training.jinja), or --loss all")
+    strings = tuple(sorted((k, s) for k, v in config.items() if k.endswith("_token") and (s := _token_string(v))))
+    compile_template(template, where)  # a syntax error is said now, once, not per worker
+    return ChatSpec(template=template, loss=loss, truncate=truncate, field=field_name, token_strings=strings)
+
+
+# --------------------------------------------------------------------------- rendering
+
+def compile_template(template: str, where: str = "the chat template"):
+    """The template compiled in a sandbox with transformers' settings and globals."""
+    import jinja2
+    from jinja2 import nodes
+    from jinja2.ext import Extension, loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class Generation(Extension):
+        """{% generation %}...{% endgeneration %}: records the span the body renders to."""
+
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.CallBlock(self.call_method("_span"), [], [], body).set_lineno(lineno)
+
+        def _span(self, caller):
+            rv = caller()
+            rec = self.environment.recording
+            if rec is not None:
+                blocks, spans = rec
+                start = sum(map(len, blocks))
+                spans.append((start, start + len(rv)))
+            return rv
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    class Namespace(jinja2.utils.Namespace):
+        def __init__(*args, **kwargs):
+            self, args = args[0], args[1:]
+            attrs = dict(*args, **kwargs)
+            for name in attrs:
+                Namespace._check(name)
+            jinja2.utils.Namespace.__init__(self, attrs)
+
+        def __setitem__(self, name, value):
+            Namespace._check(name)
+            jinja2.utils.Namespace.__setitem__(self, name, value)
+
+        @staticmethod
+        def _check(name):
+            if isinstance(name, str) and name.startswith("_"):
+                raise jinja2.exceptions.SecurityError(f"a template may not set {name!r} on a namespace")
+
+    class Sandbox(ImmutableSandboxedEnvironment):
+        """The sandbox transformers renders in, with `message.role` on a plain dict looked up
+        directly: the sandbox's own path for it (getattr fails, then obj[attr], no check) costs
+        an exception and half of a conversation's rendering; a name dict itself has (items,
+        get, ...) still goes through the sandbox's checks."""
+
+        def getattr(self, obj, attribute):
+            if type(obj) is dict and type(attribute) is str and attribute not in _DICT_NAMES:
+                try:
+                    return obj[attribute]
+                except KeyError:
+                    return self.undefined(obj=obj, name=attribute)
+            return super().getattr(obj, attribute)
+
+    env = Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, loopcontrols])
+    env.recording = None
+    env.filters["tojson"] = tojson
+    env.globals.update(raise_exception=raise_exception, strftime_now=lambda f: datetime.now().strftime(f),
+                       namespace=Namespace, dict=lambda *a, **k: dict(*a, **k))
+    try:
+        return env.from_string(template)
+    except jinja2.TemplateSyntaxError as e:
+        raise ConfigError(f"{where}: template syntax error on line {e.lineno}: {e.message}") from None
+
+
+def _plain(value):
+    """JSON values only (what a JSON line or a Parquet row gives), as the template sees them."""
+    import numpy as np
+
+    if value is None or type(value) in (str, int, float, bool):
+        return value
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, np.generic):
+        return _plain(value.item())
+    if isinstance(value, np.ndarray):
+        return [_plain(v) for v in value.tolist()]
+    return str(value)
+
+
+def conversation(record, field_name: str) -> tuple[list, list | None] | str:
+    """(messages, tools) of a row as the template gets them, or why it is not a conversation."""
+    import numpy as np
+
+    if not isinstance(record, dict):
+        return "not a JSON object"
+    if field_name not in record:
+        return f"no {field_name!r} field (--text-field names the messages' field)"
+    msgs = record.get(field_name)
+    if isinstance(msgs, np.ndarray):
+        msgs = msgs.tolist()
+    if not isinstance(msgs, (list, tuple)) or not msgs:
+        return f"{field_name!r} is not a list of messages" if msgs is None or not isinstance(msgs, (list, tuple)) \
+            else f"{field_name!r} is empty"
+    out = []
+    for m in _plain(msgs):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            return f"a message of {field_name!r} is not an object with a 'role'"
+        m = {k: v for k, v in m.items() if v is not None}  # as transformers: a None field is absent
+        reasoning = next((m[k] for k in _REASONING_FIELDS if m.get(k) is not None), None)
+        if reasoning is not None:
+            m = {"thinking": reasoning, **m, "reasoning_content": reasoning}
+        out.append(m)
+    tools = _plain(record.get("tools"))
+    if isinstance(tools, str):  # a Parquet column of JSON text
+        try:
+            tools = json.loads(tools)
+        except ValueError:
+            return "'tools' is not JSON"
+    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+        return "'tools' is not a list of objects"
+    return out, tools or None
+
+
+def render(compiled, messages: list, tools, strings: dict) -> tuple[str, list[tuple[int, int]]]:
+    """The rendered conversation and its generation spans (character ranges), add_generation_prompt=False."""
+    blocks: list[str] = []
+    spans: list[tuple[int, int]] = []
+    env = compiled.environment
+    env.recording = (blocks, spans)
+    try:
+        for b in compiled.generate(messages=messages, tools=tools, documents=None, add_generation_prompt=False,
+                                   **strings):
+            blocks.append(b)
+    finally:
+        env.recording = None
+    return "".join(blocks), spans
+
+
+def _mark(value, pattern: re.Pattern):
+    """Every special-token string inside a conversation's own strings wrapped in OPEN/CLOSE."""
+    if isinstance(value, str):
+        return pattern.sub(lambda m: OPEN + m.group(0) + CLOSE, value)
+    if isinstance(value, dict):
+        return {k: _mark(v, pattern) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_mark(v, pattern) for v in value]
+    return value
+
+
+def _has(value, pattern: re.Pattern) -> bool:
+    if isinstance(value, str):
+        return pattern.search(value) is not None
+    if isinstance(value, dict):
+        return any(_has(v, pattern) for v in value.values())
+    if isinstance(value, list):
+        return any(_has(v, pattern) for v in value)
+    return False
+
+
+def _unmark(text: str, spans: list[tuple[int, int]]) -> tuple[str, list[tuple[int, int]], list[tuple[int, int]]]:
+    """The rendered text without markers, its spans moved to match, and the ranges that were
+    marked (special-token strings from the conversation's own text: encoded as text)."""
+    import numpy as np
+
+    keep = np.fromiter((c not in (OPEN, CLOSE) for c in text), bool, len(text))
+    before = np.concatenate(([0], np.cumsum(keep)))  # kept characters before each position
+    ranges, opened = [], None
+    for i, c in enumerate(text):
+        if c == OPEN:
+            opened = i
+        elif c == CLOSE and opened is not None:
+            ranges.append((int(before[opened]), int(before[i])))
+            opened = None
+    clean = "".join(c for c, k in zip(text, keep) if k)
+    return clean, [(int(before[a]), int(before[b])) for a, b in spans], ranges
+
+
+# --------------------------------------------------------------------------- tokens and mask
+
+def loss_mask(offsets, spans: list[tuple[int, int]], loss: str):
+    """1 where a token trains: under "assistant", a token overlapping a generation span
+    (transformers' rule: token_end > span_start and token_start < span_end); "last": the last
+    span only; "all": every token."""
+    import numpy as np
+
+    n = len(offsets)
+    if loss == "all":
+        return np.ones(n, np.uint8)
+    mask = np.zeros(n, np.uint8)
+    chosen = spans[-1:] if loss == "last" else spans
+    starts, ends = offsets[:, 0], offsets[:, 1]
+    for a, b in chosen:
+        mask[(ends > a) & (starts < b)] = 1
+    return mask
+
+
+@dataclass
+class Encoded:
+    ids: object  # np.ndarray of the build's dtype
+    mask: object  # np.ndarray of uint8
+    text: str  # the rendered conversation (its UTF-8 decides the val split)
+    truncated: bool = False  # cut to seq_len (--truncate)
+    too_long: bool = False  # longer than seq_len and not cut: the caller drops it, counted
+
+
+def id_byte_lengths(tok) -> tuple[object, bool] | None:
+    """(UTF-8 bytes of each id's text, whether the tokenizer normalises to NFC) for a byte-level
+    BPE — each character of its vocabulary stands for one byte; an added token is its content —
+    or None for another kind of tokenizer (a chat build then takes offsets from tokenizers)."""
+    import numpy as np
+    from tokenizers import pre_tokenizers
+
+    cfg = json.loads(tok.to_str())
+    model = cfg.get("model") or {}
+
+    def has(node, kind: str) -> bool:
+        if not isinstance(node, dict):
+            return False
+        if node.get("type") == kind:
+            return True
+        return any(has(x, kind) for x in node.get("pretokenizers") or node.get("decoders") or [])
+
+    norm = cfg.get("normalizer")
+    kinds = [norm.get("type")] if isinstance(norm, dict) and norm.get("type") != "Sequence" else \
+        [x.get("type") for x in (norm or {}).get("normalizers", [])]
+    if model.get("type") != "BPE" or not has(cfg.get("pre_tokenizer"), "ByteLevel") or \
+            not has(cfg.get("decoder"), "ByteLevel") or any(k != "NFC" for k in kinds):
+        return None
+    alphabet = set(pre_tokenizers.ByteLevel.alphabet())
+    vocab = model.get("vocab") or {}
+    added = cfg.get("added_tokens") or []
+    if any(t.get("lstrip") or t.get("rstrip") for t in added):  # such a token takes in spaces beside it
+        return None
+    lens = np.zeros(max([*vocab.values(), *(t["id"] for t in added), 0]) + 1, np.int64)
+    for token, i in vocab.items():
+        if not set(token) <= alphabet:
+            return None
+        lens[i] = len(token)
+    for t in added:
+        lens[t["id"]] = len(t["content"].encode("utf-8"))
+    return lens, "NFC" in kinds
+
+
+class ChatEncoder:
+    """Renders and tokenizes conversations.  Ids: the build's backend (`ids_fn`, exact as checked)
+    on the pieces between the template's special tokens; token offsets: each id's byte length
+    (byte-level BPE), else tokenizers' own offsets (`tok`, a tokenizers.Tokenizer)."""
+
+    def __init__(self, spec: ChatSpec, tok, seq_len: int, dtype, ids_fn=None):
+        import numpy as np
+
+        self.spec, self.tok, self.L, self.dtype = spec, tok, seq_len, np.dtype(dtype)
+        self.compiled = compile_template(spec.template)
+        self.strings = dict(spec.token_strings)
+        specials = sorted((t.content for t in tok.get_added_tokens_decoder().values() if t.special),
+                          key=len, reverse=True)
+        self.special = re.compile("|".join(map(re.escape, specials))) if specials else None
+        self.special_ids = {s: tok.token_to_id(s) for s in specials}
+        # The fast path: ids from ids_fn(texts) -> (flat ids, lengths), offsets from byte lengths.
+        self.ids_fn = ids_fn
+        got = id_byte_lengths(tok) if ids_fn is not None else None
+        self.byte_lens, self.nfc = got if got is not None else (None, False)
+
+    def encode(self, record) -> Encoded | str:
+        """One row: its ids and mask, or why it is not a conversation (a reason the caller counts)."""
+        import numpy as np
+
+        got = self.rendered(record)
+        if isinstance(got, str):
+            return got
+        text, spans, ranges = got
+        fast = self._encode_fast(text, spans, ranges) if self.byte_lens is not None else None
+        if fast is not None:
+            ids, mask = fast
+        else:
+            if ranges:
+                ids, offsets = self._encode_pieces(text, ranges)
+            else:
+                enc = self.tok.encode(text, add_special_tokens=False)
+                ids, offsets = np.asarray(enc.ids, np.int64), np.asarray(enc.offsets, np.int64).reshape(-1, 2)
+            mask = loss_mask(offsets, spans, self.spec.loss)
+        if len(ids) > self.L:
+            if not self.spec.truncate:
+                return Encoded(ids, mask, text, too_long=True)
+            return Encoded(ids[: self.L].astype(self.dtype), mask[: self.L], text, truncated=True)
+        return Encoded(ids.astype(self.dtype), mask, text)
+
+    def pieces(self, record) -> list[str]:
+        """The text a row's ids are made from, between the template's special tokens (what the
+        backend check samples: the pieces a chat build hands its backend)."""
+        got = self.rendered(record)
+        if isinstance(got, str):
+            return []
+        text, _, ranges = got
+        return [text[a:b] for a, b, special in self._split(text, ranges) if not special]
+
+    def rendered(self, record) -> tuple[str, list, list] | str:
+        """(rendered text, generation spans, ranges of the conversation's own special-token
+        strings) of a row, or why it is not a conversation."""
+        import jinja2
+
+        conv = conversation(record, self.spec.field)
+        if isinstance(conv, str):
+            return conv
+        messages, tools = conv
+        marked = self.special is not None and (_has(messages, self.special) or _has(tools, self.special))
+        if marked and (_has(messages, _NONCHAR) or _has(tools, _NONCHAR)):
+            return "holds U+FDD0/U+FDD1 beside a special-token string"
+        if marked:
+            messages, tools = _mark(messages, self.special), _mark(tools, self.special)
+        try:
+            text, spans = render(self.compiled, messages, tools, self.strings)
+        except jinja2.TemplateError as e:
+            return f"the template refused it: {str(e).splitlines()[0][:120] if str(e) else type(e).__name__}"
+        except (TypeError, ValueError, KeyError, AttributeError, IndexError) as e:
+            return f"the template failed on it: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+        if marked:
+            return _unmark(text, spans)
+        return text, spans, []
+
+    def _split(self, text: str, ranges: list[tuple[int, int]]) -> list[tuple[int, int, bool]]:
+        """text as consecutive (start, end, is a special token) pieces, cut at the template's own
+        special tokens (not those of `ranges`: the conversation's own strings), which is where the
+        tokenizer itself cuts its input (its added vocabulary splits the input there)."""
+        inside = set(ranges)
+        out, pos = [], 0
+        for m in self.special.finditer(text) if self.special is not None else ():
+            if (m.start(), m.end()) in inside:
+                continue
+            if m.start() > pos:
+                out.append((pos, m.start(), False))
+            out.append((m.start(), m.end(), True))
+            pos = m.end()
+        if len(text) > pos:
+            out.append((pos, len(text), False))
+        return out
+
+    def _encode_fast(self, text: str, spans, ranges):
+        """(ids, mask) with ids from ids_fn over the pieces between the template's special tokens
+        and the mask from byte offsets (a token's bytes overlapping a span's: the same tokens as
+        character offsets mark); None where it cannot be exact (text an NFC normaliser would
+        change, or byte lengths that do not add up to the text's)."""
+        import unicodedata
+
+        import numpy as np
+
+        if self.nfc and not unicodedata.is_normalized("NFC", text):
+            return None
+        split = self._split(text, ranges)
+        pieces = [text[a:b] for a, b, special in split if not special]
+        flat, lens = self.ids_fn(pieces) if pieces else (np.empty(0, np.int64), np.empty(0, np.int64))
+        flat, ends = np.asarray(flat, dtype=np.int64), np.cumsum(lens)
+        parts, k = [], 0
+        for a, b, special in split:
+            if special:
+                parts.append(np.array([self.special_ids[text[a:b]]], np.int64))
+            else:
+                parts.append(flat[ends[k] - lens[k]: ends[k]])
+                k += 1
+        ids = np.concatenate(parts) if parts else np.empty(0, np.int64)
+        if len(ids) and int(ids.max()) >= len(self.byte_lens):
+            return None
+        tok_end = np.cumsum(self.byte_lens[ids])
+        if (tok_end[-1] if len(ids) else 0) != len(text.encode("utf-8")):
+            return None
+        byte_at = lambda c: len(text[:c].encode("utf-8"))  # noqa: E731
+        offsets = np.stack([tok_end - self.byte_lens[ids], tok_end], axis=1)
+        return ids, loss_mask(offsets, [(byte_at(a), byte_at(b)) for a, b in spans], self.spec.loss)
+
+    def _encode_pieces(self, text: str, ranges: list[tuple[int, int]]):
+        """Encode text whose `ranges` are special-token strings of the conversation's own: those
+        are text, the template's are special tokens.  The text is cut only at the template's
+        special tokens, which is where the tokenizer itself cuts (its added vocabulary splits
+        the input there): each piece between is encoded whole, with special strings as text."""
+        import numpy as np
+
+        ids, offs = [], []
+        self.tok.encode_special_tokens = True
+        try:
+            for a, b, special in self._split(text, ranges):
+                if special:
+                    ids.append(self.special_ids[text[a:b]])
+                    offs.append((a, b))
+                else:
+                    enc = self.tok.encode(text[a:b], add_special_tokens=False)
+                    ids.extend(enc.ids)
+                    offs.extend((s + a, e + a) for s, e in enc.offsets)
+        finally:
+            self.tok.encode_special_tokens = False
+        return np.asarray(ids, np.int64), np.asarray(offs, np.int64).reshape(-1, 2)
+
+
+_NONCHAR = re.compile(f"[{OPEN}{CLOSE}]")
