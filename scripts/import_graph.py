@@ -49,15 +49,20 @@ def imports(mods: dict[str, str]) -> dict[str, set[str]]:
     return edges
 
 
-def folder(name: str) -> str:
-    parts = name.split(".")
-    return parts[1] if len(parts) > 2 or (len(parts) == 2 and parts[1] in FOLDERS) else "(root)"
+def folder_of(mods: dict[str, str]):
+    """name -> its folder under helixtok/ ("(root)" for the modules beside __init__.py)."""
+    folders = {n.split(".")[1] for n, p in mods.items() if n.count(".") == 1 and p.endswith("__init__.py")}
+
+    def folder(name: str) -> str:
+        parts = name.split(".")
+        return parts[1] if len(parts) > 1 and parts[1] in folders else "(root)"
+    return folder
 
 
 def layers(root: str) -> list[set[str]]:
     """The layers contract's layers, top first, each a set of folder names."""
     text = open(os.path.join(root, "pyproject.toml"), encoding="utf-8").read()
-    m = re.search(r'^layers = \[(.*?)\]', text, re.M)
+    m = re.search(r'^layers = \[(.*?)\]', text, re.MULTILINE)
     return [set(x.strip() for x in re.split(r"[|:]", layer)) for layer in re.findall(r'"([^"]+)"', m.group(1))] if m else []
 
 
@@ -93,15 +98,12 @@ def circles(edges: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-FOLDERS: set[str] = set()
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("repo", nargs="?", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
     root = ap.parse_args().repo
     mods = modules(root)
-    FOLDERS.update(n.split(".")[1] for n, p in mods.items() if n.count(".") == 1 and p.endswith("__init__.py"))
+    folder = folder_of(mods)
     edges = imports(mods)
     per = collections.Counter(folder(n) for n in mods)
     print(f"{len(mods)} modules, {sum(map(len, edges.values()))} imports between them")
