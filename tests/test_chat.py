@@ -556,10 +556,18 @@ def test_the_template_runs_in_the_sandbox(llama_dir):
     conv = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}
     tok = Tokenizer.from_file(str(llama_dir / "tokenizer.json"))
     for body in ("{{ messages[0].__class__.__mro__ }}",
-                 "{{ ''.__class__.__subclasses__() }}", "{% set x = messages[0].update({'role': 'x'}) %}"):
+                 "{{ ''.__class__.__subclasses__() }}", "{% set x = messages[0].update({'role': 'x'}) %}",
+                 # the attributes whose verdicts the encoder reuses, and the calls it lets through
+                 "{% set x = messages.append(1) %}", "{{ messages[0].items.__self__.keys() }}",
+                 "{{ '{0.__class__.__mro__}'.format(messages) }}", "{{ ('{0.__class__.__mro__}'|attr('format'))(1) }}",
+                 "{% set ns = namespace(f='{0.__class__.__mro__}'.format) %}{{ ns.f(messages) }}",
+                 "{% set ns = namespace(a=1) %}{{ ns.__class__.__mro__ }}",
+                 "{% for m in messages %}{{ loop.__class__.__mro__ }}{% endfor %}"):
         spec = ChatSpec(template=body + "{% generation %}{{ messages[1].content }}{% endgeneration %}")
-        got = ChatEncoder(spec, tok, 1024, np.uint32).encode(conv)
-        assert isinstance(got, str) and got.startswith("the template refused it"), (body, got)
+        encoder = ChatEncoder(spec, tok, 1024, np.uint32)
+        for _ in range(2):  # the second time with the sandbox's verdicts cached
+            got = encoder.encode(conv)
+            assert isinstance(got, str) and got.startswith("the template refused it"), (body, got)
     spec = ChatSpec(template="{{ messages[0].role }}:{{ messages[0].missing }}|{% generation %}"
                              "{{ messages[1]['content'] }}{% endgeneration %}")
     assert ChatEncoder(spec, tok, 1024, np.uint32).encode(conv).text == "user:|yo"

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from types import BuiltinMethodType, MethodType
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -100,7 +101,9 @@ def compile_template(template: str, where: str = "the chat template"):
     import jinja2
     from jinja2 import nodes
     from jinja2.ext import Extension, loopcontrols
+    from jinja2.runtime import LoopContext
     from jinja2.sandbox import ImmutableSandboxedEnvironment
+
 
     class Generation(Extension):
         """{% generation %}...{% endgeneration %}: records the span the body renders to."""
@@ -144,19 +147,52 @@ def compile_template(template: str, where: str = "the chat template"):
             if isinstance(name, str) and name.startswith("_"):
                 raise jinja2.exceptions.SecurityError(f"a template may not set {name!r} on a namespace")
 
+    fixed = (str, list, dict, LoopContext, Namespace)  # the types whose verdicts are reused
+
     class Sandbox(ImmutableSandboxedEnvironment):
-        """The sandbox transformers renders in, with `message.role` on a plain dict looked up
-        directly: the sandbox's own path for it (getattr fails, then obj[attr], no check) costs
-        an exception and half of a conversation's rendering; a name dict itself has (items,
-        get, ...) still goes through the sandbox's checks."""
+        """The sandbox transformers renders in, its answers reused where they cannot change.
+
+        `message.role` on a plain dict is looked up directly: the sandbox's own path for it
+        (getattr fails, then obj[attr], no check) costs an exception and half of a conversation's
+        rendering.  Other attributes of str, list, dict, the loop and a namespace get the
+        sandbox's verdict on (type, name) once: it depends on nothing else (the name, and the
+        type's mutability); what the sandbox wraps (str.format, or a method a template stored in
+        a namespace) always goes through it.  Calls of those types' builtin methods skip the
+        callable check, which they always pass (it looks for attributes they never have)."""
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.verdicts: dict[tuple[type, str], bool] = {}
 
         def getattr(self, obj, attribute):
-            if type(obj) is dict and type(attribute) is str and attribute not in _DICT_NAMES:
+            kind = type(obj)
+            if kind is dict and type(attribute) is str and attribute not in _DICT_NAMES:
                 try:
                     return obj[attribute]
                 except KeyError:
                     return self.undefined(obj=obj, name=attribute)
+            if kind in fixed and type(attribute) is str and attribute not in ("format", "format_map"):
+                safe = self.verdicts.get((kind, attribute))
+                if safe is None:
+                    try:
+                        value = getattr(obj, attribute)
+                    except AttributeError:
+                        return super().getattr(obj, attribute)
+                    safe = self.verdicts[kind, attribute] = self.is_safe_attribute(obj, attribute, value)
+                if safe:
+                    try:
+                        value = getattr(obj, attribute)
+                    except AttributeError:
+                        pass
+                    else:
+                        if kind is not Namespace or type(value) not in (MethodType, BuiltinMethodType):
+                            return value
             return super().getattr(obj, attribute)
+
+        def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 (the sandbox's own signature)
+            if type(__obj) is BuiltinMethodType and type(__obj.__self__) in (str, list, dict):
+                return __context.call(__obj, *args, **kwargs)
+            return super().call(__context, __obj, *args, **kwargs)
 
     env = Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, loopcontrols])
     env.recording = None
@@ -459,12 +495,14 @@ class ChatEncoder:
         ids = np.concatenate(parts) if parts else np.empty(0, np.int64)
         if len(ids) and int(ids.max()) >= len(self.byte_lens):
             return None
-        tok_end = np.cumsum(self.byte_lens[ids])
-        if (tok_end[-1] if len(ids) else 0) != len(text.encode("utf-8")):
+        lens = self.byte_lens[ids]
+        tok_end = np.cumsum(lens)
+        ascii_only = text.isascii()  # then a character's offset is its byte offset
+        if (tok_end[-1] if len(ids) else 0) != (len(text) if ascii_only else len(text.encode("utf-8"))):
             return None
-        byte_at = lambda c: len(text[:c].encode("utf-8"))  # noqa: E731
-        offsets = np.stack([tok_end - self.byte_lens[ids], tok_end], axis=1)
-        return ids, loss_mask(offsets, [(byte_at(a), byte_at(b)) for a, b in spans], self.spec.loss)
+        if not ascii_only:
+            spans = [(len(text[:a].encode("utf-8")), len(text[:b].encode("utf-8"))) for a, b in spans]
+        return ids, loss_mask(np.stack([tok_end - lens, tok_end], axis=1), spans, self.spec.loss)
 
     def _encode_pieces(self, text: str, ranges: list[tuple[int, int]]):
         """Encode text whose `ranges` are special-token strings of the conversation's own: those
