@@ -59,9 +59,8 @@ def main() -> None:
     import numpy as np
     from tokenizers import Tokenizer
 
-    from helixtok.pipeline.chat import ChatEncoder, conversation, load_spec, render
-
     from helixtok.pipeline.backends import flat_encoder
+    from helixtok.pipeline.chat import ChatEncoder, conversation, load_spec, render
     from helixtok.pipeline.tokenizer import hold_bytes
 
     spec = load_spec(a.tokenizer, a.template, "assistant", False, "messages")

@@ -72,14 +72,14 @@ def limit_seconds(corpus: str, tok: str, part: tuple[int, int] = (0, 1), barrier
     with the backend auto picks (or `backend`, already picked: no check), write the ids once (to a
     file in the inputs' folder, the outputs' file system).  With a barrier, timing starts when
     all parts are ready.  Also returns when it ended (time.time())."""
-    from helixtok.pipeline.backends import flat_encoder, hf_tokenizer
     from helixtok.pipeline.backend_check import choose_backend
+    from helixtok.pipeline.backends import flat_encoder, hf_tokenizer
     from helixtok.pipeline.config import BuildConfig
     from helixtok.pipeline.discover import discover
     from helixtok.pipeline.sources import UnitReader
     from helixtok.pipeline.tally import Tally
-    from helixtok.pipeline.units import plan_units
     from helixtok.pipeline.tokenizer import inspect_tokenizer
+    from helixtok.pipeline.units import plan_units
 
     cfg = BuildConfig()
     info = inspect_tokenizer(tok)

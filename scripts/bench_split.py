@@ -20,10 +20,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import helixtok.pipeline.sources as hs  # noqa: E402
 import helixtok.pipeline.discover as hd
 import helixtok.pipeline.units as hu
-from helixtok.pipeline.backends import flat_encoder  # noqa: E402
 from helixtok.pipeline.backend_check import choose_backend  # noqa: E402
-from helixtok.pipeline.dispatch import schedule  # noqa: E402
+from helixtok.pipeline.backends import flat_encoder  # noqa: E402
 from helixtok.pipeline.config import BuildConfig  # noqa: E402
+from helixtok.pipeline.dispatch import schedule  # noqa: E402
 from helixtok.pipeline.tokenizer import inspect_tokenizer  # noqa: E402
 
 

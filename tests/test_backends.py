@@ -14,9 +14,9 @@ import pytest
 from conftest import cache_knowing_the_tokenizers
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from helixtok.format.errors import TokenizerError
 from helixtok.pipeline.builder import build
 from helixtok.pipeline.config import BuildConfig
-from helixtok.format.errors import TokenizerError
 
 LLAMA3_PAT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
               r"|\s*[\r\n]+|\s+(?!\S)|\s+")
@@ -537,8 +537,8 @@ def test_the_command_line_loads_fastokens_while_it_imports_and_the_build_takes_t
     import fastokens
     from click.testing import CliRunner
 
-    from helixtok.pipeline import backends, preload
     from helixtok.cli import main
+    from helixtok.pipeline import backends, preload
 
     real, where = fastokens.Tokenizer, []
 

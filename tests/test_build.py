@@ -9,9 +9,9 @@ import pytest
 from tokenizers import Tokenizer
 
 from conftest import UNIT
+from helixtok.format.errors import ConfigError, InputError
 from helixtok.pipeline.builder import UpToDate, build
 from helixtok.pipeline.config import BuildConfig
-from helixtok.format.errors import ConfigError, InputError
 
 
 def read_split(out, split="train"):

@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
+from helixtok.cli import main as cli
+from helixtok.format.errors import ConfigError
 from helixtok.pipeline.builder import build
 from helixtok.pipeline.chat import ChatEncoder, ChatSpec, load_spec, loss_mask
-from helixtok.cli import main as cli
 from helixtok.pipeline.config import BuildConfig
-from helixtok.format.errors import ConfigError
 
 
 def _package_dir(name: str, sub: str) -> Path:
@@ -429,8 +429,8 @@ def test_chat_parts_merged_equal_the_single_build(tmp_path, llama_dir, dev_docs)
     import shutil
 
     from helixtok import MemmapChunkDataset
-    from helixtok.pipeline.merge import merge
     from helixtok.inspect.verify import verify
+    from helixtok.pipeline.merge import merge
 
     corpus = _write_chat_corpus(tmp_path / "c", real_conversations(dev_docs, 120, seed=7))
     spec = load_spec(str(llama_dir), None, "assistant", False, "messages")

@@ -11,11 +11,11 @@ import pytest
 from click.testing import CliRunner
 from tokenizers import Tokenizer
 
-from helixtok.pipeline.builder import build
 from helixtok.cli import main
-from helixtok.pipeline.config import BuildConfig
-from helixtok.format.errors import ConfigError
 from helixtok.export.helixlm import FIELDS, SHARD_FIELDS, export_helixlm
+from helixtok.format.errors import ConfigError
+from helixtok.pipeline.builder import build
+from helixtok.pipeline.config import BuildConfig
 
 ROWS = ["  leading spaces and a tail  \n", "plain row", "\n\nnewlines around\n\n", "   ", "x y z " * 400,
         "日本語 with spaces  "]

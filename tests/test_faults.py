@@ -19,10 +19,10 @@ from click.testing import CliRunner
 import helixtok.pipeline.builder as hb
 import helixtok.pipeline.dispatch as hdisp
 from conftest import UNIT
-from helixtok.pipeline.builder import STATE, build
 from helixtok.cli import main
-from helixtok.pipeline.config import BuildConfig
 from helixtok.format.errors import ConfigError, HelixtokError
+from helixtok.pipeline.builder import STATE, build
+from helixtok.pipeline.config import BuildConfig
 
 # Kilobyte corpora with --workers 2 still start a pool: these tests are about its processes.
 pytestmark = pytest.mark.usefixtures("pooled")

@@ -11,12 +11,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
+from helixtok.format.errors import InputError
 from helixtok.pipeline import longdoc
 from helixtok.pipeline.builder import build
 from helixtok.pipeline.config import BuildConfig
-from helixtok.format.errors import InputError
-from helixtok.pipeline.longdoc import LongText
 from helixtok.pipeline.discover import discover
+from helixtok.pipeline.longdoc import LongText
 from helixtok.pipeline.sources import UnitReader
 from helixtok.pipeline.tally import Tally
 from helixtok.pipeline.units import plan_units

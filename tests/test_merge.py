@@ -10,11 +10,11 @@ import pytest
 from click.testing import CliRunner
 
 from helixtok import MemmapChunkDataset
-from helixtok.pipeline.builder import build
 from helixtok.cli import main
-from helixtok.pipeline.config import BuildConfig
 from helixtok.format.errors import ConfigError, DatasetError
 from helixtok.format.manifest import write_json_atomic
+from helixtok.pipeline.builder import build
+from helixtok.pipeline.config import BuildConfig
 from helixtok.pipeline.merge import merge, task_from_env
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st

@@ -18,10 +18,10 @@ import pytest
 from click.testing import CliRunner
 
 from conftest import UNIT
-from helixtok.pipeline.builder import STATE, build
 from helixtok.cli import main
-from helixtok.pipeline.config import BuildConfig
 from helixtok.format.errors import ConfigError, DatasetError, InputError
+from helixtok.pipeline.builder import STATE, build
+from helixtok.pipeline.config import BuildConfig
 
 pytest.importorskip("s3fs")
 pytest.importorskip("moto")
@@ -217,8 +217,8 @@ def test_kill_9_during_an_s3_build_then_resume_is_byte_identical(s3, s3_corpus, 
 def test_publish_to_s3_manifest_last_then_stats_verify_and_pull(s3, dev_packed, small_corpus, small_tok, tmp_path,
                                                                 tokenizer_path, s3_corpus):
     from helixtok import MemmapChunkDataset
-    from helixtok.pipeline.publish import upload
     from helixtok.inspect.verify import verify
+    from helixtok.pipeline.publish import upload
 
     b = new_bucket(s3)
     s3.pipe_file(f"{b}/ds/NOTES.md", b"the user's own file\n")

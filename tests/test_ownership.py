@@ -14,13 +14,13 @@ from click.testing import CliRunner
 
 import helixtok.pipeline.builder as hb
 from helixtok import MemmapChunkDataset
-from helixtok.pipeline.builder import build
 from helixtok.cli import main
-from helixtok.pipeline.config import BuildConfig
 from helixtok.format.errors import ConfigError, DatasetError, HelixtokError, InputError
+from helixtok.pipeline.builder import build
+from helixtok.pipeline.config import BuildConfig
+from helixtok.pipeline.discover import discover
 from helixtok.pipeline.outdir import LOCK_INFO, STATE
 from helixtok.pipeline.unit import done_path
-from helixtok.pipeline.discover import discover
 
 
 def shards_of(out):

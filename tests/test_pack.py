@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 
 from helixtok.format import shards
 from helixtok.format.bestfit import build_index, epoch_order, place
-from helixtok.read.layout import bestfit_pieces, shuffled_documents
 from helixtok.pipeline.pack import PACKERS, document_chunks
+from helixtok.read.layout import bestfit_pieces, shuffled_documents
 
 
 def reference_document(docs, L, min_tail, pad):

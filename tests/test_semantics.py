@@ -8,10 +8,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from helixtok.format.errors import TokenizerError
 from helixtok.pipeline.backends import hf_ids, hf_tokenizer, tiktoken_encoding
 from helixtok.pipeline.builder import build
 from helixtok.pipeline.config import BuildConfig
-from helixtok.format.errors import TokenizerError
 from helixtok.pipeline.encode import Encoder
 from helixtok.pipeline.tokenizer import inspect_tokenizer
 

@@ -14,9 +14,9 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from conftest import iter_dev_docs
+from helixtok.inspect.verify import verify
 from helixtok.pipeline.builder import build
 from helixtok.pipeline.config import BuildConfig
-from helixtok.inspect.verify import verify
 
 
 def byte_level_table(tok: Tokenizer) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -22,9 +22,9 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
 import helixtok.pipeline.compressed as hc
+from helixtok.format.errors import ConfigError, InputError
 from helixtok.pipeline.builder import build
 from helixtok.pipeline.config import BuildConfig
-from helixtok.format.errors import ConfigError, InputError
 from helixtok.pipeline.discover import discover
 from helixtok.pipeline.sources import LineRefs, UnitReader
 from helixtok.pipeline.tally import Tally

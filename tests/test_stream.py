@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from helixtok import ChunkSampler, MemmapChunkDataset
+from helixtok.format.errors import DatasetError
 from helixtok.pipeline.builder import build
 from helixtok.pipeline.config import BuildConfig
-from helixtok.format.errors import DatasetError
 from helixtok.pipeline.publish import upload
 
 from test_objstore import KEY_ID, SECRET, start_moto
