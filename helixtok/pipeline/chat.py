@@ -381,7 +381,7 @@ class ChatEncoder:
     on the pieces between the template's special tokens; token offsets: each id's byte length
     (byte-level BPE), else tokenizers' own offsets (`tok`, a tokenizers.Tokenizer)."""
 
-    def __init__(self, spec: ChatSpec, tok, seq_len: int, dtype, ids_fn=None):
+    def __init__(self, spec: ChatSpec, tok, seq_len: int, dtype, ids_fn=None, byte_lens=False):
         import numpy as np
 
         self.spec, self.tok, self.L, self.dtype = spec, tok, seq_len, np.dtype(dtype)
@@ -393,7 +393,8 @@ class ChatEncoder:
         self.special_ids = {s: tok.token_to_id(s) for s in specials}
         # The fast path: ids from ids_fn(texts) -> (flat ids, lengths), offsets from byte lengths.
         self.ids_fn = ids_fn
-        got = id_byte_lengths(tok) if ids_fn is not None else None
+        # byte_lens: id_byte_lengths(tok) where the caller has it (read once per build, not per process)
+        got = (id_byte_lengths(tok) if byte_lens is False else byte_lens) if ids_fn is not None else None
         self.byte_lens, self.nfc = got if got is not None else (None, False)
 
     def encode(self, record) -> Encoded | str:

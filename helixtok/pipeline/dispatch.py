@@ -90,7 +90,7 @@ class UnitPool(WorkerPool):
                  load_likely: bool = True):
         likely = FAST[0] if load_likely and config.backend in ("auto", FAST[0]) else None
         super().__init__(n, (_init_worker, (config, state, run_id)), config.stall_seconds,
-                         prepare=(prepare_worker, (tokenizer, likely)))
+                         prepare=(prepare_worker, (tokenizer, likely, config.chat is not None)))
 
 
 def run_units(units: list[Unit], pending: list[Unit], info: TokenizerInfo, config: BuildConfig, state: str,

@@ -24,7 +24,7 @@ from .longdoc import LongText, stripped, utf8_len
 from .pack import PACKERS
 from .sources import StaleRange, UnitReader
 from .tally import Tally
-from .tokenizer import TokenizerInfo, hold_bytes
+from .tokenizer import TokenizerInfo, hold_bytes, tokenizer_bytes
 from .units import Unit
 
 
@@ -53,12 +53,13 @@ _here = threading.local()
 THREAD_ENV = ("TOKENIZERS_PARALLELISM", "FASTOKENS_BPE_THREADS")
 
 
-def prepare_worker(tokenizer: bytes, likely: str | None) -> None:
+def prepare_worker(tokenizer: bytes, likely: str | None, chat: bool = False) -> None:
     """What the fork server does once for all its workers (or a worker started as its own
     interpreter for itself), while the main process checks backends: hold the tokenizer's
     bytes (the build's one read of the file: no worker reads it) and load them into the library
     the check most likely picks (a 100k vocabulary takes fastokens ~1 s; the Encoder finds it in
-    the library's cache, or it is dropped unused)."""
+    the library's cache, or it is dropped unused); for a chat build, what the chat encoder reads
+    of the vocabulary (Qwen3's: ~0.9 s), which the forked workers then share."""
     from . import backends
 
     _one_thread()
@@ -67,6 +68,27 @@ def prepare_worker(tokenizer: bytes, likely: str | None) -> None:
         with contextlib.suppress(Exception):  # the check will say why this library cannot be used
             backends.flat_encoder(likely, sha, "", None)
             _here.preloaded = likely
+    if chat:
+        with contextlib.suppress(Exception):  # a worker meets the same failure again, and says it
+            _chat_vocabulary(sha)
+
+
+# A chat build's tokenizers Tokenizer and its ids' byte lengths (chat.id_byte_lengths), by the
+# tokenizer's sha256: read once in the fork server, before it forks.  One entry: a long-lived
+# program that builds with several tokenizers keeps the last.
+_vocabulary: dict[str, tuple] = {}
+
+
+def _chat_vocabulary(sha: str) -> tuple:
+    from tokenizers import Tokenizer
+
+    from .chat import id_byte_lengths
+
+    if sha not in _vocabulary:
+        tok = Tokenizer.from_str(tokenizer_bytes(sha).decode("utf-8"))
+        _vocabulary.clear()
+        _vocabulary[sha] = (tok, id_byte_lengths(tok))
+    return _vocabulary[sha]
 
 
 def _one_thread() -> None:
@@ -84,8 +106,9 @@ def _init_worker(config: BuildConfig, state_dir: str, run_id: str, counters) -> 
 
 def end_worker() -> None:
     """A build without workers is done: its encoder (its tokenizer: ~100 MB for a 100k vocabulary)
-    goes with this thread's Worker."""
+    goes with this thread's Worker, and a chat build's vocabulary with it."""
     _here.__dict__.clear()
+    _vocabulary.clear()
 
 
 # A chat build's counts per split (docs/format.md): conversations kept, cut to --seq-len
@@ -97,15 +120,12 @@ CHAT_COUNTS = ("conversations", "truncated", "dropped_too_long", "no_trainable",
 def _chat_encoder(w: Worker, info: TokenizerInfo):
     """This process's ChatEncoder: ids from the build's backend, tokenizers for what it reads of the
     vocabulary (which tokens are special, byte lengths) and offsets where byte lengths cannot say."""
-    from tokenizers import Tokenizer
-
     from .chat import ChatEncoder
-    from .tokenizer import tokenizer_bytes
 
     if w.chat_encoder_info != info:
-        tok = Tokenizer.from_str(tokenizer_bytes(info.sha256).decode("utf-8"))
+        tok, byte_lens = _chat_vocabulary(info.sha256)
         w.chat_encoder = ChatEncoder(w.config.chat, tok, w.config.seq_len, info.dtype,
-                                     ids_fn=_encoder(w, info)._encode)
+                                     ids_fn=_encoder(w, info)._encode, byte_lens=byte_lens)
         w.chat_encoder_info = info
     return w.chat_encoder
 
