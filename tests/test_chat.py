@@ -206,6 +206,27 @@ def test_special_token_strings_in_content_are_text(llama_dir):
     assert got.text.count("<|eot_id|>") == 4
 
 
+def test_special_token_strings_in_tools_are_text_as_objects_or_json_text():
+    """A tool's description holding '<|im_end|>' is characters too, whether `tools` is a list of
+    objects or (a Parquet column) JSON text: the only <|im_end|> ids are the template's own."""
+    from tokenizers import Tokenizer
+
+    template = (TEMPLATES / "qwen3_training.jinja").read_text()
+    tok = Tokenizer.from_file(str(QWEN / "tokenizer.json"))
+    end = tok.token_to_id("<|im_end|>")
+    msgs = [{"role": "user", "content": "weather?"}, {"role": "assistant", "content": "sunny"}]
+
+    def tools(description):
+        return [{**TOOLS[0], "function": {**TOOLS[0]["function"], "description": description}}]
+
+    [plain] = _ours(QWEN, template, [{"messages": msgs, "tools": tools("Weather of a city")}])
+    for given in (tools("Weather <|im_end|> of a city"), json.dumps(tools("Weather <|im_end|> of a city"))):
+        [got] = _ours(QWEN, template, [{"messages": msgs, "tools": given}])
+        assert got.ids.tolist().count(end) == plain.ids.tolist().count(end) == 3  # tools, user, assistant
+        assert "Weather <|im_end|> of a city" in got.text
+        assert tok.decode(got.ids.tolist(), skip_special_tokens=False) == got.text
+
+
 def test_template_without_generation_is_refused_in_one_line(tmp_path, llama_dir, dev_corpus):
     plain = tmp_path / "plain.jinja"
     plain.write_text((TEMPLATES / "llama3.jinja").read_text())

@@ -205,25 +205,34 @@ def compile_template(template: str, where: str = "the chat template"):
         raise ConfigError(f"{where}: template syntax error on line {e.lineno}: {e.message}") from None
 
 
-def _plain(value):
-    """JSON values only (what a JSON line or a Parquet row gives), as the template sees them."""
+def _plain(value, strings: list):
+    """JSON values only (what a JSON line or a Parquet row gives), as the template sees them; every
+    string among the values (not the keys) appended to `strings`."""
     import numpy as np
 
-    if value is None or type(value) in (str, int, float, bool):
+    kind = type(value)
+    if kind is str:
+        strings.append(value)
+        return value
+    if value is None or kind in (int, float, bool):
         return value
     if isinstance(value, dict):
-        return {str(k): _plain(v) for k, v in value.items()}
+        return {str(k): _plain(v, strings) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
+        return [_plain(v, strings) for v in value]
     if isinstance(value, np.generic):
-        return _plain(value.item())
+        return _plain(value.item(), strings)
     if isinstance(value, np.ndarray):
-        return [_plain(v) for v in value.tolist()]
-    return str(value)
+        return [_plain(v, strings) for v in value.tolist()]
+    value = str(value)
+    strings.append(value)
+    return value
 
 
-def conversation(record, field_name: str) -> tuple[list, list | None] | str:
-    """(messages, tools) of a row as the template gets them, or why it is not a conversation."""
+def conversation(record, field_name: str, strings: list | None = None) -> tuple[list, list | None] | str:
+    """(messages, tools) of a row as the template gets them, or why it is not a conversation;
+    the strings among their values appended to `strings`."""
+    strings = [] if strings is None else strings
     import numpy as np
 
     if not isinstance(record, dict):
@@ -237,7 +246,7 @@ def conversation(record, field_name: str) -> tuple[list, list | None] | str:
         return f"{field_name!r} is not a list of messages" if msgs is None or not isinstance(msgs, (list, tuple)) \
             else f"{field_name!r} is empty"
     out = []
-    for m in _plain(msgs):
+    for m in _plain(msgs, strings):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             return f"a message of {field_name!r} is not an object with a 'role'"
         m = {k: v for k, v in m.items() if v is not None}  # as transformers: a None field is absent
@@ -245,10 +254,11 @@ def conversation(record, field_name: str) -> tuple[list, list | None] | str:
         if reasoning is not None:
             m = {"thinking": reasoning, **m, "reasoning_content": reasoning}
         out.append(m)
-    tools = _plain(record.get("tools"))
+    tools = _plain(record.get("tools"), strings)
     if isinstance(tools, str):  # a Parquet column of JSON text
+        strings.pop()
         try:
-            tools = json.loads(tools)
+            tools = _plain(json.loads(tools), strings)
         except ValueError:
             return "'tools' is not JSON"
     if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
@@ -280,16 +290,6 @@ def _mark(value, pattern: re.Pattern):
     if isinstance(value, list):
         return [_mark(v, pattern) for v in value]
     return value
-
-
-def _has(value, pattern: re.Pattern) -> bool:
-    if isinstance(value, str):
-        return pattern.search(value) is not None
-    if isinstance(value, dict):
-        return any(_has(v, pattern) for v in value.values())
-    if isinstance(value, list):
-        return any(_has(v, pattern) for v in value)
-    return False
 
 
 def _unmark(text: str, spans: list[tuple[int, int]]) -> tuple[str, list[tuple[int, int]], list[tuple[int, int]]]:
@@ -391,6 +391,7 @@ class ChatEncoder:
                           key=len, reverse=True)
         self.special = re.compile("|".join(map(re.escape, specials))) if specials else None
         self.special_ids = {s: tok.token_to_id(s) for s in specials}
+        self.joiner = next(c for c in map(chr, range(0x110000)) if not any(c in t for t in specials))
         # The fast path: ids from ids_fn(texts) -> (flat ids, lengths), offsets from byte lengths.
         self.ids_fn = ids_fn
         # byte_lens: id_byte_lengths(tok) where the caller has it (read once per build, not per process)
@@ -435,12 +436,16 @@ class ChatEncoder:
         strings) of a row, or why it is not a conversation."""
         import jinja2
 
-        conv = conversation(record, self.spec.field)
+        strings: list[str] = []
+        conv = conversation(record, self.spec.field, strings)
         if isinstance(conv, str):
             return conv
         messages, tools = conv
-        marked = self.special is not None and (_has(messages, self.special) or _has(tools, self.special))
-        if marked and (_has(messages, _NONCHAR) or _has(tools, _NONCHAR)):
+        # One search over the strings joined by a character no special token holds: a token is
+        # found in one of them, never across two.
+        joined = self.joiner.join(strings)
+        marked = self.special is not None and self.special.search(joined) is not None
+        if marked and _NONCHAR.search(joined):
             return "holds U+FDD0/U+FDD1 beside a special-token string"
         if marked:
             messages, tools = _mark(messages, self.special), _mark(tools, self.special)
