@@ -219,9 +219,10 @@ def test_special_token_strings_in_tools_are_text_as_objects_or_json_text():
     def tools(description):
         return [{**TOOLS[0], "function": {**TOOLS[0]["function"], "description": description}}]
 
-    [plain] = _ours(QWEN, template, [{"messages": msgs, "tools": tools("Weather of a city")}])
-    for given in (tools("Weather <|im_end|> of a city"), json.dumps(tools("Weather <|im_end|> of a city"))):
-        [got] = _ours(QWEN, template, [{"messages": msgs, "tools": given}])
+    typed = tools("Weather <|im_end|> of a city")
+    plain, *gots = _ours(QWEN, template, [{"messages": msgs, "tools": t}
+                                          for t in (tools("Weather of a city"), typed, json.dumps(typed))])
+    for got in gots:
         assert got.ids.tolist().count(end) == plain.ids.tolist().count(end) == 3  # tools, user, assistant
         assert "Weather <|im_end|> of a city" in got.text
         assert tok.decode(got.ids.tolist(), skip_special_tokens=False) == got.text
