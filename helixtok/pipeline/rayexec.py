@@ -212,7 +212,8 @@ class RayExecutor:
         self._running: dict[int, tuple[Future, str, object]] = {}  # unit index -> (future, what, ref)
         self._lock = threading.Lock()
         self._closed = threading.Event()
-        threading.Thread(target=self._monitor, daemon=True, name="helixtok-ray-watch").start()
+        self._watcher = threading.Thread(target=self._monitor, daemon=True, name="helixtok-ray-watch")
+        self._watcher.start()
         # The driver's object-storage settings (endpoint, credentials) travel with its tasks.
         env = {k: v for k, v in os.environ.items() if k.startswith(("AWS_", "HELIXTOK_"))}
         self._task = ray.remote(num_cpus=1, max_retries=RETRIES, retry_exceptions=False)(_task).options(
@@ -311,15 +312,20 @@ class RayExecutor:
         out.set_result(r)
 
     def kill(self) -> None:
-        for ref in self._refs:
-            try:
-                self.ray.cancel(ref, force=True)
-            except Exception:  # noqa: BLE001 - finished already, or the cluster is gone
-                pass
+        # Only while connected: any Ray call after ray.shutdown() starts a new local Ray to answer it
+        # (2-3 s, and its own warnings on stderr) -- a second kill() came after the first's close().
+        if not self._closed.is_set() and self.ray.is_initialized():
+            for ref in self._refs:
+                try:
+                    self.ray.cancel(ref, force=True)
+                except Exception:  # noqa: BLE001 - finished already, or the cluster is gone
+                    pass
         self.close()
 
     def close(self) -> None:
         self._closed.set()
+        if threading.current_thread() is not self._watcher:  # its last call to Ray ends before the shutdown
+            self._watcher.join(self.stall + 1)
         if self._started and self.ray.is_initialized():
             self.ray.shutdown()
         if self._hold is not None:
