@@ -157,8 +157,9 @@ def compile_template(template: str, where: str = "the chat template"):
         rendering.  Other attributes of str, list, dict, the loop and a namespace get the
         sandbox's verdict on (type, name) once: it depends on nothing else (the name, and the
         type's mutability); what the sandbox wraps (str.format, or a method a template stored in
-        a namespace) always goes through it.  Calls of those types' builtin methods skip the
-        callable check, which they always pass (it looks for attributes they never have)."""
+        a namespace) always goes through it.  Calls of str, list and dict builtin methods go
+        straight to them: the sandbox's callable check and the context's argument injection look
+        for attributes such methods never have."""
 
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
@@ -191,7 +192,10 @@ def compile_template(template: str, where: str = "the chat template"):
 
         def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 (the sandbox's own signature)
             if type(__obj) is BuiltinMethodType and type(__obj.__self__) in (str, list, dict):
-                return __context.call(__obj, *args, **kwargs)
+                # What Context.call does for them: they take no context, raise no StopIteration.
+                kwargs.pop("_loop_vars", None)
+                kwargs.pop("_block_vars", None)
+                return __obj(*args, **kwargs)
             return super().call(__context, __obj, *args, **kwargs)
 
     env = Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, loopcontrols])
