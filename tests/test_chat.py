@@ -407,6 +407,27 @@ def test_truncate_keeps_the_first_seq_len_tokens(tmp_path, llama_dir, dev_docs):
     assert c["dropped_too_long"] == 0
 
 
+def test_a_chat_worker_on_the_fast_path_loads_no_tokenizer(tmp_path, llama_dir, dev_docs, monkeypatch):
+    """A worker reads the vocabulary from the tokenizer's JSON (once per build, in the fork server
+    when there is one) and loads a tokenizers Tokenizer only for text the fast path cannot take:
+    none here (NFC text, a byte-level BPE), so none is loaded, and the dataset is the one the
+    encoder with a loaded Tokenizer gives."""
+    from helixtok.pipeline import unit
+
+    loads = []
+    real = unit.load_held
+    monkeypatch.setattr(unit, "load_held", lambda sha: loads.append(sha) or real(sha))
+    convs = real_conversations(dev_docs, 40, seed=7)
+    spec = load_spec(str(llama_dir), None, "assistant", False, "messages")
+    out = str(tmp_path / "out")
+    m = build([str(_write_chat_corpus(tmp_path / "c", convs))], out, str(llama_dir / "tokenizer.json"),
+              BuildConfig(seq_len=1 << 14, packing="bestfit", text_field="messages", workers=1, chat=spec))
+    assert m["tokenizer"]["backend"] != "hf" and loads == []
+    want = [(e.ids.tolist(), e.mask.tolist()) for e in _ours(llama_dir, spec.template, convs)
+            if not isinstance(e, str) and e.mask.any()]
+    assert sorted(_documents(out)) == sorted(want)
+
+
 def test_document_packing_pads_the_mask_with_zeros(tmp_path, llama_dir, dev_docs):
     from helixtok import MemmapChunkDataset
 

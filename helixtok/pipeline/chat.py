@@ -342,14 +342,37 @@ class Encoded:
     too_long: bool = False  # longer than seq_len and not cut: the caller drops it, counted
 
 
-def id_byte_lengths(tok) -> tuple[object, bool] | None:
-    """(UTF-8 bytes of each id's text, whether the tokenizer normalises to NFC) for a byte-level
-    BPE — each character of its vocabulary stands for one byte; an added token is its content —
-    or None for another kind of tokenizer (a chat build then takes offsets from tokenizers)."""
+@dataclass(frozen=True)
+class Vocabulary:
+    """What a chat build reads of a tokenizer.json, from its JSON alone (no Tokenizer loaded: a
+    process on the fast path never loads one): the special tokens (content -> id), and for a
+    byte-level BPE each id's UTF-8 length and whether it normalises to NFC."""
+
+    specials: dict  # str -> int, the added tokens marked special
+    byte_lens: object  # np.ndarray of int64 by id; None for another kind of tokenizer (offsets then from tokenizers)
+    nfc: bool = False
+
+    @classmethod
+    def of(cls, tokenizer_json: str | bytes) -> Vocabulary:
+        cfg = json.loads(tokenizer_json)
+        added = cfg.get("added_tokens") or []
+        specials = {t["content"]: t["id"] for t in added if t.get("special")}
+        got = _byte_lengths(cfg, added)
+        return cls(specials, *(got if got is not None else (None, False)))
+
+    @classmethod
+    def specials_of(cls, tok) -> Vocabulary:
+        """The special tokens of a loaded Tokenizer, no byte lengths (what rendering needs alone)."""
+        return cls({t.content: tok.token_to_id(t.content) for t in tok.get_added_tokens_decoder().values()
+                    if t.special}, None)
+
+
+def _byte_lengths(cfg: dict, added: list) -> tuple[object, bool] | None:
+    """(UTF-8 bytes of each id's text, NFC) for a byte-level BPE -- each character of its vocabulary
+    stands for one byte; an added token is its content -- or None for another kind of tokenizer."""
     import numpy as np
     from tokenizers import pre_tokenizers
 
-    cfg = json.loads(tok.to_str())
     model = cfg.get("model") or {}
 
     def has(node, kind: str) -> bool:
@@ -365,16 +388,13 @@ def id_byte_lengths(tok) -> tuple[object, bool] | None:
     if model.get("type") != "BPE" or not has(cfg.get("pre_tokenizer"), "ByteLevel") or \
             not has(cfg.get("decoder"), "ByteLevel") or any(k != "NFC" for k in kinds):
         return None
-    alphabet = set(pre_tokenizers.ByteLevel.alphabet())
     vocab = model.get("vocab") or {}
-    added = cfg.get("added_tokens") or []
     if any(t.get("lstrip") or t.get("rstrip") for t in added):  # such a token takes in spaces beside it
         return None
+    if not set("".join(vocab)) <= set(pre_tokenizers.ByteLevel.alphabet()):
+        return None
     lens = np.zeros(max([*vocab.values(), *(t["id"] for t in added), 0]) + 1, np.int64)
-    for token, i in vocab.items():
-        if not set(token) <= alphabet:
-            return None
-        lens[i] = len(token)
+    lens[np.fromiter(vocab.values(), np.int64, len(vocab))] = np.fromiter(map(len, vocab), np.int64, len(vocab))
     for t in added:
         lens[t["id"]] = len(t["content"].encode("utf-8"))
     return lens, "NFC" in kinds
@@ -383,24 +403,31 @@ def id_byte_lengths(tok) -> tuple[object, bool] | None:
 class ChatEncoder:
     """Renders and tokenizes conversations.  Ids: the build's backend (`ids_fn`, exact as checked)
     on the pieces between the template's special tokens; token offsets: each id's byte length
-    (byte-level BPE), else tokenizers' own offsets (`tok`, a tokenizers.Tokenizer)."""
+    (byte-level BPE), else tokenizers' own offsets.  `tok`: a tokenizers.Tokenizer, or a function
+    that loads one, called the first time one is needed (the fast path never needs it); `vocab`:
+    the tokenizer's Vocabulary where the caller has it (read once per build, not per process)."""
 
-    def __init__(self, spec: ChatSpec, tok, seq_len: int, dtype, ids_fn=None, byte_lens=False):
+    def __init__(self, spec: ChatSpec, tok, seq_len: int, dtype, ids_fn=None, vocab: Vocabulary | None = None):
         import numpy as np
 
-        self.spec, self.tok, self.L, self.dtype = spec, tok, seq_len, np.dtype(dtype)
+        self.spec, self._tok, self.L, self.dtype = spec, tok, seq_len, np.dtype(dtype)
         self.compiled = compile_template(spec.template)
         self.strings = dict(spec.token_strings)
-        specials = sorted((t.content for t in tok.get_added_tokens_decoder().values() if t.special),
-                          key=len, reverse=True)
+        if vocab is None:
+            vocab = Vocabulary.of(self.tok.to_str()) if ids_fn is not None else Vocabulary.specials_of(self.tok)
+        specials = sorted(vocab.specials, key=len, reverse=True)
         self.special = re.compile("|".join(map(re.escape, specials))) if specials else None
-        self.special_ids = {s: tok.token_to_id(s) for s in specials}
+        self.special_ids = vocab.specials
         self.joiner = next(c for c in map(chr, range(0x110000)) if not any(c in t for t in specials))
         # The fast path: ids from ids_fn(texts) -> (flat ids, lengths), offsets from byte lengths.
         self.ids_fn = ids_fn
-        # byte_lens: id_byte_lengths(tok) where the caller has it (read once per build, not per process)
-        got = (id_byte_lengths(tok) if byte_lens is False else byte_lens) if ids_fn is not None else None
-        self.byte_lens, self.nfc = got if got is not None else (None, False)
+        self.byte_lens, self.nfc = (vocab.byte_lens, vocab.nfc) if ids_fn is not None else (None, False)
+
+    @property
+    def tok(self):
+        if not hasattr(self._tok, "encode"):  # a function that loads it
+            self._tok = self._tok()
+        return self._tok
 
     def encode(self, record) -> Encoded | str:
         """One row: its ids and mask, or why it is not a conversation (a reason the caller counts)."""

@@ -8,6 +8,7 @@ import dataclasses
 import hashlib
 import os
 import threading
+from functools import partial
 
 import numpy as np
 
@@ -24,7 +25,7 @@ from .longdoc import LongText, stripped, utf8_len
 from .pack import PACKERS
 from .sources import StaleRange, UnitReader
 from .tally import Tally
-from .tokenizer import TokenizerInfo, hold_bytes, tokenizer_bytes
+from .tokenizer import TokenizerInfo, hold_bytes, load_held, tokenizer_bytes
 from .units import Unit
 
 
@@ -59,7 +60,7 @@ def prepare_worker(tokenizer: bytes, likely: str | None, chat: bool = False) -> 
     bytes (the build's one read of the file: no worker reads it) and load them into the library
     the check most likely picks (a 100k vocabulary takes fastokens ~1 s; the Encoder finds it in
     the library's cache, or it is dropped unused); for a chat build, what the chat encoder reads
-    of the vocabulary (Qwen3's: ~0.9 s), which the forked workers then share."""
+    of the vocabulary, which the forked workers then share."""
     from . import backends
 
     _one_thread()
@@ -73,21 +74,17 @@ def prepare_worker(tokenizer: bytes, likely: str | None, chat: bool = False) -> 
             _chat_vocabulary(sha)
 
 
-# A chat build's tokenizers Tokenizer and its ids' byte lengths (chat.id_byte_lengths), by the
-# tokenizer's sha256: read once in the fork server, before it forks.  One entry: a long-lived
-# program that builds with several tokenizers keeps the last.
-_vocabulary: dict[str, tuple] = {}
+# A chat build's chat.Vocabulary, by the tokenizer's sha256: read once in the fork server, before
+# it forks.  One entry: a long-lived program that builds with several tokenizers keeps the last.
+_vocabulary: dict[str, object] = {}
 
 
-def _chat_vocabulary(sha: str) -> tuple:
-    from tokenizers import Tokenizer
-
-    from .chat import id_byte_lengths
+def _chat_vocabulary(sha: str):
+    from .chat import Vocabulary
 
     if sha not in _vocabulary:
-        tok = Tokenizer.from_str(tokenizer_bytes(sha).decode("utf-8"))
         _vocabulary.clear()
-        _vocabulary[sha] = (tok, id_byte_lengths(tok))
+        _vocabulary[sha] = Vocabulary.of(tokenizer_bytes(sha))
     return _vocabulary[sha]
 
 
@@ -123,9 +120,8 @@ def _chat_encoder(w: Worker, info: TokenizerInfo):
     from .chat import ChatEncoder
 
     if w.chat_encoder_info != info:
-        tok, byte_lens = _chat_vocabulary(info.sha256)
-        w.chat_encoder = ChatEncoder(w.config.chat, tok, w.config.seq_len, info.dtype,
-                                     ids_fn=_encoder(w, info)._encode, byte_lens=byte_lens)
+        w.chat_encoder = ChatEncoder(w.config.chat, partial(load_held, info.sha256), w.config.seq_len, info.dtype,
+                                     ids_fn=_encoder(w, info)._encode, vocab=_chat_vocabulary(info.sha256))
         w.chat_encoder_info = info
     return w.chat_encoder
 
