@@ -63,7 +63,9 @@ def layers(root: str) -> list[set[str]]:
     """The layers contract's layers, top first, each a set of folder names."""
     text = open(os.path.join(root, "pyproject.toml"), encoding="utf-8").read()
     m = re.search(r'^layers = \[(.*?)\]', text, re.MULTILINE)
-    return [set(x.strip() for x in re.split(r"[|:]", layer)) for layer in re.findall(r'"([^"]+)"', m.group(1))] if m else []
+    if m is None:
+        return []
+    return [set(x.strip() for x in re.split(r"[|:]", layer)) for layer in re.findall(r'"([^"]+)"', m.group(1))]
 
 
 def circles(edges: dict[str, set[str]]) -> list[list[str]]:
@@ -108,11 +110,12 @@ def main() -> None:
     per = collections.Counter(folder(n) for n in mods)
     print(f"{len(mods)} modules, {sum(map(len, edges.values()))} imports between them")
     print("modules per folder: " + ", ".join(f"{f} {n}" for f, n in sorted(per.items())))
-    between = collections.Counter((folder(a), folder(b)) for a, bs in edges.items() for b in bs if folder(a) != folder(b))
+    between = collections.Counter((folder(a), folder(b)) for a, bs in edges.items() for b in bs
+                                  if folder(a) != folder(b))
     print("imports between folders: " + ", ".join(f"{a} -> {b} {n}" for (a, b), n in sorted(between.items())))
     rank = {f: i for i, layer in enumerate(layers(root)) for f in layer}
-    back = sorted((a, b) for a, bs in edges.items() for b in bs
-                  if folder(a) in rank and folder(b) in rank and rank[folder(b)] <= rank[folder(a)] and folder(a) != folder(b))
+    back = sorted((a, b) for a, bs in edges.items() for b in bs if folder(a) != folder(b)
+                  and folder(a) in rank and folder(b) in rank and rank[folder(b)] <= rank[folder(a)])
     print(f"imports against the layers: {len(back)}" + "".join(f"\n  {a} -> {b}" for a, b in back))
     found = circles(edges)
     print(f"circles: {len(found)}" + "".join("\n  " + " <-> ".join(g) for g in found))

@@ -32,9 +32,11 @@ def test_contracts_hold():
 
 @pytest.mark.parametrize("module, line, says", [
     # a training node importing the build's machinery
-    ("read/stats.py", "from ..pipeline import config  # noqa", "helixtok.read is not allowed to import helixtok.pipeline"),
+    ("read/stats.py", "from ..pipeline import config  # noqa",
+     "helixtok.read is not allowed to import helixtok.pipeline"),
     # the on-disk format importing the reader above it
-    ("format/manifest.py", "from ..read import layout  # noqa", "helixtok.format is not allowed to import helixtok.read"),
+    ("format/manifest.py", "from ..read import layout  # noqa",
+     "helixtok.format is not allowed to import helixtok.read"),
     # two modules of one folder importing each other (unit imports journal)
     ("pipeline/journal.py", "from . import unit  # noqa", "No cycles are allowed in helixtok.pipeline"),
 ])

@@ -21,4 +21,4 @@ def state_files(result: dict, with_sha: bool = False):
     for entries in result["shards"].values():
         for e in entries:
             for x in (e, *(e[side] for side in SIDE_NAMES if side in e)):
-                yield (x["state"], x["path"], x["bytes"], x["sha256"]) if with_sha else (x["state"], x["path"], x["bytes"])
+                yield (x["state"], x["path"], x["bytes"]) + ((x["sha256"],) if with_sha else ())
