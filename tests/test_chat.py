@@ -139,30 +139,6 @@ def llama_dir(tmp_path_factory, dev_docs) -> Path:
     return llama_style_tokenizer(tmp_path_factory.mktemp("llama"), dev_docs[:200])
 
 
-@pytest.mark.parametrize("backend", [None, "fastokens"])
-@pytest.mark.parametrize("model", ["qwen3", "llama3"])
-def test_ids_and_masks_equal_apply_chat_template(model, backend, llama_dir, dev_docs, apart):
-    """Both ways a chat build makes them: tokenizers with its offsets, and the fast backend's ids
-    with byte offsets from each id's length."""
-    folder, name = (QWEN, "qwen3_training.jinja") if model == "qwen3" else (llama_dir, "llama3_training.jinja")
-    template = (TEMPLATES / name).read_text()
-    convs = hand_conversations() + real_conversations(dev_docs, 120, seed=1)
-    long_text = "\n\n".join(dev_docs[:40])[:60_000]  # very long turns: tens of thousands of characters
-    convs.append({"messages": [{"role": "user", "content": long_text[:20_000]},
-                               {"role": "assistant", "content": long_text[20_000:]}]})
-    if model == "llama3":  # its template writes content only: no tool calls or reasoning
-        convs = [c for c in convs if "tools" not in c and not any("reasoning_content" in m for m in c["messages"])]
-    want = apart.submit(_transformers_encode, str(folder), template, convs).result()
-    got = _ours(folder, template, convs, backend=backend)
-    trained = 0
-    for c, (ids, mask), g in zip(convs, want, got):
-        assert not isinstance(g, str), (c, g)
-        assert g.ids.tolist() == ids, c
-        assert g.mask.tolist() == mask, c
-        trained += sum(mask)
-    assert trained > 10_000  # the real conversations train thousands of tokens
-
-
 def test_loss_all_and_last(llama_dir, dev_docs):
     template = (TEMPLATES / "llama3_training.jinja").read_text()
     convs = real_conversations(dev_docs, 40, seed=2)
@@ -204,28 +180,6 @@ def test_special_token_strings_in_content_are_text(llama_dir):
     assert got.ids.tolist().count(eot) == 2  # the template's two ends of turn, not the content's two
     assert tok.decode(got.ids.tolist(), skip_special_tokens=False) == got.text
     assert got.text.count("<|eot_id|>") == 4
-
-
-def test_special_token_strings_in_tools_are_text_as_objects_or_json_text():
-    """A tool's description holding '<|im_end|>' is characters too, whether `tools` is a list of
-    objects or (a Parquet column) JSON text: the only <|im_end|> ids are the template's own."""
-    from tokenizers import Tokenizer
-
-    template = (TEMPLATES / "qwen3_training.jinja").read_text()
-    tok = Tokenizer.from_file(str(QWEN / "tokenizer.json"))
-    end = tok.token_to_id("<|im_end|>")
-    msgs = [{"role": "user", "content": "weather?"}, {"role": "assistant", "content": "sunny"}]
-
-    def tools(description):
-        return [{**TOOLS[0], "function": {**TOOLS[0]["function"], "description": description}}]
-
-    typed = tools("Weather <|im_end|> of a city")
-    plain, *gots = _ours(QWEN, template, [{"messages": msgs, "tools": t}
-                                          for t in (tools("Weather of a city"), typed, json.dumps(typed))])
-    for got in gots:
-        assert got.ids.tolist().count(end) == plain.ids.tolist().count(end) == 3  # tools, user, assistant
-        assert "Weather <|im_end|> of a city" in got.text
-        assert tok.decode(got.ids.tolist(), skip_special_tokens=False) == got.text
 
 
 def test_template_without_generation_is_refused_in_one_line(tmp_path, llama_dir, dev_corpus):
@@ -564,6 +518,62 @@ def test_info_html_shows_the_trainable_share(chat_build, tmp_path):
     page = (tmp_path / "r.html").read_text()
     assert f"{c['trainable_tokens']:,} tokens to train on" in page and "<b class='train'>" in page
     assert f"{c['dropped_too_long']:,} of " in r.output and "--truncate keeps" in r.output
+
+
+# The tests below load Qwen's tokenizer or transformers (in the module's `apart` process): they run
+# after the chat build above, so that its workers and these never hold memory at the same time.
+
+
+@pytest.mark.parametrize("backend", [None, "fastokens"])
+@pytest.mark.parametrize("model", ["qwen3", "llama3"])
+def test_ids_and_masks_equal_apply_chat_template(model, backend, llama_dir, dev_docs, apart):
+    """Both ways a chat build makes them: tokenizers with its offsets, and the fast backend's ids
+    with byte offsets from each id's length."""
+    folder, name = (QWEN, "qwen3_training.jinja") if model == "qwen3" else (llama_dir, "llama3_training.jinja")
+    template = (TEMPLATES / name).read_text()
+    convs = hand_conversations() + real_conversations(dev_docs, 120, seed=1)
+    long_text = "\n\n".join(dev_docs[:40])[:60_000]  # very long turns: tens of thousands of characters
+    convs.append({"messages": [{"role": "user", "content": long_text[:20_000]},
+                               {"role": "assistant", "content": long_text[20_000:]}]})
+    if model == "llama3":  # its template writes content only: no tool calls or reasoning
+        convs = [c for c in convs if "tools" not in c and not any("reasoning_content" in m for m in c["messages"])]
+    want = apart.submit(_transformers_encode, str(folder), template, convs).result()
+    # Ours in that process too: a fast library keeps each tokenizer it loads (~150 MB for Qwen's).
+    got = apart.submit(_ours, folder, template, convs, backend=backend).result()
+    trained = 0
+    for c, (ids, mask), g in zip(convs, want, got):
+        assert not isinstance(g, str), (c, g)
+        assert g.ids.tolist() == ids, c
+        assert g.mask.tolist() == mask, c
+        trained += sum(mask)
+    assert trained > 10_000  # the real conversations train thousands of tokens
+
+
+def _decoded(folder: Path, ids: list[list[int]]) -> tuple[int, list[str]]:
+    """(the id of <|im_end|>, each id list decoded with special tokens kept), in the `apart` process."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    return tok.token_to_id("<|im_end|>"), [tok.decode(x, skip_special_tokens=False) for x in ids]
+
+
+def test_special_token_strings_in_tools_are_text_as_objects_or_json_text(apart):
+    """A tool's description holding '<|im_end|>' is characters too, whether `tools` is a list of
+    objects or (a Parquet column) JSON text: the only <|im_end|> ids are the template's own."""
+    template = (TEMPLATES / "qwen3_training.jinja").read_text()
+    msgs = [{"role": "user", "content": "weather?"}, {"role": "assistant", "content": "sunny"}]
+
+    def tools(description):
+        return [{**TOOLS[0], "function": {**TOOLS[0]["function"], "description": description}}]
+
+    typed = tools("Weather <|im_end|> of a city")
+    convs = [{"messages": msgs, "tools": t} for t in (tools("Weather of a city"), typed, json.dumps(typed))]
+    plain, *gots = apart.submit(_ours, QWEN, template, convs).result()
+    end, decoded = apart.submit(_decoded, QWEN, [g.ids.tolist() for g in gots]).result()
+    for got, text in zip(gots, decoded):
+        assert got.ids.tolist().count(end) == plain.ids.tolist().count(end) == 3  # tools, user, assistant
+        assert "Weather <|im_end|> of a city" in got.text
+        assert text == got.text
 
 
 def test_any_conversation_gets_apply_chat_templates_ids_and_mask(llama_dir, apart):
