@@ -251,11 +251,9 @@ def apart():
         yield ex
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _give_memory_back():
-    """After each test module, hand freed heap memory back to the OS: glibc keeps it otherwise,
-    and the next module's peak would stack on top (the suite runs in 1.5 GB)."""
-    yield
+def give_memory_back() -> None:
+    """Hand freed heap memory back to the OS: glibc keeps it otherwise, and the next test's peak
+    would stack on top (the suite runs in 1.5 GB)."""
     import ctypes
     import gc
 
@@ -264,3 +262,10 @@ def _give_memory_back():
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):  # not glibc: nothing to trim
         pass
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _give_memory_back():
+    """After each test module (a test that leaves hundreds of MB behind calls it itself)."""
+    yield
+    give_memory_back()
