@@ -727,6 +727,29 @@ def test_output_cut_short_by_its_reader_ends_quietly(dev_packed):
     assert p.stdout == "=== chunk " and p.stderr == "" and p.returncode == 141
 
 
+def test_a_ctrl_c_inside_a_finalizer_still_stops_the_command_in_one_line(tmp_path):
+    """Python drops a KeyboardInterrupt raised inside a __del__ with a traceback ('Exception ignored
+    in: <function ZipFile.__del__ ...>', seen under load in the Ctrl-C stress test, the build then
+    going on to the end).  The command sends it again: it stops with the one line and exit 130.
+    The Ctrl-C lands in a finalizer deterministically: a command whose work drops such an object."""
+    code = ("import sys, time, click\n"
+            "from helixtok.cli import entry, common\n"
+            "class Finalized:\n"
+            "    def __del__(self):\n"
+            "        raise KeyboardInterrupt  # as a SIGINT arriving while it runs\n"
+            "@click.command()\n"
+            "@common.handle_errors\n"
+            "def work():\n"
+            "    Finalized()\n"
+            "    time.sleep(10)\n"
+            "    print('went on')\n"
+            "entry.keep_interrupts()\n"
+            "work()\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.stdout == "" and r.stderr == "\ninterrupted; rerun the same command to resume\n", r.stderr
+    assert r.returncode == 130
+
+
 @pytest.mark.parametrize("how", [["-m", "helixtok.cli"], ["-m", "helixtok"]])
 def test_ctrl_c_while_the_interpreter_shuts_down_after_a_command_is_no_traceback(tmp_path, how):
     """A Ctrl-C that arrives once the command has ended, while Python shuts down (joining threads,

@@ -32,8 +32,29 @@ def quiet_shutdown() -> None:
         signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
+def keep_interrupts() -> None:
+    """A Ctrl-C that lands while an object's finalizer (__del__) runs is, for Python, an exception
+    it cannot raise there: it prints 'Exception ignored in ... KeyboardInterrupt' and drops it (the
+    Ctrl-C stress test saw one, in a ZipFile's __del__, and the build then went on).  Here it is sent
+    again, from a timer thread a moment later (sent at once, it would land in this hook itself), and
+    stops the command as any Ctrl-C does."""
+    import threading
+
+    default = sys.unraisablehook
+
+    def hook(unraisable):
+        if unraisable.exc_type is not None and issubclass(unraisable.exc_type, KeyboardInterrupt):
+            again = threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGINT))
+            again.daemon = True
+            again.start()
+            return
+        default(unraisable)
+    sys.unraisablehook = hook
+
+
 def main():
     guarded = guard()
+    keep_interrupts()
     from .app import main as cli
 
     release(guarded)
