@@ -12,9 +12,9 @@ from __future__ import annotations
 import json
 import os
 import re
-from types import BuiltinMethodType, MethodType
 from dataclasses import dataclass
 from datetime import datetime
+from types import BuiltinMethodType, MethodType
 
 from ..format.errors import ConfigError
 
@@ -104,7 +104,6 @@ def compile_template(template: str, where: str = "the chat template"):
     from jinja2.runtime import LoopContext
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-
     class Generation(Extension):
         """{% generation %}...{% endgeneration %}: records the span the body renders to."""
 
@@ -173,21 +172,15 @@ def compile_template(template: str, where: str = "the chat template"):
                 except KeyError:
                     return self.undefined(obj=obj, name=attribute)
             if kind in fixed and type(attribute) is str and attribute not in ("format", "format_map"):
+                try:
+                    value = getattr(obj, attribute)
+                except AttributeError:
+                    return super().getattr(obj, attribute)
                 safe = self.verdicts.get((kind, attribute))
                 if safe is None:
-                    try:
-                        value = getattr(obj, attribute)
-                    except AttributeError:
-                        return super().getattr(obj, attribute)
                     safe = self.verdicts[kind, attribute] = self.is_safe_attribute(obj, attribute, value)
-                if safe:
-                    try:
-                        value = getattr(obj, attribute)
-                    except AttributeError:
-                        pass
-                    else:
-                        if kind is not Namespace or type(value) not in (MethodType, BuiltinMethodType):
-                            return value
+                if safe and (kind is not Namespace or type(value) not in (MethodType, BuiltinMethodType)):
+                    return value
             return super().getattr(obj, attribute)
 
         def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 (the sandbox's own signature)
@@ -236,8 +229,9 @@ def _plain(value, strings: list):
 def conversation(record, field_name: str, strings: list | None = None) -> tuple[list, list | None] | str:
     """(messages, tools) of a row as the template gets them, or why it is not a conversation;
     the strings among their values appended to `strings`."""
-    strings = [] if strings is None else strings
     import numpy as np
+
+    strings = [] if strings is None else strings
 
     if not isinstance(record, dict):
         return "not a JSON object"

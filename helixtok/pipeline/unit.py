@@ -115,8 +115,8 @@ CHAT_COUNTS = ("conversations", "truncated", "dropped_too_long", "no_trainable",
 
 
 def _chat_encoder(w: Worker, info: TokenizerInfo):
-    """This process's ChatEncoder: ids from the build's backend, tokenizers for what it reads of the
-    vocabulary (which tokens are special, byte lengths) and offsets where byte lengths cannot say."""
+    """This process's ChatEncoder: ids from the build's backend, the vocabulary read once per build
+    (_chat_vocabulary), and tokenizers' Tokenizer loaded only where byte lengths cannot give offsets."""
     from .chat import ChatEncoder
 
     if w.chat_encoder_info != info:
