@@ -19,10 +19,12 @@ from click.testing import CliRunner
 import helixtok.pipeline.builder as hb
 import helixtok.pipeline.dispatch as hdisp
 from conftest import UNIT
+from helixtok.format import limits
 from helixtok.cli import main
 from helixtok.format.errors import ConfigError, HelixtokError
 from helixtok.pipeline.builder import STATE, build
 from helixtok.pipeline.config import BuildConfig
+from helixtok.pipeline.journal import write_entry
 
 # Kilobyte corpora with --workers 2 still start a pool: these tests are about its processes.
 pytestmark = pytest.mark.usefixtures("pooled")
@@ -567,7 +569,8 @@ def test_kill_9_while_a_gz_is_indexed_leaves_no_indexer_behind(tmp_path, dev_doc
 import helixtok.pipeline.compressed as hc
 import helixtok.pipeline.discover as hd
 import helixtok.pipeline.units as hu
-hu.SPLIT_BYTES = hu.RANGE_MIN_BYTES = 1
+import helixtok.format.limits as hl
+hl.SPLIT_BYTES = hl.RANGE_MIN_BYTES = 1
 hc._GZ_INDEXER = hc._GZ_INDEXER.replace("import indexed_gzip", "import time; time.sleep(60); import indexed_gzip")
 files, _ = hd.discover([{str(tmp_path / "big.jsonl.gz")!r}])
 hu.plan_units(files, unit_bytes=1 << 16, text_field="text")
@@ -776,7 +779,6 @@ def test_a_stopped_helper_process_fails_its_phase_within_the_stall_timeout(tmp_p
 
     import helixtok.pipeline.backends as hbk
     import helixtok.pipeline.compressed as hc
-    import helixtok.pipeline.units as hu
     from helixtok.pipeline.discover import discover
     from helixtok.pipeline.units import plan_units
 
@@ -784,8 +786,8 @@ def test_a_stopped_helper_process_fails_its_phase_within_the_stall_timeout(tmp_p
     monkeypatch.setenv("HELIXTOK_CACHE", str(tmp_path / "cache"))
     (tmp_path / "big.jsonl.gz").write_bytes(gzip.compress("".join(json.dumps({"text": t}) + "\n"
                                                                   for t in dev_docs[:200]).encode()))
-    monkeypatch.setattr(hu, "SPLIT_BYTES", 1)
-    monkeypatch.setattr(hu, "RANGE_MIN_BYTES", 1)
+    monkeypatch.setattr(limits, "SPLIT_BYTES", 1)
+    monkeypatch.setattr(limits, "RANGE_MIN_BYTES", 1)
     monkeypatch.setattr(hc, "_GZ_INDEXER", stop_self + hc._GZ_INDEXER)
     files, _ = discover([str(tmp_path / "big.jsonl.gz")])
     t = time.monotonic()
@@ -930,10 +932,9 @@ def test_a_unit_file_changed_before_its_join_stops_the_build_and_the_rerun_is_ri
     dataset of its bytes; the same command then tokenizes that unit again and gives the build
     an undisturbed run gives.  (Form: the join's GroupWriter.append became join.place_unit, which
     places the units that wrote their ids to a file: none is held in memory here.)"""
-    import helixtok.pipeline.unit as hu
     from helixtok.format.errors import HelixtokError
 
-    monkeypatch.setattr(hu, "HOLD_BYTES", 0)
+    monkeypatch.setattr(limits, "HOLD_BYTES", 0)
 
     cfg = BuildConfig(seq_len=16, workers=1, unit_bytes=1, shard_bytes=1 << 20)
     clean = build([str(small_corpus)], str(tmp_path / "clean"), small_tok, cfg)
@@ -1010,13 +1011,12 @@ def test_units_placed_as_they_end_write_their_ids_once(tmp_path, dev_corpus, tok
 def test_units_too_large_to_hold_are_written_then_placed(tmp_path, dev_corpus, tokenizer_path, monkeypatch, packing):
     """A unit whose ids pass the memory it may hold writes them to its own file and is placed from
     there (checked against its sha256 as it is copied), its file then deleted: the same dataset."""
-    import helixtok.pipeline.unit as hu
 
     cfg = BuildConfig(seq_len=512, workers=1, shard_bytes=1 << 20, unit_bytes=UNIT, packing=packing,
                       val_fraction=0.1)
     ref = str(tmp_path / "ref")
     build([str(dev_corpus)], ref, tokenizer_path, cfg)
-    monkeypatch.setattr(hu, "HOLD_BYTES", 1000)
+    monkeypatch.setattr(limits, "HOLD_BYTES", 1000)
     placed, real = [], hdisp.place_unit
     monkeypatch.setattr(hdisp, "place_unit", lambda r, *a, **kw: placed.append(r["index"]) or real(r, *a, **kw))
     out = str(tmp_path / "out")
@@ -1047,7 +1047,8 @@ def test_a_placement_that_disagrees_with_the_units_before_it_is_refused_then_red
         path = os.path.join(state, "u000002.done.json")
         p = json.load(open(path))
         p["shards"]["train"][0]["num_tokens"] += 1
-    json.dump(p, open(path, "w"))
+    del p["entry_sha256"]
+    write_entry(path, p)  # damaged before its digest was taken: a worker's bad read, not a bad disk
     with pytest.raises(HelixtokError, match=r"work unit 2: its journal entry or placement in shard 0 disagrees with "
                                             r"the units before it \(damaged\); rerun the same command"):
         build([str(dev_corpus)], out, tokenizer_path, cfg)

@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
+from helixtok.format import limits
 from helixtok.format.errors import InputError
 from helixtok.pipeline import longdoc
 from helixtok.pipeline.builder import build
@@ -55,7 +56,7 @@ def test_a_line_read_in_pieces_equals_the_line_read_whole(tmp_path_factory, text
         lines.append(line + b"\n")
     p = tmp_path_factory.mktemp("l") / "x.jsonl"
     p.write_bytes(b"".join(lines))
-    with mock.patch.object(longdoc, "PIECE_BYTES", piece):
+    with mock.patch.object(limits, "PIECE_BYTES", piece):
         assert read_all(p, long_bytes=0) == read_all(p, long_bytes=None)
 
 
@@ -65,7 +66,7 @@ def test_a_text_file_read_in_pieces_equals_the_file_read_whole(tmp_path):
              "blank.txt": b" \n\t" * 400, "cut.txt": "é".encode() * 1000}
     for name, data in cases.items():
         (tmp_path / name).write_bytes(data)
-        with mock.patch.object(longdoc, "PIECE_BYTES", 7):
+        with mock.patch.object(limits, "PIECE_BYTES", 7):
             assert read_all(tmp_path / name, long_bytes=0) == read_all(tmp_path / name, long_bytes=None), name
 
 
@@ -87,7 +88,7 @@ def test_build_is_byte_identical_whether_documents_are_read_whole_or_in_pieces(t
     inputs = [str(dev_corpus / "txt"), str(dev_corpus / "jsonl"), str(tmp_path / "hostile")]
     kw = dict(seq_len=256, workers=1, val_fraction=0.1, max_piece_chars=3000)
     build(inputs, str(tmp_path / "whole"), tokenizer_path, BuildConfig(**kw))
-    with mock.patch.object(longdoc, "PIECE_BYTES", 4096):
+    with mock.patch.object(limits, "PIECE_BYTES", 4096):
         build(inputs, str(tmp_path / "pieces"), tokenizer_path, BuildConfig(long_doc_bytes=0, **kw))
     a, b = (json.load(open(tmp_path / x / "manifest.json")) for x in ("whole", "pieces"))
     # Malformed lines are counted alike; only the whole read can name the column.
@@ -111,7 +112,7 @@ from helixtok.pipeline.builder import build
 from helixtok.pipeline.config import BuildConfig
 # The bounded buffer a large input fills and a small one does not (the hash thread's queue:
 # 32 MiB), made small: what is left to grow with the input is what this test is about.
-helixtok.format.shards._Sha256Behind.QUEUED_BYTES = 2 << 20
+helixtok.format.limits.QUEUED_BYTES = 2 << 20
 build([sys.argv[1]], sys.argv[2], sys.argv[3], BuildConfig(seq_len=1024, workers=1))
 # VmHWM, not ru_maxrss: Linux carries ru_maxrss over from the forking parent (pytest) across exec.
 print(next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmHWM:")))

@@ -18,6 +18,7 @@ import pytest
 from click.testing import CliRunner
 
 from conftest import UNIT
+from helixtok.format import limits
 from helixtok.cli import main
 from helixtok.format.errors import ConfigError, DatasetError, InputError
 from helixtok.pipeline.builder import STATE, build
@@ -293,10 +294,9 @@ def test_a_gz_object_split_into_ranges_reads_like_the_local_file(s3, s3_corpus, 
     """A large .jsonl.gz object is cut into ranges like a local file; its seek index is built in
     this process (the indexer process reads only local files): the same units and bytes."""
     import helixtok.pipeline.compressed as hc
-    import helixtok.pipeline.units as hu
 
-    monkeypatch.setattr(hu, "SPLIT_BYTES", 1)
-    monkeypatch.setattr(hu, "RANGE_MIN_BYTES", 1)
+    monkeypatch.setattr(limits, "SPLIT_BYTES", 1)
+    monkeypatch.setattr(limits, "RANGE_MIN_BYTES", 1)
     monkeypatch.setattr(hc, "GZ_INDEX_SPACING", 64 << 10)
     gz = sorted(p.relative_to(dev_corpus).as_posix() for p in dev_corpus.rglob("*.jsonl.gz"))
     m = build([f"{s3_corpus}/{p}" for p in gz], str(tmp_path / "s3"), tokenizer_path, cfg(unit_bytes=128 << 10, workers=1))

@@ -15,7 +15,7 @@ from click.testing import CliRunner
 import helixtok.pipeline.builder as hb
 from helixtok import MemmapChunkDataset
 from helixtok.cli import main
-from helixtok.format.errors import ConfigError, DatasetError, HelixtokError, InputError
+from helixtok.format.errors import ConfigError, DatasetError, HelixtokError, InputError, InternalError
 from helixtok.pipeline.builder import build
 from helixtok.pipeline.config import BuildConfig
 from helixtok.pipeline.discover import discover
@@ -358,8 +358,38 @@ def test_a_panic_inside_the_tokenizer_is_one_line_naming_the_unit(tmp_path, smal
     from helixtok.pipeline.encode import Encoder
 
     monkeypatch.setattr(Encoder, "encode", panic)
-    with pytest.raises(HelixtokError, match=r"tokenizing .*a.txt.* failed: PanicException: called"):
-        build([str(small_corpus)], str(tmp_path / "out"), small_tok, BuildConfig(seq_len=16, workers=1))
+    out = tmp_path / "out"
+    with pytest.raises(InternalError, match=r"^internal error while tokenizing .*a.txt.* \(work unit 0\): "
+                                            r"PanicException: called .*not a fault of the input: please report it, "
+                                            r"with the traceback kept in (\S+)$") as e:
+        build([str(small_corpus)], str(out), small_tok, BuildConfig(seq_len=16, workers=1))
+    log = str(e.value).rsplit(" ", 1)[1]
+    assert log == str(out / STATE / "u000000.error.log")
+    assert "Traceback" in open(log).read() and "def panic" not in open(log).read() and "in panic" in open(log).read()
+
+
+def test_a_bug_is_said_to_be_one_not_blamed_on_the_input(tmp_path, small_corpus, small_tok, monkeypatch):
+    """Issue 62.11: an exception that is no HelixtokError (here a KeyError inside a placement, as
+    the val split's bug gave) says it is internal, names the unit and keeps its traceback: the
+    command prints that one line and exits 1, and the rerun (the bug gone) builds the dataset."""
+    import helixtok.pipeline.join as hj
+
+    real = hj._place_all
+
+    def broken(r, *a, **kw):
+        raise KeyError("train")
+    monkeypatch.setattr(hj, "_place_all", broken)
+    out = tmp_path / "out"
+    r = CliRunner().invoke(main, ["build", str(small_corpus), str(out), "-t", small_tok, "-L", "16", "-j", "1", "-q"])
+    assert r.exit_code == 1 and "Traceback" not in r.output
+    line, = r.stderr.strip().splitlines()
+    assert re.fullmatch(r"Error: internal error while tokenizing .*a.txt.* \(work unit 0\): KeyError: 'train'; not a "
+                        r"fault of the input: please report it, with the traceback kept in .*u000000.error.log", line)
+    assert "KeyError: 'train'" in (out / STATE / "u000000.error.log").read_text()
+    monkeypatch.setattr(hj, "_place_all", real)
+    assert CliRunner().invoke(main, ["build", str(small_corpus), str(out), "-t", small_tok, "-L", "16", "-j", "1",
+                                     "-q"]).exit_code == 0
+    assert not (out / STATE).exists()
 
 
 def test_a_shard_whose_bytes_disagree_with_its_tokens_is_refused_on_load(tmp_path, small_corpus, small_tok):

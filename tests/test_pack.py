@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from helixtok.format import limits
 from helixtok.format import shards
 from helixtok.format.bestfit import build_index, epoch_order, place
 from helixtok.pipeline.pack import PACKERS, document_chunks
@@ -82,7 +83,7 @@ def test_shard_hash_behind_the_writes_is_the_files_sha256(tmp_path_factory, size
         return real(fd, at, n, flags) if real is not None else 0
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(shards._Sha256Behind, "QUEUED_BYTES", queued)
+        mp.setattr(limits, "QUEUED_BYTES", queued)
         mp.setattr(shards, "WRITEBACK_BYTES", behind)
         mp.setattr(shards, "start_writeback", lambda: start)
         f = shards.HashedFile(str(d / "s.bin"))

@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
 import helixtok.pipeline.compressed as hc
+from helixtok.format import limits
 from helixtok.format.errors import ConfigError, InputError
 from helixtok.pipeline.builder import build
 from helixtok.pipeline.config import BuildConfig
@@ -198,8 +199,8 @@ def test_a_large_jsonl_zst_is_read_by_several_workers_with_the_same_bytes(tmp_pa
     c.mkdir()
     (c / "big.jsonl.zst").write_bytes(blob)
     whole, ow = do_build(tmp_path / "whole", small_tok, c, seq_len=64, workers=2)
-    monkeypatch.setattr(hu, "SPLIT_BYTES", 1)
-    monkeypatch.setattr(hu, "RANGE_MIN_BYTES", 1)
+    monkeypatch.setattr(limits, "SPLIT_BYTES", 1)
+    monkeypatch.setattr(limits, "RANGE_MIN_BYTES", 1)
     f = hd.discover([str(c)])[0][0]
     monkeypatch.setattr(hc, "ZST_RANGES_PER_FRAME", 7)
     fills = []
@@ -271,7 +272,7 @@ def test_zst_ranges_read_every_line_once(tmp_path_factory, monkeypatch, texts, b
                     for a, b in zip(bounds, bounds[1:]))
     p = tmp_path_factory.mktemp("z") / "a.jsonl.zst"
     p.write_bytes(blob)
-    for mod, name, value in ((hu, "SPLIT_BYTES", 1), (hu, "RANGE_MIN_BYTES", range_bytes),
+    for mod, name, value in ((limits, "SPLIT_BYTES", 1), (limits, "RANGE_MIN_BYTES", range_bytes),
                              (hc, "ZST_RANGES_PER_FRAME", per_frame)):
         monkeypatch.setattr(mod, name, value)  # the same three every example
     units = hu.plan_units(discover([str(p)])[0], unit_bytes=1, text_field="text")[0]
@@ -313,8 +314,8 @@ def test_a_zst_whose_headers_misstate_its_size_fails(tmp_path, small_tok, dev_do
     bad = r"big\.jsonl\.zst: (truncated or corrupt|corrupt zstd stream)"
     with pytest.raises(InputError, match=bad):
         do_build(tmp_path / "whole", small_tok, c, seq_len=64)
-    monkeypatch.setattr(hu, "SPLIT_BYTES", 1)
-    monkeypatch.setattr(hu, "RANGE_MIN_BYTES", 1)
+    monkeypatch.setattr(limits, "SPLIT_BYTES", 1)
+    monkeypatch.setattr(limits, "RANGE_MIN_BYTES", 1)
     units = hu.plan_units(hd.discover([str(c)])[0], unit_bytes=len(data) // 10, text_field="text")[0]
     assert len(units) >= 4 and units[-1].stop == len(data) + delta and units[-1].ends_file
     with pytest.raises(InputError, match=bad):
@@ -345,8 +346,8 @@ def test_several_large_compressed_files_are_planned_side_by_side(tmp_path, small
     (c / "b.jsonl").write_bytes(b"".join(json.dumps({"text": t}).encode() + b"\n" for t in dev_docs[300:320]))
     (c / "c.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(b))
     whole, ow = do_build(tmp_path / "whole", small_tok, c, seq_len=64, workers=2)
-    monkeypatch.setattr(hu, "SPLIT_BYTES", 1)
-    monkeypatch.setattr(hu, "RANGE_MIN_BYTES", 1)
+    monkeypatch.setattr(limits, "SPLIT_BYTES", 1)
+    monkeypatch.setattr(limits, "RANGE_MIN_BYTES", 1)
     monkeypatch.setattr(hc, "GZ_INDEX_SPACING", 64 << 10)
     units = hu.plan_units(hd.discover([str(c)])[0], unit_bytes=len(a) // 6, text_field="text")[0]
     kinds = [u.kind for u in units]
@@ -374,7 +375,7 @@ def test_a_failing_plan_stops_the_passes_it_started(tmp_path, monkeypatch):
     (c / "a.jsonl").write_text('{"body": "no text field"}\n')
     # No declared size: the planner decompresses the file to learn it (a pass)
     (c / "b.jsonl.zst").write_bytes(zstandard.ZstdCompressor(write_content_size=False).compress(b'{"text": "x"}\n' * 10))
-    monkeypatch.setattr(hu, "SPLIT_BYTES", 1)
+    monkeypatch.setattr(limits, "SPLIT_BYTES", 1)
     reads = []
     block = b"x" * (1 << 20)
 
@@ -562,7 +563,6 @@ def test_a_large_jsonl_gz_is_read_by_several_workers_with_the_same_bytes(tmp_pat
     """One .jsonl.gz cut into decompressed line ranges (a seek index per file): several units,
     byte-identical output to reading it whole, exact line numbers in warnings; damage still fails."""
     import helixtok.pipeline.discover as hd
-    import helixtok.pipeline.units as hu
 
     lines = [json.dumps({"text": t}) + "\n" for t in dev_docs[:300]]
     lines[237] = "{not json\n"
@@ -571,8 +571,8 @@ def test_a_large_jsonl_gz_is_read_by_several_workers_with_the_same_bytes(tmp_pat
     data = "".join(lines).encode()
     (c / "big.jsonl.gz").write_bytes(gzip.compress(data))
     whole, ow = do_build(tmp_path / "whole", small_tok, c, seq_len=64, workers=2)
-    monkeypatch.setattr(hu, "SPLIT_BYTES", 1)
-    monkeypatch.setattr(hu, "RANGE_MIN_BYTES", 1)
+    monkeypatch.setattr(limits, "SPLIT_BYTES", 1)
+    monkeypatch.setattr(limits, "RANGE_MIN_BYTES", 1)
     monkeypatch.setattr(hc, "GZ_INDEX_SPACING", 64 << 10)
     split, osp = do_build(tmp_path / "split", small_tok, c, seq_len=64, workers=2, unit_bytes=len(data) // 7)
     assert whole["inputs"]["units"] == 1 and split["inputs"]["units"] >= 6
@@ -618,10 +618,9 @@ def test_a_damaged_gz_seek_index_never_changes_the_data(tmp_path, small_tok, dev
     CRC-32: a damaged entry is dropped and rebuilt, or the range is read without it; the dataset is
     the one the intact corpus gives, every time (a zeroed page used to drop 500 of 16,153 documents
     as "malformed json" with exit 0)."""
-    import helixtok.pipeline.units as hu
 
-    monkeypatch.setattr(hu, "SPLIT_BYTES", 1)
-    monkeypatch.setattr(hu, "RANGE_MIN_BYTES", 1)
+    monkeypatch.setattr(limits, "SPLIT_BYTES", 1)
+    monkeypatch.setattr(limits, "RANGE_MIN_BYTES", 1)
     monkeypatch.setattr(hc, "GZ_INDEX_SPACING", 64 << 10)
     monkeypatch.setenv("HELIXTOK_CACHE", cache_knowing_the_tokenizers(tmp_path / "cache"))
     c = tmp_path / "c"
@@ -663,8 +662,8 @@ def test_a_gz_seek_index_is_built_here_when_no_process_can_be_started(tmp_path, 
     import helixtok.pipeline.discover as hd
     import helixtok.pipeline.units as hu
 
-    monkeypatch.setattr(hu, "SPLIT_BYTES", 1)
-    monkeypatch.setattr(hu, "RANGE_MIN_BYTES", 1)
+    monkeypatch.setattr(limits, "SPLIT_BYTES", 1)
+    monkeypatch.setattr(limits, "RANGE_MIN_BYTES", 1)
     monkeypatch.setattr(hc, "GZ_INDEX_SPACING", 64 << 10)
     data = "".join(json.dumps({"text": t}) + "\n" for t in dev_docs[:200]).encode()
     (tmp_path / "big.jsonl.gz").write_bytes(gzip.compress(data))

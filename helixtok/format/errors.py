@@ -27,6 +27,11 @@ class DatasetError(HelixtokError):
     """A built dataset is missing, unfinished, corrupt or incompatible."""
 
 
+class InternalError(HelixtokError):
+    """A bug in helixtok or a library it calls, not a fault of the input: said so, with where its
+    traceback was kept for the report."""
+
+
 class Interrupted(KeyboardInterrupt):
     """A stop asked for by a signal (Ctrl-C, SIGTERM, SIGHUP): the CLI exits 128 + signum, resumably."""
 

@@ -8,15 +8,26 @@ import json
 PLAN_FILE = "build-plan.json"  # beside the manifest: the whole plan (every task of a partitioned build derives it)
 
 
+def _short(v, width: int = 40) -> str:
+    r = repr(v)
+    return r if len(r) <= width else r[:width - 3] + "..."
+
+
+def _changed_keys(old, new, path: str = "") -> list[str]:
+    """Where two JSON values differ, as dotted keys (a chat template's text is named, not printed)."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        return [d for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)
+                for d in _changed_keys(old.get(k), new.get(k), f"{path}.{k}" if path else str(k))]
+    return [f"{path}: {_short(old)} -> {_short(new)}"]
+
+
 def describe_change(old: dict, new: dict) -> str:
-    """The first difference between two plans, for one line: an option or an input."""
+    """The first difference between two plans, for one line: the options that changed (short
+    values), or an input."""
     for k in ("config", "tokenizer", "helixtok", "format_version", "partition", "num_tasks"):
         if old.get(k) != new.get(k):
-            if isinstance(old.get(k), dict) and isinstance(new.get(k), dict):
-                diffs = [f"{kk}: {old[k].get(kk)!r} -> {new[k].get(kk)!r}"
-                         for kk in sorted(set(old[k]) | set(new[k])) if old[k].get(kk) != new[k].get(kk)]
-                return ", ".join(diffs)
-            return f"{k}: {old.get(k)!r} -> {new.get(k)!r}"
+            diffs = _changed_keys(old.get(k), new.get(k), "" if k in ("config", "tokenizer") else k)
+            return ", ".join(diffs[:4]) + (f" and {len(diffs) - 4} more" if len(diffs) > 4 else "")
     of = {f[0]: f[1:] for f in old.get("files", [])}
     nf = {f[0]: f[1:] for f in new.get("files", [])}
     added = sorted(set(nf) - set(of))

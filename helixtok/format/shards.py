@@ -11,6 +11,8 @@ import threading
 
 import numpy as np
 
+from . import limits
+
 VALID_DTYPE = np.dtype("<u4")  # per-chunk count of real (non-pad) tokens: document packing
 DOCS_DTYPE = np.dtype("<u8")  # token offsets within the shard where a document (or piece) starts
 MASK_DTYPE = np.dtype("u1")  # per token of a chat build: 1 where it trains, 0 elsewhere (padding too)
@@ -23,9 +25,7 @@ def _tmp_of(final: str) -> str:
 class _Sha256Behind:
     """sha256 of the buffers given, in order, computed in a thread of its own (hashlib releases the
     GIL on large buffers), so that hashing overlaps the tokenizing of the next batch.  Holds at
-    most QUEUED_BYTES of buffers not yet hashed; `digest` waits for the thread to catch up."""
-
-    QUEUED_BYTES = 32 << 20
+    most limits.QUEUED_BYTES of buffers not yet hashed; `digest` waits for the thread to catch up."""
 
     def __init__(self):
         self.sha = hashlib.sha256()
@@ -43,7 +43,7 @@ class _Sha256Behind:
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="helixtok-sha256", daemon=True)
             self._thread.start()
-        self._wait(self.QUEUED_BYTES - buf.nbytes)
+        self._wait(limits.QUEUED_BYTES - buf.nbytes)
         with self._cond:
             self._queued += buf.nbytes
         self._queue.put(buf)  # a view: the caller never writes into an array it handed over
@@ -140,7 +140,7 @@ class HashedFile:
 
 class HeldIds:
     """A work unit's ids kept in memory, up to `limit` bytes, so that they are written once: where
-    they belong in their group's shard, when their place is known as the unit ends (join.place_held).
+    they belong in their group's shard, when their place is known as the unit ends (join.place_unit, `held`).
     Past the limit, or when their place is not known yet, they go to the file `final`
     (a HashedFile) instead: `spill`."""
 

@@ -390,6 +390,8 @@ def _tokenize(run: Run, info, verdict: Future | None) -> tuple[dict, list[dict],
         "files": [[f.name, f.size, f.stamp] for f in run.files],
         "units": [u.to_json() for u in units],
     }
+    # In its JSON form, as plan.json holds it (tuples become lists): what a resume compares.
+    plan = json.loads(encode_plan(plan))
     resume = prepare_out(out, plan, run.overwrite, protect=[f.path for f in run.files] + [info.path])
     os.makedirs(state, exist_ok=True)
     if not resume:

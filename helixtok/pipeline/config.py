@@ -5,9 +5,9 @@ from __future__ import annotations
 import os
 from dataclasses import asdict, dataclass
 
+from ..format import limits
 from ..format.errors import ConfigError
 from .chat import ChatSpec
-from .longdoc import LONG_DOC_BYTES
 
 
 def cache_root() -> str:
@@ -60,8 +60,8 @@ class BuildConfig:
     workers: int = 0  # N: N tokenizing processes (at most one per unit); 0 = as many as the input keeps busy, up to all cores
     strict: bool = False
     batch_chars: int = 1 << 20  # characters per encode_batch call in a worker
-    max_piece_chars: int = 200_000  # longer documents are encoded in pieces
-    long_doc_bytes: int = LONG_DOC_BYTES  # larger documents are also read in pieces (memory stays flat)
+    max_piece_chars: int = -1  # longer documents are encoded in pieces (-1: limits.PIECE_CHARS)
+    long_doc_bytes: int = -1  # larger documents are also read in pieces, memory flat (-1: limits.LONG_DOC_BYTES)
     stall_seconds: float = 600.0  # no progress from any worker for this long: the build fails
     executor: str = "local"  # where units are tokenized: "local" (this machine's processes), "ray[:ADDRESS]"
     strip: bool = False  # str.strip() every document first (HelixLM's compiler does)
@@ -72,6 +72,10 @@ class BuildConfig:
     chat: ChatSpec | bool | None = None
 
     def __post_init__(self) -> None:
+        if self.max_piece_chars == -1:
+            object.__setattr__(self, "max_piece_chars", limits.PIECE_CHARS)
+        if self.long_doc_bytes == -1:
+            object.__setattr__(self, "long_doc_bytes", limits.LONG_DOC_BYTES)
         if self.chat is False:
             object.__setattr__(self, "chat", None)
         if self.packing is None:

@@ -15,7 +15,7 @@ from typing import Callable
 
 import numpy as np
 
-from ..format.errors import HelixtokError, InputError, Interrupted
+from ..format.errors import HelixtokError, InputError, InternalError, Interrupted
 from .backends import FAST
 from .config import BuildConfig, worker_bytes
 from .join import close_group, join_group, join_uploaded, offsets_after, place_unit
@@ -391,9 +391,9 @@ def _result(f, u: Unit | None) -> dict:
         return f.result()
     except (HelixtokError, OSError):
         raise
-    except Exception as e:  # noqa: BLE001
-        raise HelixtokError(f"{f'tokenizing {_where(u)}' if u else 'joining a shard'} failed: "
-                            f"{type(e).__name__}: {e}") from None
+    except Exception as e:  # noqa: BLE001 - a bug: the input's faults arrive as HelixtokErrors
+        raise InternalError(f"internal error while {f'tokenizing {_where(u)}' if u else 'joining a shard'}: "
+                            f"{type(e).__name__}: {e}; not a fault of the input: please report it") from e
 
 
 def worker_count(config: BuildConfig, units: list[Unit], backend: str) -> tuple[int, str]:

@@ -3,7 +3,7 @@ the input alone; placing a unit's output at its offset in its group's shards, an
 
 A unit's place in its group's stream is the sum of the tokens of the units before it, known as soon
 as they are tokenized (journaled, not written): so units are placed in any order, by any process.
-The process that tokenized a unit places it from memory as it ends when it can (place_held: its
+The process that tokenized a unit places it from memory as it ends when it can (place_unit with `held`: its
 ids written once); otherwise it writes them to its own file and a worker copies that file into
 place (place_unit), checking it against the sha256 its unit recorded.  Each placed range is a
 *segment* of its shard, recorded with the sha256 of the very bytes written: a shard's integrity
@@ -14,21 +14,19 @@ dispatch.Joins says where each step runs.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 
 import numpy as np
 
+from ..format import limits
 from ..format.errors import HelixtokError
-from ..format.manifest import write_json_atomic
 from ..format.shards import DOCS_DTYPE, MASK_DTYPE, VALID_DTYPE, HashedFile, start_writeback
-from .journal import done_path, placed_path, state_files
+from .journal import done_path, placed_path, read_entry, state_files, write_entry
 
 # Text bytes per token, to size shard groups before anything is tokenized: English with a 32k-128k
 # BPE gives 3.5-4.5 (the dev corpus with Llama-3.2: 3.9), code ~3, CJK ~1.5-2 (shards then up to
 # 2x the size asked for: past that a group's stream goes on in a second piece).
 BYTES_PER_TOKEN = 4
-LIMIT = 2  # no shard holds more than LIMIT x --shard-size bytes
 BLOCK_BYTES = 1 << 20  # read, hashed and written per step: memory stays flat however large a unit
 
 
@@ -50,7 +48,7 @@ def shard_groups(units, shard_bytes: int, itemsize: int) -> list[tuple[int, int]
 
 def piece_tokens(config, itemsize: int) -> int:
     """Tokens a shard (a piece of its group's stream) holds at most: whole chunks."""
-    return max(1, LIMIT * config.shard_bytes // (config.seq_len * itemsize)) * config.seq_len
+    return max(1, limits.SHARD_LIMIT * config.shard_bytes // (config.seq_len * itemsize)) * config.seq_len
 
 
 def piece_name(g: int, split: str, k: int) -> str:
@@ -71,39 +69,35 @@ def _unit_file(state: str):
 
 
 def place_unit(r: dict, g: int, offsets: dict[str, int], state: str, dtype, config, opener=None,
-               drop: bool = True) -> dict:
-    """Write unit `r`'s ids (its journal entry; its files in `state`, or opened by `opener`) into
-    group `g`'s shards in `state`, starting at `offsets` (per split: tokens of the group's units
-    before it); returns and journals its placement (placement()).  Each file is checked against
-    the sha256 its unit recorded as it is copied (a file changed in between stops the build);
-    `drop`: the unit's .bin files are deleted once placed (its sidecars stay for close_group)."""
+               drop: bool = True, held: dict | None = None) -> dict:
+    """Write unit `r`'s ids (its journal entry) into group `g`'s shards in `state`, starting at
+    `offsets` (per split: tokens of the group's units before it); returns and journals its placement
+    (placement()).  Each split on its own: from memory where its process still holds its ids
+    (`held`: split -> shards.HeldIds, for entries without a "sha256", which they then get), else
+    from its file (in `state`, or opened by `opener`), checked against the sha256 its unit recorded
+    as it is copied (a file changed in between stops the build).  `drop`: the unit's .bin files are
+    deleted once placed (its sidecars stay for close_group)."""
     opener = opener or _unit_file(state)
+    held = held or {}
     buf = bytearray(BLOCK_BYTES)
 
     def place(split: str, e: dict, pos: int, put) -> list:
+        if split in held:
+            segs, e["sha256"] = put(held[split].blocks())
+            return segs
         with opener(e) as src:
             segs, sha = put(_file_blocks(src, buf))
         _same(e, sha)
         return segs
     p = _place_all(r, g, offsets, state, dtype, config, place)
     if drop:
-        for entries in r["shards"].values():
-            for e in entries:
+        for split, entries in r["shards"].items():
+            for e in entries if split not in held else ():
                 try:
                     os.remove(os.path.join(state, e["state"]))
                 except FileNotFoundError:
                     pass
     return p
-
-
-def place_held(r: dict, held: dict, g: int, offsets: dict[str, int], state: str, dtype, config) -> dict:
-    """place_unit for a unit whose ids its process still holds (`held`: split -> shards.HeldIds,
-    for the entries of `r` without a "sha256"): written straight from memory, hashed as they are;
-    each entry gets its "sha256"."""
-    def place(split: str, e: dict, pos: int, put) -> list:
-        segs, e["sha256"] = put(held[split].blocks())
-        return segs
-    return _place_all(r, g, offsets, state, dtype, config, place)
 
 
 def _place_all(r: dict, g: int, offsets: dict[str, int], state: str, dtype, config, place) -> dict:
@@ -127,7 +121,7 @@ def _place_all(r: dict, g: int, offsets: dict[str, int], state: str, dtype, conf
             os.close(fd)
     placed = {"index": r["index"], "group": g, "at": {s: offsets.get(s, 0) for s in r["shards"]},
               "segments": segments, "from": placed_from(r)}
-    write_json_atomic(placed_path(state, r["index"]), placed, durable=False)
+    write_entry(placed_path(state, r["index"]), placed)
     return placed
 
 
@@ -306,13 +300,12 @@ def known_offsets(state: str, g: int, a: int, i: int, cache: dict) -> dict[str, 
     known = cache.setdefault(g, [{}])  # known[j - a]: unit j's offsets
     while len(known) <= i - a:
         j = a + len(known) - 1
+        r = read_entry(done_path(state, j))
         try:
-            with open(done_path(state, j)) as fh:
-                r = json.load(fh)
-            if r["index"] != j:
+            if r is None or r["index"] != j:
                 return None
             known.append(offsets_after(r, known[-1]))
-        except (OSError, ValueError, KeyError, TypeError):
+        except (KeyError, TypeError, AttributeError):
             return None
     return known[i - a]
 
@@ -376,9 +369,5 @@ def join_uploaded(g: int, results: list[dict], run: str, dtype, config, remote: 
 
 def load_placed(state: str, index: int) -> dict | None:
     """An interrupted build's placement of unit `index`, if it journaled one."""
-    try:
-        with open(placed_path(state, index)) as fh:
-            p = json.load(fh)
-    except (OSError, ValueError):
-        return None
-    return p if isinstance(p, dict) and p.get("index") == index else None
+    p = read_entry(placed_path(state, index))
+    return p if p is not None and p.get("index") == index else None

@@ -3,9 +3,13 @@ placement, and the files each names: what a resume trusts and a publish moves.""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 
-from ..format.manifest import SIDE_NAMES
+from ..format.manifest import SIDE_NAMES, write_json_atomic
+
+DIGEST = "entry_sha256"  # each entry's digest of itself: an entry edited or damaged since is not trusted
 
 
 def done_path(state: str, index: int) -> str:
@@ -22,3 +26,29 @@ def state_files(result: dict, with_sha: bool = False):
         for e in entries:
             for x in (e, *(e[side] for side in SIDE_NAMES if side in e)):
                 yield (x["state"], x["path"], x["bytes"]) + ((x["sha256"],) if with_sha else ())
+
+
+def _digest(entry: dict) -> str:
+    body = {k: v for k, v in entry.items() if k != DIGEST}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def write_entry(path: str, entry: dict) -> None:
+    """A journal entry, with its digest of itself (DIGEST): written once, by the process that did the
+    work (not fsynced: a resume after a power loss finds it whole and matching, or redoes it)."""
+    write_json_atomic(path, {**entry, DIGEST: _digest(entry)}, durable=False)
+
+
+def read_entry(path: str) -> dict | None:
+    """The journal entry at `path` (without its digest), or None: missing, unreadable, or not the
+    bytes that were written (valid JSON edited or bit-flipped since: its digest differs), so its
+    unit is done again rather than its numbers published."""
+    try:
+        with open(path, "rb") as fh:
+            entry = json.loads(fh.read())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(entry, dict) or entry.get(DIGEST) != _digest(entry):
+        return None
+    del entry[DIGEST]
+    return entry

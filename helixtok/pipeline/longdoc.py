@@ -17,10 +17,9 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Callable, Iterator
 
+from ..format import limits
 from ..format.objstore import open_input
 
-LONG_DOC_BYTES = 8 << 20  # documents larger than this are read and tokenized in pieces
-PIECE_BYTES = 1 << 20
 
 _COLON = re.compile(rb"[ \t\r\n]*:")
 # A piece may end after any ASCII byte except these: a backslash, or what can follow one
@@ -87,7 +86,7 @@ def _file_pieces(path: str, errors: str) -> Iterator[str]:
     dec = codecs.getincrementaldecoder("utf-8")(errors)
     first = True
     with open_input(path) as fh:
-        while block := fh.read(PIECE_BYTES):
+        while block := fh.read(limits.PIECE_BYTES):
             s = dec.decode(block)
             if first:
                 s, first = s.removeprefix("\ufeff"), False  # a BOM is an encoding marker, not text
@@ -134,12 +133,12 @@ def json_strings(line) -> Iterator[tuple[int, int]]:
 
 
 def skeleton(line: bytes) -> tuple[bytes, dict[str, tuple[int, int]]]:
-    """The line with every string longer than PIECE_BYTES replaced by a unique key, and
+    """The line with every string longer than limits.PIECE_BYTES replaced by a unique key, and
     where each such string's content lies in the line (quotes excluded)."""
     parts, spans, pos = [], {}, 0
     tag = uuid.uuid4().hex  # no document can contain it by chance
     for a, b in json_strings(line):
-        if b - a > PIECE_BYTES and not _COLON.match(line, b):  # a value, not an object key
+        if b - a > limits.PIECE_BYTES and not _COLON.match(line, b):  # a value, not an object key
             key = f"\x00helixtok-long:{tag}:{len(spans)}"
             parts += [line[pos:a], json.dumps(key).encode()]
             spans[key] = (a + 1, b - 1)
@@ -149,11 +148,11 @@ def skeleton(line: bytes) -> tuple[bytes, dict[str, tuple[int, int]]]:
 
 
 def _cut(line: bytes, start: int, stop: int) -> int:
-    """End of the piece that starts at `start`: near start + PIECE_BYTES, after a safe byte."""
-    target = start + PIECE_BYTES
+    """End of the piece that starts at `start`: near start + limits.PIECE_BYTES, after a safe byte."""
+    target = start + limits.PIECE_BYTES
     if target >= stop:
         return stop
-    for q in range(target, start + PIECE_BYTES // 2, -1):
+    for q in range(target, start + limits.PIECE_BYTES // 2, -1):
         if line[q - 1] < 0x80 and line[q - 1] not in _UNSAFE_END:
             return q
     for q in range(target, stop):

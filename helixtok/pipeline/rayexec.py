@@ -22,8 +22,7 @@ from concurrent.futures import Future
 
 from ..format import errors
 from ..format.errors import ConfigError, HelixtokError
-from ..format.manifest import write_json_atomic
-from .journal import done_path, state_files
+from .journal import done_path, state_files, write_entry
 from .publish import upload_unit
 from .tokenizer import hold_bytes, release_bytes
 from .unit import _init_worker, run_unit
@@ -299,7 +298,7 @@ class RayExecutor:
                 raise getattr(errors, rest[0], HelixtokError)(rest[1])
             r = rest[0]
             if self._uploads and unit is not None:  # for a resume
-                write_json_atomic(done_path(self._state, r["index"]), r, durable=False)
+                write_entry(done_path(self._state, r["index"]), r)
         except BaseException as e:  # noqa: BLE001 - this runs in Ray's thread: the build's waits on `out`
             out.set_exception(e)
             return

@@ -11,7 +11,7 @@ import shutil
 from ..format.errors import ConfigError
 from ..format.manifest import file_matches, load_manifest, manifest_files, split_files
 from ..format.planid import PLAN_FILE, describe_change
-from .journal import done_path, placed_path, state_files
+from .journal import done_path, placed_path, read_entry, state_files
 from .outdir import STATE, refuse_foreign, refuse_foreign_state, remove_owned, unpublish
 from .units import Unit
 
@@ -91,9 +91,8 @@ def trusted_results(out: str, state: str, units: list[Unit], groups: list[tuple[
     placed: dict[int, dict] = {}
     for u in units:
         try:
-            with open(done_path(state, u.index)) as fh:
-                r = json.load(fh)
-            if not (r["index"] == u.index and "lines" in r and "sources" in r and "counts" in r):
+            r = read_entry(done_path(state, u.index))
+            if r is None or not (r["index"] == u.index and "lines" in r and "sources" in r and "counts" in r):
                 continue
             files = list(state_files(r, with_sha=True))
             if uploaded is not None:

@@ -12,15 +12,16 @@ from functools import partial
 
 import numpy as np
 
-from ..format.errors import HelixtokError, InputError
-from ..format.manifest import SOURCE_COUNTS, write_json_atomic
+from ..format import limits
+from ..format.errors import HelixtokError, InputError, InternalError
+from ..format.manifest import SOURCE_COUNTS
 from ..format.objstore import expired
 from .backends import forget_fast_tokenizers
 from .compressed import drop_index
 from .config import BuildConfig
 from .encode import Encoder
-from .join import known_offsets, place_held
-from .journal import done_path
+from .join import known_offsets, place_unit
+from .journal import done_path, write_entry
 from .longdoc import LongText, stripped, utf8_len
 from .pack import PACKERS
 from .sources import StaleRange, UnitReader
@@ -141,9 +142,6 @@ def _bump(counters, b: int, d: int, t: int) -> None:
 
 
 _HASH_STEP = 1 << 20
-# A unit's ids kept in memory up to this size, to be written once, into their group's shard, as the
-# unit ends (a 4 MiB unit of text gives ~4 MB of uint32 ids); a larger output goes to a file first.
-HOLD_BYTES = 16 << 20
 UNIT_FILE_TOKENS = 1 << 60  # a unit's output stays one file per split, whatever its size
 
 
@@ -212,8 +210,13 @@ def run_unit(unit: Unit, info: TokenizerInfo, where: tuple[int, int] | None = No
         raise HelixtokError(f"out of memory while tokenizing {_where(unit)}; use fewer --workers or "
                             "more memory, then rerun the same command to resume") from None
     except BaseException as e:  # noqa: BLE001 - includes pyo3's PanicException
+        # Not a fault of the input (those are InputErrors, or counted skips): a bug, here or in a
+        # library.  Said so, with where its traceback is kept to be reported.
         msg = (str(e).splitlines() or [""])[0][:200]
-        raise HelixtokError(f"tokenizing {_where(unit)} failed: {type(e).__name__}: {msg}") from None
+        log = _keep_traceback(unit)
+        raise InternalError(f"internal error while tokenizing {_where(unit)} (work unit {unit.index}): "
+                            f"{type(e).__name__}: {msg}; not a fault of the input: please report it"
+                            + (f", with the traceback kept in {log}" if log else "")) from None
 
 
 def _run_unit(unit: Unit, info: TokenizerInfo, where: tuple[int, int] | None) -> dict:
@@ -228,7 +231,7 @@ def _run_unit(unit: Unit, info: TokenizerInfo, where: tuple[int, int] | None) ->
     # Ray task uploads it.
     outs = {s: PACKERS[cfg.packing](os.path.join(state, f"u{unit.index:06d}.{run}.{s}"), f"u{unit.index:06d}-{s}",
                                     info.dtype, L, UNIT_FILE_TOKENS // L * L, cfg.tail_len, info.pad_id,
-                                    hold=HOLD_BYTES if where else 0, chat=cfg.chat is not None)
+                                    hold=limits.HOLD_BYTES if where else 0, chat=cfg.chat is not None)
             for s in splits}
     docs = {s: 0 for s in splits}
     tokens = {s: 0 for s in splits}
@@ -396,7 +399,7 @@ def _run_unit(unit: Unit, info: TokenizerInfo, where: tuple[int, int] | None) ->
               "sources": {k: dict(zip(SOURCE_COUNTS, v)) for k, v in sources.items()}}
     if chat is not None:
         result["chat"] = chat
-    write_json_atomic(done_path(state, unit.index), result, durable=False)
+    write_entry(done_path(state, unit.index), result)
     return {**result, "placed": placed} if placed else result
 
 
@@ -407,10 +410,28 @@ def _place_or_spill(unit: Unit, shards: dict, held: dict, where, w: Worker, info
         return None
     pos = known_offsets(w.state, where[0], where[1], unit.index, w.offsets) if where else None
     if pos is not None:
-        return place_held({"index": unit.index, "shards": shards}, held, where[0], pos, w.state, info.dtype, w.config)
+        # Each split on its own: one may be held while the other went to its file (past limits.HOLD_BYTES).
+        return place_unit({"index": unit.index, "shards": shards}, where[0], pos, w.state, info.dtype, w.config,
+                          held=held)
     for s, ids in held.items():
         shards[s][-1].update(ids.spill())
     return None
+
+
+def _keep_traceback(unit: Unit) -> str | None:
+    """The traceback being handled, written to uNNNNNN.error.log in the state folder: its path."""
+    import traceback
+
+    w = getattr(_here, "worker", None)
+    if w is None:
+        return None
+    path = os.path.join(w.state, f"u{unit.index:06d}.error.log")
+    try:
+        with open(path, "w") as fh:
+            fh.write(traceback.format_exc())
+    except OSError:
+        return None
+    return path
 
 
 def _where(u: Unit) -> str:

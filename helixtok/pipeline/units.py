@@ -15,11 +15,12 @@ try:
 except ImportError:  # optional speed-up: the stdlib path reads every line the same way
     orjson = None
 
+from ..format import limits
 from ..format.errors import InputError
 from ..format.objstore import is_url, open_input
 from .compressed import open_stream, plan_gzip, plan_zstd
 from .inputfile import InputFile
-from .longdoc import LONG_DOC_BYTES, skeleton
+from .longdoc import skeleton
 from .tally import Tally
 
 # --------------------------------------------------------------------------- work units
@@ -77,8 +78,8 @@ def plan_units(files: list[InputFile], *, unit_bytes: int, text_field: str, stal
     # to the corpus (a corpus of many such files is already parallel; splitting costs a pass over
     # each).  Both are functions of the input alone: the units do not depend on --workers.
     packed_total = sum(f.size for f in files if f.kind in ("jsonl.gz", "jsonl.zst"))
-    split_at = max(SPLIT_BYTES, packed_total // SPLIT_SHARE)
-    range_bytes = max(unit_bytes, RANGE_MIN_BYTES)
+    split_at = max(limits.SPLIT_BYTES, packed_total // limits.SPLIT_SHARE)
+    range_bytes = max(unit_bytes, limits.RANGE_MIN_BYTES)
     big = [f for f in files if f.kind in ("jsonl.gz", "jsonl.zst") and f.size >= split_at]
     for f in big:  # a wrong --text-field fails before any long pass starts
         _check_jsonl_head(f, text_field)
@@ -90,7 +91,7 @@ def plan_units(files: list[InputFile], *, unit_bytes: int, text_field: str, stal
             return [dict(start=a, stop=b, first_line=line, est_bytes=b - a, aux=index, check=(n, crc))
                     for a, b, line, n, crc in cuts]
         # A file holding a smaller share of the corpus needs fewer ranges to keep all cores busy.
-        return plan_zstd(f, range_bytes, -(-SPLIT_SHARE * f.size // packed_total), halt)
+        return plan_zstd(f, range_bytes, -(-limits.SPLIT_SHARE * f.size // packed_total), halt)
 
     batch: list[InputFile] = []
 
@@ -138,9 +139,6 @@ def plan_units(files: list[InputFile], *, unit_bytes: int, text_field: str, stal
     return units, warnings
 
 
-SPLIT_BYTES = 32 << 20  # compressed bytes from which one .gz/.zst file is read by several workers
-SPLIT_SHARE = 64  # ... and a file must also hold at least 1/64 of the corpus's compressed bytes
-RANGE_MIN_BYTES = 32 << 20  # decompressed bytes per range of a split file
 def _line_aligned_cuts(path: str, size: int, unit_bytes: int) -> Iterator[tuple[int, int]]:
     """Yield (start, stop) byte ranges that end just after the first newline at or past
     start + unit_bytes (the same cuts as line_cuts).  Only the bytes near each cut are read: the
@@ -174,11 +172,11 @@ def _check_jsonl_head(f: InputFile, text_field: str) -> None:
     try:
         with open_input(f.path) as raw:
             stream, lineno = open_stream(f.path, f.kind, raw), 0
-            # Lines read up to LONG_DOC_BYTES: a huge first line is not held whole (iterating the
+            # Lines read up to limits.LONG_DOC_BYTES: a huge first line is not held whole (iterating the
             # stream built it in a growing buffer, twice its size: a 200 MB line peaked at 400 MB).
-            while line := stream.readline(LONG_DOC_BYTES + 1):
+            while line := stream.readline(limits.LONG_DOC_BYTES + 1):
                 lineno += 1
-                if len(line) > LONG_DOC_BYTES and not line.endswith(b"\n"):
+                if len(line) > limits.LONG_DOC_BYTES and not line.endswith(b"\n"):
                     if not line.lstrip().startswith(b"{"):
                         first = (lineno, None)  # not one object (an array?)
                         break

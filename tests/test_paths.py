@@ -1,0 +1,253 @@
+"""Every code path a size threshold chooses gives the same bytes: the thresholds lowered
+(format/limits.py) so that small data takes the paths only big builds take -- ids held in memory
+or spilled to a file first, both in one unit, compressed files read in ranges, Parquet row groups
+as units, long documents read in pieces -- and every input form, -j, unit size and val split
+compared with one reference build, data file by data file."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from helixtok.format import limits
+from helixtok.pipeline.builder import STATE, build
+from helixtok.pipeline.config import BuildConfig
+
+LOWERED = dict(HOLD_BYTES=3000, SPLIT_BYTES=1, RANGE_MIN_BYTES=1, LONG_DOC_BYTES=20_000, PIECE_BYTES=4096,
+               QUEUED_BYTES=1 << 16)
+FORMS = ("txt", "jsonl", "jsonl.gz", "jsonl.zst", "parquet-1", "parquet-many")
+
+
+def lower(monkeypatch, **values) -> None:
+    """The thresholds lowered here (this process, an inline build) and for every process a build
+    starts (the fork server, spawned helpers: they read $HELIXTOK_TEST_LIMITS as they import)."""
+    for k, v in values.items():
+        monkeypatch.setattr(limits, k, v)
+    monkeypatch.setenv("HELIXTOK_TEST_LIMITS", ",".join(f"{k}={v}" for k, v in values.items()))
+
+
+@pytest.fixture(scope="module")
+def docs(dev_docs) -> list[str]:
+    """~250 KB of real documents of every size, one of them longer than the lowered LONG_DOC_BYTES."""
+    picked = [d[:5000] for d in dev_docs if d.strip()]
+    long = "\n\n".join(picked[100:])[:60_000]
+    assert len(long) == 60_000
+    return picked[:40] + [long] + picked[40:80]
+
+
+def write_form(root: Path, form: str, docs: list[str]) -> str:
+    """The same documents, in corpus order, as one input form."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import zstandard
+
+    root.mkdir(parents=True)
+    lines = "".join(json.dumps({"text": d}, ensure_ascii=False) + "\n" for d in docs).encode()
+    if form == "txt":
+        for i, d in enumerate(docs):
+            (root / f"d{i:04d}.txt").write_text(d, encoding="utf-8")
+        return str(root)
+    if form == "jsonl":
+        (root / "c.jsonl").write_bytes(lines)
+    elif form == "jsonl.gz":
+        (root / "c.jsonl.gz").write_bytes(gzip.compress(lines))
+    elif form == "jsonl.zst":
+        (root / "c.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(lines))
+    else:
+        pq.write_table(pa.table({"text": docs}), root / "c.parquet",
+                       row_group_size=len(docs) if form == "parquet-1" else 7)
+    return str(root)
+
+
+def data_files(out: str) -> dict[str, bytes]:
+    """Every file a dataset's data is in (shards and sidecars), by name."""
+    return {n: Path(out, n).read_bytes() for n in sorted(os.listdir(out)) if n.rsplit(".", 1)[-1] in
+            ("bin", "docs", "valid", "idx", "mask")}
+
+
+# Each (packing, val) case builds the reference and two forms of the six, rotating, so that over
+# the nine cases every form runs three times, at -j 1 and -j 2, at two unit sizes.
+CASES = [(p, v) for p in ("packed", "bestfit", "document") for v in (0.0, 0.01, 0.9)]
+
+
+@pytest.mark.parametrize("packing, val", CASES, ids=[f"{p}-val{v}" for p, v in CASES])
+def test_every_form_and_path_gives_the_same_bytes(tmp_path, docs, tokenizer_path, monkeypatch, packing, val):
+    k = CASES.index((packing, val))
+    cfg = dict(seq_len=64, packing=packing, val_fraction=val, shard_bytes=1 << 30)
+    ref = str(tmp_path / "ref")
+    m = build([write_form(tmp_path / "ref-in", "jsonl", docs)], ref, tokenizer_path,
+              BuildConfig(workers=1, unit_bytes=1 << 30, **cfg))
+    want = data_files(ref)
+    assert want and m["totals"]["documents"] == len(docs)
+    lower(monkeypatch, **LOWERED)
+    for j, form in enumerate((FORMS[(2 * k) % 6], FORMS[(2 * k + 1) % 6])):
+        out = str(tmp_path / form)
+        got = build([write_form(tmp_path / f"{form}-in", form, docs)], out, tokenizer_path,
+                    BuildConfig(workers=1 + (k + j) % 2, unit_bytes=(8 << 10, 32 << 10)[j], **cfg))
+        # The lowered thresholds cut every form into units (a row group is never cut).
+        assert got["inputs"]["units"] > (form != "parquet-1"), form
+        assert data_files(out) == want, (form, sorted(set(data_files(out)) ^ set(want)))
+        for split, sp in got["splits"].items():  # the counts (the shards' segments follow the units)
+            assert {k: v for k, v in sp.items() if k != "shards"} == \
+                   {k: v for k, v in m["splits"][split].items() if k != "shards"}
+
+
+def test_a_unit_with_one_split_held_and_the_other_spilled_is_placed(tmp_path, docs, tokenizer_path, monkeypatch):
+    """Issue 62.1: a unit whose train ids pass HOLD_BYTES while its val ids are held (and the
+    reverse) is placed split by split, from its file and from memory: the build succeeds with
+    the bytes of one whose units all spill, at -j 1 (always the case) and -j 2."""
+    corpus = write_form(tmp_path / "in", "jsonl.gz", docs)
+    for val in (0.01, 0.9):
+        cfg = dict(seq_len=64, val_fraction=val, unit_bytes=1 << 30)
+        lower(monkeypatch, HOLD_BYTES=0)
+        spilled = str(tmp_path / f"spilled{val}")
+        build([corpus], spilled, tokenizer_path, BuildConfig(workers=1, **cfg))
+        sizes = {s: sum(e["bytes"] for e in sp["shards"]) for s, sp in json.loads(
+            Path(spilled, "manifest.json").read_text())["splits"].items()}
+        small, big = sorted(sizes.values())
+        lower(monkeypatch, HOLD_BYTES=(small + big) // 2)  # the small split held, the big one spilled
+        for workers in (1, 2):
+            out = str(tmp_path / f"mixed{val}-{workers}")
+            build([corpus], out, tokenizer_path, BuildConfig(workers=workers, **cfg))
+            assert data_files(out) == data_files(spilled)
+
+
+def test_the_issues_reproducer_builds_on_the_command_line(tmp_path, docs, tokenizer_path):
+    """Issue 62.1 as a user meets it: `helixtok build X.jsonl.gz OUT --val-fraction` with a unit
+    whose ids pass what a worker holds (lowered through the environment, read by every process)."""
+    corpus = write_form(tmp_path / "in", "jsonl.gz", docs)
+    outs = []
+    for env, workers in (({}, "1"), ({"HELIXTOK_TEST_LIMITS": "HOLD_BYTES=3000"}, "1"),
+                         ({"HELIXTOK_TEST_LIMITS": "HOLD_BYTES=3000"}, "2")):
+        out = str(tmp_path / f"o{len(outs)}")
+        r = subprocess.run([sys.executable, "-m", "helixtok.cli", "build", corpus, out, "-t", tokenizer_path, "-L",
+                            "64", "--val-fraction", "0.01", "-j", workers, "-q"], capture_output=True, text=True,
+                           env={**os.environ, **env})
+        assert r.returncode == 0, r.stderr
+        outs.append(data_files(out))
+    assert outs[0] == outs[1] == outs[2]
+
+
+def test_a_bad_limits_value_is_refused_naming_the_names(monkeypatch):
+    with pytest.raises(ValueError, match="'HOLD=1' is not NAME=WHOLE_NUMBER with NAME one of HOLD_BYTES, "):
+        limits.lowered("HOLD=1")
+    assert limits.lowered(" HOLD_BYTES=5, PIECE_BYTES=7") == {"HOLD_BYTES": 5, "PIECE_BYTES": 7}
+
+
+def test_an_edited_journal_entry_is_redone_not_published(tmp_path, docs, tokenizer_path, monkeypatch):
+    """Issue 62.3: after a stop, a unit's journal entry edited (still valid JSON: text_bytes + 2) or
+    bit-flipped is not trusted: its unit is tokenized again and the manifest's counts are the
+    undisturbed build's."""
+    import helixtok.pipeline.dispatch as hdisp
+
+    corpus = write_form(tmp_path / "in", "jsonl", docs)
+    cfg = BuildConfig(seq_len=64, workers=1, unit_bytes=16 << 10, val_fraction=0.1)
+    ref = build([corpus], str(tmp_path / "ref"), tokenizer_path, cfg)
+    ran, real = [], hdisp.run_unit
+
+    def stopping(unit, *a):
+        if len(ran) == 4 and not stopped:
+            stopped.append(1)
+            raise KeyboardInterrupt
+        ran.append(unit.index)
+        return real(unit, *a)
+    stopped: list = []
+    monkeypatch.setattr(hdisp, "run_unit", stopping)
+    out = tmp_path / "out"
+    with pytest.raises(KeyboardInterrupt):
+        build([corpus], str(out), tokenizer_path, cfg)
+    entry = out / STATE / "u000001.done.json"
+    e = json.loads(entry.read_text())
+    e["text_bytes"]["train"] += 2
+    entry.write_text(json.dumps(e))
+    raw = bytearray((out / STATE / "u000002.done.json").read_bytes())
+    at = raw.index(b'"documents"') + len(b'"documents": {"train": ')
+    raw[at] = ord("9") if raw[at] != ord("9") else ord("8")  # a digit flipped: valid JSON still
+    (out / STATE / "u000002.done.json").write_bytes(bytes(raw))
+    ran.clear()
+    m = build([corpus], str(out), tokenizer_path, cfg)
+    assert sorted(ran[:2]) == [1, 2] and 0 not in ran and 3 not in ran
+    for k in ("totals", "sources", "splits", "unit_documents"):
+        assert m[k] == ref[k], k
+    assert data_files(str(out)) == data_files(str(tmp_path / "ref"))
+    assert np.array_equal(np.fromfile(out / "train-000000-0000.bin", np.uint16),
+                          np.fromfile(tmp_path / "ref" / "train-000000-0000.bin", np.uint16))
+
+
+@pytest.fixture(scope="module")
+def kinds(tmp_path_factory, docs, dev_docs):
+    """Each build kind's inputs: text (jsonl, with a val split) and chat (Llama-3-style template)."""
+    from test_chat import _write_chat_corpus, llama_style_tokenizer, real_conversations
+
+    from helixtok.pipeline.chat import load_spec
+
+    root = tmp_path_factory.mktemp("kinds")
+    text = write_form(root / "text", "jsonl", docs[:60])
+    llama = llama_style_tokenizer(root / "llama", dev_docs[:200])
+    chats = str(_write_chat_corpus(root / "chat", real_conversations(dev_docs, 80, seed=11)))
+    spec = load_spec(str(llama), None, "assistant", False, "messages")
+    return {"text": (text, None), "chat": (chats, (str(llama / "tokenizer.json"), spec))}
+
+
+KINDS = [("text", "packed"), ("text", "document"), ("text", "bestfit"), ("chat", "bestfit"), ("chat", "packed")]
+
+
+@pytest.mark.parametrize("kind, packing", KINDS, ids=[f"{k}-{p}" for k, p in KINDS])
+def test_every_build_kind_stopped_at_each_step_resumes_to_the_same_bytes(tmp_path, kinds, tokenizer_path, monkeypatch,
+                                                                          kind, packing):
+    """Issue 62.2 and 62.13: a build of each kind stopped after its plan, after its first unit, before
+    its last, and half way through publishing, is resumed by the same call (never refused as
+    "other inputs or options": a chat plan's template tuples compared in their JSON form), and the
+    result is the undisturbed build's folder, byte for byte (the manifest included)."""
+    import helixtok.pipeline.builder as hb
+    import helixtok.pipeline.dispatch as hdisp
+
+    corpus, chat = kinds[kind]
+    tok = chat[0] if chat else tokenizer_path
+    cfg = BuildConfig(seq_len=128, packing=packing, workers=1, unit_bytes=8 << 10, shard_bytes=16 << 10,
+                      val_fraction=0.2, chat=chat[1] if chat else None)
+    ref = str(tmp_path / "ref")
+    m = build([corpus], ref, tok, cfg)
+    n = m["inputs"]["units"]
+    assert n >= 4 and len(m["splits"]["train"]["shards"]) >= 2
+    real_run, real_replace = hdisp.run_unit, hb.os.replace
+    for stop in ("plan", 1, n - 1, "publish"):
+        out = str(tmp_path / f"out-{stop}")
+        ran: list[int] = []
+
+        def counted(unit, *a):
+            if stop != "publish" and len(ran) == (0 if stop == "plan" else stop):
+                raise KeyboardInterrupt
+            ran.append(unit.index)
+            return real_run(unit, *a)
+
+        moved: list[str] = []
+
+        def replace(a, b):  # into OUT: one file, then the stop
+            if stop == "publish" and os.path.dirname(b) == out:
+                if moved:
+                    raise KeyboardInterrupt
+                moved.append(b)
+            real_replace(a, b)
+        with monkeypatch.context() as mp:
+            mp.setattr(hdisp, "run_unit", counted)
+            mp.setattr(hb.os, "replace", replace)
+            with pytest.raises(KeyboardInterrupt):
+                build([corpus], out, tok, cfg)
+        assert not os.path.exists(os.path.join(out, "manifest.json"))
+        assert os.path.isfile(os.path.join(out, STATE, "plan.json")), stop
+        with monkeypatch.context() as mp:
+            again: list[int] = []
+            mp.setattr(hdisp, "run_unit", lambda unit, *a: again.append(unit.index) or real_run(unit, *a))
+            build([corpus], out, tok, cfg)
+        assert sorted(again) == [i for i in range(n) if i not in ran], stop  # each unit tokenized once in all
+        assert sorted(os.listdir(out)) == sorted(os.listdir(ref)), stop
+        for name in os.listdir(ref):
+            assert Path(out, name).read_bytes() == Path(ref, name).read_bytes(), (stop, name)
