@@ -251,3 +251,40 @@ def test_every_build_kind_stopped_at_each_step_resumes_to_the_same_bytes(tmp_pat
         assert sorted(os.listdir(out)) == sorted(os.listdir(ref)), stop
         for name in os.listdir(ref):
             assert Path(out, name).read_bytes() == Path(ref, name).read_bytes(), (stop, name)
+
+
+@pytest.mark.parametrize("packing", ["packed", "bestfit"])
+def test_stats_trainable_tokens_are_what_an_epochs_labels_train_on(tmp_path, kinds, packing):
+    """Issue 62.9: a packed chat build drops its stream's last partial chunk, and the 1s of its mask
+    there with it: `helixtok stats` (and a merge of its parts) says the trainable tokens the labels
+    of a DataLoader epoch hold, not the 1s of the .mask files (which `verify` still checks)."""
+    from click.testing import CliRunner
+
+    from helixtok import MemmapChunkDataset
+    from helixtok.cli import main
+    from helixtok.inspect.verify import verify
+    from helixtok.pipeline.merge import merge
+
+    corpus, (tok, spec) = kinds["chat"]
+    cfg = BuildConfig(seq_len=97, packing=packing, workers=1, unit_bytes=8 << 10, shard_bytes=16 << 10, chat=spec)
+    out = str(tmp_path / "out")
+    m = build([corpus], out, tok, cfg)
+    parts = [str(tmp_path / "parts" / f"part-{k:05d}") for k in range(2)]
+    for k, p in enumerate(parts):
+        build([corpus], p, tok, cfg, task=(k, 2))
+    merged = merge(parts, str(tmp_path / "parts"))
+    c = m["splits"]["train"]["chat"]
+    assert merged["splits"]["train"]["chat"] == c
+    ds = MemmapChunkDataset(out)
+    trained = sum(int((ds[i]["labels"] != -100).sum()) for i in range(len(ds)))
+    stored = sum(int(np.fromfile(Path(out, e["mask"]["path"]), np.uint8).sum()) for e in m["splits"]["train"]["shards"])
+    assert stored == c["trainable_tokens"] and verify(out).ok
+    assert trained == c["trainable_tokens"] - c["dropped_trainable_tokens"]
+    if packing == "packed":
+        assert c["dropped_trainable_tokens"] > 0  # this corpus's tail ends in an assistant turn
+    else:
+        assert c["dropped_trainable_tokens"] == 0
+    for where in (out, str(tmp_path / "parts")):
+        r = CliRunner().invoke(main, ["stats", where, "--json"])
+        assert r.exit_code == 0, r.output
+        assert json.loads(r.stdout)["trainable_tokens_per_epoch"] == trained

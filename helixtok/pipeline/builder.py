@@ -21,6 +21,7 @@ import secrets
 import shutil
 import threading
 from concurrent.futures import Future
+from functools import partial
 from typing import Callable
 
 import numpy as np
@@ -36,7 +37,7 @@ from ..version import __version__
 from . import preload
 from .backend_check import choose_backend
 from .backends import FAST, backend_version, forget_fast_tokenizers
-from .catalog import CHAT_TEMPLATE, build_manifest, join_split, published, unit_counts
+from .catalog import CHAT_TEMPLATE, build_manifest, chat_counts, join_split, published, unit_counts
 from .config import BuildConfig
 from .discover import discover
 from .dispatch import BackendRejected, Joins, Progress, UnitPool, run_units, verdict_for, worker_count
@@ -49,7 +50,7 @@ from .resume import prepare_out, trusted_results, up_to_date
 from .sources import LineRefs
 from .tally import Tally
 from .tokenizer import forget_handed, hold_bytes, inspect_tokenizer, read_tokenizer, release_bytes, tokenizer_bytes
-from .unit import CHAT_COUNTS, THREAD_ENV
+from .unit import THREAD_ENV
 from .units import Unit, plan_units
 
 
@@ -456,7 +457,9 @@ def _publish(run: Run, info, backend_check: dict, trusted: dict, results: list[d
                             config.seq_len, config.packing, indexes.get(s)) for s in names}
     if config.chat:
         for s in names:
-            splits[s]["chat"] = {k: sum(r["chat"][s][k] for r in results) for k in CHAT_COUNTS}
+            splits[s]["chat"] = chat_counts([r["chat"][s] for r in results], splits[s],
+                                            [e for j in joined for e in j["shards"][s]], config.packing,
+                                            partial(_read_mask, run))
     tally = Tally()
     for r in results:
         tally.merge(Tally.from_json(r["skipped"]))
@@ -525,6 +528,15 @@ def _bestfit_index(run: Run, shards: list[dict], split: str):
     idx = build_index(*spans, run.config.seq_len, run.config.tail_len)
     idx.entry = write_index(run.state, split, idx)
     return idx
+
+
+def _read_mask(run: Run, m: dict, start: int, stop: int) -> bytes:
+    """Bytes [start, stop) of a shard's .mask sidecar: in STATE, or uploaded by its join's Ray task."""
+    if run.remote is not None:
+        return remote_bytes(*run.remote, m["path"], run.config.stall_seconds, start=start, end=stop)
+    with open(os.path.join(run.state, m["state"]), "rb") as fh:
+        fh.seek(start)
+        return fh.read(stop - start)
 
 
 def _read_docs(run: Run, d: dict) -> np.ndarray:

@@ -34,6 +34,24 @@ def join_split(pieces: list[dict], shards: list[dict], seq_len: int, packing: st
     return {"num_chunks": chunks, "num_tokens": chunks * seq_len, **d, "shards": shards, **extra}
 
 
+def chat_counts(pieces: list[dict], split: dict, shards: list[dict], packing: str, read_mask) -> dict:
+    """A chat split's counts: the pieces' (units' or parts') summed, and `dropped_trainable_tokens`,
+    the 1s of its masks in what no chunk holds (packed: the stream's last partial chunk; the other
+    packings store whole chunks, and a conversation too long is never stored).  read_mask(mask
+    entry, start, stop): those bytes of its .mask file (at most seq_len - 1 are read in all);
+    `shards`: the split's, in order, as read_mask takes them."""
+    c = {k: sum(p[k] for p in pieces) for k in pieces[0] if k != "dropped_trainable_tokens"} if pieces else {}
+    left, ones = split["dropped_tokens"] if packing == "packed" else 0, 0
+    for e in reversed(shards):
+        if left <= 0:
+            break
+        n = min(left, e["num_tokens"])
+        ones += read_mask(e["mask"], e["num_tokens"] - n, e["num_tokens"]).count(1)
+        left -= n
+    c["dropped_trainable_tokens"] = ones
+    return c
+
+
 def split_totals(splits: dict) -> dict:
     """The manifest's totals over its splits (a caller adds what never reached a split)."""
     t = {k: sum(s[k] for s in splits.values()) for k in COUNTED}

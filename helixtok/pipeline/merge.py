@@ -16,7 +16,7 @@ from ..format.manifest import (MANIFEST, MERGEABLE, check_small_file, load_manif
                                with_paths, write_json_atomic)
 from ..format.planid import PLAN_FILE, describe_change
 from ..format.shards import DOCS_DTYPE
-from .catalog import CHAT_TEMPLATE, join_split, split_totals
+from .catalog import CHAT_TEMPLATE, chat_counts, join_split, split_totals
 from .outdir import PUBLISH, STATE, OutLock, check_out_path, refuse_foreign, remove_owned
 from .tally import Tally
 from .units import Unit
@@ -327,8 +327,12 @@ def _merge_locked(parts: list[str], ms: list[dict], out: str, tokenizer: bytes, 
                                indexes.get(name))
               for name in pieces}
     if first.get("chat"):
+        def read_mask(m: dict, start: int, stop: int) -> bytes:
+            with open(os.path.join(out, m["path"]), "rb") as fh:
+                fh.seek(start)
+                return fh.read(stop - start)
         for name, s in splits.items():
-            s["chat"] = {k: sum(p["chat"][k] for p in pieces[name]) for k in pieces[name][0]["chat"]}
+            s["chat"] = chat_counts([p["chat"] for p in pieces[name]], s, s["shards"], first["packing"], read_mask)
     totals = split_totals(splits)
     totals.update({k: sum(m["totals"][k] for m in ms) for k in ("skipped_documents", "repaired_documents")})
     skipped, warnings = Tally(), Tally()

@@ -168,10 +168,12 @@ def remote_sizes(url: str, folder: str, stall: float = 600.0) -> dict[str, int]:
     return {posixpath.relpath(k, base): int(v["size"]) for k, v in found.items()}
 
 
-def remote_bytes(url: str, folder: str, path: str, stall: float = 600.0) -> bytes:
-    """One object under URL/folder (a Ray task's upload): what the driver reads of it, a .docs sidecar."""
+def remote_bytes(url: str, folder: str, path: str, stall: float = 600.0, start: int | None = None,
+                 end: int | None = None) -> bytes:
+    """One object under URL/folder (a Ray task's upload), or bytes [start, end) of it: what the driver
+    reads of it, a .docs sidecar, a .mask's last bytes."""
     fs, root = _filesystem(url, stall)
-    return fs.cat_file(posixpath.join(root, folder, path))
+    return fs.cat_file(posixpath.join(root, folder, path), start=start, end=end)
 
 
 def upload_unit(state: str, files, url: str, folder: str, stall: float) -> None:

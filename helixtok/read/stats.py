@@ -83,6 +83,9 @@ def compute_stats(manifest: dict, *, split: str = "train", batch_size: int = 1, 
         raise ConfigError(f"{where}: split {split!r} has {n} samples, {per_rank} per rank with world size "
                           f"{world_size}: not one full batch of {batch_size}, so 0 optimizer steps; lower "
                           "--batch-size or --world-size, drop --loader-drop-last, or build more data")
+    # What an epoch's labels train on: the masks' 1s less those in no chunk (packed: the last
+    # partial chunk; a manifest written before that was counted lacks the key).
+    trainable = s["chat"]["trainable_tokens"] - s["chat"].get("dropped_trainable_tokens", 0) if "chat" in s else None
     return Stats(
         split=split, seq_len=L, chunks=n, stored_tokens=s["num_tokens"],
         real_tokens=s["num_tokens"] - s["pad_tokens"],
@@ -91,8 +94,8 @@ def compute_stats(manifest: dict, *, split: str = "train", batch_size: int = 1, 
         batches_per_epoch=batches, optimizer_steps_per_epoch=steps, total_optimizer_steps=total,
         warmup_ratio=warmup_ratio, warmup_steps=math.ceil(warmup_ratio * total),
         tokens_per_optimizer_step=batch_size * grad_accum * world_size * L,
-        trainable_tokens_per_epoch=s["chat"]["trainable_tokens"] if "chat" in s else None,
-        mean_trainable_tokens_per_step=round(s["chat"]["trainable_tokens"] / steps, 1) if "chat" in s else None,
+        trainable_tokens_per_epoch=trainable,
+        mean_trainable_tokens_per_step=round(trainable / steps, 1) if trainable is not None else None,
     )
 
 
