@@ -288,3 +288,37 @@ def test_stats_trainable_tokens_are_what_an_epochs_labels_train_on(tmp_path, kin
         r = CliRunner().invoke(main, ["stats", where, "--json"])
         assert r.exit_code == 0, r.output
         assert json.loads(r.stdout)["trainable_tokens_per_epoch"] == trained
+
+
+@pytest.mark.parametrize("kind", ["text", "chat"])
+def test_a_deeply_nested_row_is_a_counted_bad_line(tmp_path, kinds, tokenizer_path, kind):
+    """Issue 62.6: a JSON line nested 100,000 levels (and, in a chat build, a conversation nested
+    ~900 levels, which json reads but no walk of it can) is a bad row at file:line, counted, or
+    one line with --strict: never a RecursionError traceback."""
+    from click.testing import CliRunner
+
+    from helixtok.cli import main
+
+    corpus, chat = kinds[kind]
+    good = json.dumps({"text": "a good line"}) if kind == "text" else \
+        json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]})
+    deep = '{"text": "x", "m": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    rows = [good, deep]
+    if kind == "chat":
+        rows.append('{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": '
+                    + "[" * 900 + "]" * 900 + "}]}")
+    (tmp_path / "c.jsonl").write_text("\n".join(rows) + "\n")
+    args = ["build", str(tmp_path / "c.jsonl"), "-t", chat[0] if chat else tokenizer_path, "-L", "64" if chat else "4", "-q",
+            *(["--chat"] if chat else [])]
+    r = CliRunner().invoke(main, [*args[:2], str(tmp_path / "out"), *args[2:]])
+    assert r.exit_code == 0 and "Traceback" not in r.output, r.output
+    m = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert m["skipped"]["malformed_json"]["examples"] == [
+        "c.jsonl:2 (nested too deeply: more levels of arrays and objects than a JSON reader follows)"]
+    if kind == "chat":
+        assert m["skipped"]["not_a_conversation"]["examples"] == [
+            "c.jsonl:3 (nested too deeply: more levels of arrays and objects than a JSON reader follows)"]
+    r = CliRunner().invoke(main, [*args[:2], str(tmp_path / "strict"), *args[2:], "--strict"])
+    assert r.exit_code == 1 and r.stderr.strip().splitlines()[-1] == (
+        "Error: c.jsonl:2 (nested too deeply: more levels of arrays and objects than a JSON reader follows): "
+        "malformed json (--strict)")

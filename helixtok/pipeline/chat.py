@@ -17,6 +17,7 @@ from datetime import datetime
 from types import BuiltinMethodType, MethodType
 
 from ..format.errors import ConfigError
+from .longdoc import NESTED
 
 LOSSES = ("assistant", "all", "last")
 GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
@@ -462,7 +463,10 @@ class ChatEncoder:
         import jinja2
 
         strings: list[str] = []
-        conv = conversation(record, self.spec.field, strings)
+        try:
+            conv = conversation(record, self.spec.field, strings)
+        except RecursionError:  # a row nested deeper than its walk can follow: a bad row, counted
+            return NESTED
         if isinstance(conv, str):
             return conv
         messages, tools = conv
@@ -478,7 +482,7 @@ class ChatEncoder:
             text, spans = render(self.compiled, messages, tools, self.strings)
         except jinja2.TemplateError as e:
             return f"the template refused it: {str(e).splitlines()[0][:120] if str(e) else type(e).__name__}"
-        except (TypeError, ValueError, KeyError, AttributeError, IndexError) as e:
+        except (TypeError, ValueError, KeyError, AttributeError, IndexError, RecursionError) as e:
             return f"the template failed on it: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
         if marked:
             return _unmark(text, spans)

@@ -25,6 +25,7 @@ _COLON = re.compile(rb"[ \t\r\n]*:")
 # A piece may end after any ASCII byte except these: a backslash, or what can follow one
 # inside an escape (`u` and hex digits of \uXXXX, so surrogate pairs also stay together).
 _UNSAFE_END = frozenset(b"\\u0123456789abcdefABCDEF")
+NESTED = "nested too deeply: more levels of arrays and objects than a JSON reader follows"
 SURROGATE = re.compile("[\ud800-\udfff]")  # searched, not encoded: no copy of a huge text
 
 
@@ -200,6 +201,9 @@ def parse_long_line(line: bytes, where: str, tally) -> tuple[object, Callable[[o
         blank = {k: _blank(_json_pieces(line, a, b, errors, repaired[k])) for k, (a, b) in spans.items()}
     except ValueError as e:
         tally.add("malformed_json", f"{where} ({getattr(e, 'msg', e)})")
+        return None
+    except RecursionError:
+        tally.add("malformed_json", f"{where} ({NESTED})")
         return None
 
     def resolve(value):

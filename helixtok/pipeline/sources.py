@@ -16,7 +16,7 @@ except ImportError:  # optional speed-up: the stdlib path reads every line the s
 
 from ..format.objstore import expired, open_input, size_of
 from .compressed import ZstdRaw, damaged, drop_index, open_stream
-from .longdoc import SURROGATE, LongText, long_text_file, parse_long_line, repair_surrogates
+from .longdoc import NESTED, SURROGATE, LongText, long_text_file, parse_long_line, repair_surrogates
 from .tally import Tally
 from .units import Unit, arrow_batches, parquet_source
 
@@ -291,6 +291,9 @@ class UnitReader:
                         # json's message for a control character ends in "at" (its own position follows)
                         msg = str(getattr(e, "msg", e)).removesuffix(" at")
                         self.tally.add("malformed_json", f"{at()} ({msg} at column {getattr(e, 'colno', '?')})")
+                        continue
+                    except RecursionError:  # json's decoder nests as deep as the line: past ~1,000 levels
+                        self.tally.add("malformed_json", f"{at()} ({NESTED})")
                         continue
                     text = self._field(obj, at())
                     obj = None  # only the text stays alive while it is tokenized

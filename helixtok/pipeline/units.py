@@ -186,7 +186,7 @@ def _check_jsonl_head(f: InputFile, text_field: str) -> None:
                 if line.strip():
                     try:
                         first = (lineno, json.loads(line))
-                    except ValueError:
+                    except (ValueError, RecursionError):
                         first = (lineno, None)
                     break
     except Exception:  # noqa: BLE001 - a corrupt stream is reported, with its line, by the reader
