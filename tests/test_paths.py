@@ -322,3 +322,43 @@ def test_a_deeply_nested_row_is_a_counted_bad_line(tmp_path, kinds, tokenizer_pa
     assert r.exit_code == 1 and r.stderr.strip().splitlines()[-1] == (
         "Error: c.jsonl:2 (nested too deeply: more levels of arrays and objects than a JSON reader follows): "
         "malformed json (--strict)")
+
+
+def test_a_damaged_placement_found_while_closes_run_is_one_line(tmp_path, docs, tokenizer_path, monkeypatch):
+    """Issue 62.4: a resumed -j 2 build that finds a placement disagreeing with the units before it
+    (journaled as written, digest and all: a worker's bad read) while other groups' closes are in
+    flight stops with that one line -- no InvalidStateError traceback from the closes that end
+    after it -- and the next run builds the undisturbed dataset."""
+    import helixtok.pipeline.dispatch as hdisp
+    from helixtok.pipeline.journal import read_entry, write_entry
+
+    corpus = write_form(tmp_path / "in", "jsonl", docs)
+    args = ["-L", "64", "--unit-size", "8KiB", "--shard-size", "8KiB"]
+    cfg = BuildConfig(seq_len=64, workers=1, unit_bytes=8 << 10, shard_bytes=8 << 10)
+    ref = build([corpus], str(tmp_path / "ref"), tokenizer_path, cfg)
+    n = ref["inputs"]["units"]
+    ran, real = [], hdisp.run_unit
+
+    def stopping(unit, *a):
+        if len(ran) == n - 1:
+            raise KeyboardInterrupt
+        ran.append(unit.index)
+        return real(unit, *a)
+    with monkeypatch.context() as mp:
+        mp.setattr(hdisp, "run_unit", stopping)
+        with pytest.raises(KeyboardInterrupt):
+            build([corpus], str(tmp_path / "out"), tokenizer_path, cfg)
+    victim = n - 3
+    path = str(tmp_path / "out" / STATE / f"u{victim:06d}.placed.json")
+    p = read_entry(path)
+    p["at"]["train"] += 1
+    write_entry(path, p)
+    cmd = [sys.executable, "-m", "helixtok.cli", "build", corpus, str(tmp_path / "out"), "-t", tokenizer_path, "-j", "2",
+           "-q", *args]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    assert r.returncode == 1 and r.stderr.splitlines() == [
+        f"Error: work unit {victim}: its journal entry or placement in shard {p['group']} disagrees with the units "
+        "before it (damaged); rerun the same command: it is tokenized again"], r.stderr
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert data_files(str(tmp_path / "out")) == data_files(str(tmp_path / "ref"))

@@ -9,7 +9,7 @@ import queue
 import signal
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
 from typing import Callable
 
@@ -233,8 +233,7 @@ class Joins:
                 ev[0](*ev[1])
             except BaseException as e:  # noqa: BLE001 - every group still open fails with it
                 for f in self.futures.values():
-                    if not f.done():
-                        f.set_exception(e)
+                    _settle(f, error=e)
 
     def unit_done(self, r: dict) -> None:
         self._later(self._unit_done, r)
@@ -287,7 +286,7 @@ class Joins:
             args = (g, [self.results[i] for i in range(a, b)], [self.placed[i] for i in range(a, b)], state, run_id,
                     dtype, config)
             if self.workers is None:
-                self.futures[g].set_result(close_group(*args))
+                _settle(self.futures[g], close_group(*args))
             else:
                 self._chain(g, self.workers.submit(close_group, *args, urgent=True, what=f"closing shard {g}"))
 
@@ -295,17 +294,18 @@ class Joins:
         try:
             self.placed[i] = _result(f, None)
         except BaseException as e:  # noqa: BLE001 - the group's entry says it
-            if not self.futures[g].done():
-                self.futures[g].set_exception(e)
+            _settle(self.futures[g], error=e)
             return
         self._advance(g)
 
     def _chain(self, g: int, f: Future) -> None:
         def done(f: Future) -> None:
             try:
-                self.futures[g].set_result(_result(f, None))
+                r = _result(f, None)
             except BaseException as e:  # noqa: BLE001 - raised by finish()
-                self.futures[g].set_exception(e)
+                _settle(self.futures[g], error=e)
+            else:
+                _settle(self.futures[g], r)
         f.add_done_callback(done)
 
     def _ray_join(self, g: int) -> Future:
@@ -337,6 +337,19 @@ class Joins:
             self._events.put(None)
             self._thread.join()
             self._thread = None
+
+
+def _settle(f: Future, result=None, error: BaseException | None = None) -> None:
+    """A group's outcome, unless it has one: a failure in the joins' thread fails every open group
+    while a close may still be running in a worker, whose end then changes nothing (the first
+    outcome stands; setting it again would raise InvalidStateError in a pool callback thread)."""
+    try:
+        if error is not None:
+            f.set_exception(error)
+        else:
+            f.set_result(result)
+    except InvalidStateError:
+        pass
 
 
 def _judged_by(verdict: Future | None, info: TokenizerInfo) -> None:
