@@ -362,3 +362,41 @@ def test_a_damaged_placement_found_while_closes_run_is_one_line(tmp_path, docs, 
     r = subprocess.run(cmd, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert data_files(str(tmp_path / "out")) == data_files(str(tmp_path / "ref"))
+
+
+@pytest.mark.parametrize("then", ["rerun", "overwrite"])
+def test_a_publish_stopped_half_way_that_lost_its_record_is_still_ours(tmp_path, docs, tokenizer_path, monkeypatch,
+                                                                      then):
+    """Issue 62.5: a build stopped after moving two files into OUT, whose publish.json was then lost:
+    the plan and journal vouch for the shards' names, so the rerun moves them back and publishes
+    (tokenizing nothing), and --overwrite removes them -- never "files helixtok did not write"."""
+    import helixtok.pipeline.builder as hb
+    import helixtok.pipeline.dispatch as hdisp
+
+    corpus = write_form(tmp_path / "in", "jsonl", docs)
+    cfg = BuildConfig(seq_len=64, workers=1, unit_bytes=8 << 10, shard_bytes=8 << 10, packing="bestfit",
+                      val_fraction=0.1)
+    build([corpus], str(tmp_path / "ref"), tokenizer_path, cfg)
+    out = tmp_path / "out"
+    real, moved = os.replace, []
+
+    def stop_after_two(a, b):
+        if os.path.dirname(b) == str(out):
+            if len(moved) == 2:
+                raise KeyboardInterrupt
+            moved.append(b)
+        real(a, b)
+    with monkeypatch.context() as mp:
+        mp.setattr(hb.os, "replace", stop_after_two)
+        with pytest.raises(KeyboardInterrupt):
+            build([corpus], str(out), tokenizer_path, cfg)
+    assert len(moved) == 2 and all(Path(m).name.endswith((".bin", ".docs")) for m in moved)
+    (out / STATE / "publish.json").unlink()
+    ran: list[int] = []
+    monkeypatch.setattr(hdisp, "run_unit", lambda unit, *a, real=hdisp.run_unit: ran.append(unit.index) or real(unit, *a))
+    if then == "overwrite":
+        build([corpus], str(out), tokenizer_path, cfg, overwrite=True)
+    else:
+        build([corpus], str(out), tokenizer_path, cfg)
+        assert ran == []
+    assert data_files(str(out)) == data_files(str(tmp_path / "ref"))

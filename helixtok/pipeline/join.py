@@ -21,7 +21,7 @@ import numpy as np
 from ..format import limits
 from ..format.errors import HelixtokError
 from ..format.shards import DOCS_DTYPE, MASK_DTYPE, VALID_DTYPE, HashedFile, start_writeback
-from .journal import done_path, placed_path, read_entry, state_files, write_entry
+from .journal import done_path, piece_name, placed_path, read_entry, shard_stem, state_files, write_entry
 
 # Text bytes per token, to size shard groups before anything is tokenized: English with a 32k-128k
 # BPE gives 3.5-4.5 (the dev corpus with Llama-3.2: 3.9), code ~3, CJK ~1.5-2 (shards then up to
@@ -49,13 +49,6 @@ def shard_groups(units, shard_bytes: int, itemsize: int) -> list[tuple[int, int]
 def piece_tokens(config, itemsize: int) -> int:
     """Tokens a shard (a piece of its group's stream) holds at most: whole chunks."""
     return max(1, limits.SHARD_LIMIT * config.shard_bytes // (config.seq_len * itemsize)) * config.seq_len
-
-
-def piece_name(g: int, split: str, k: int) -> str:
-    """A shard's name in STATE while its group is placed.  Not named for the run: a resumed build
-    places its remaining units into the pieces the interrupted one left (their trusted segments
-    re-hashed first, resume.py); every writer writes the same bytes at the same offsets."""
-    return f"g{g:06d}.{split}.{k:04d}.bin"
 
 
 def placed_from(r: dict) -> list:
@@ -244,7 +237,7 @@ def close_group(g: int, results: list[dict], placements: list[dict], state: str,
                 os.fsync(fd)
             finally:
                 os.close(fd)
-            e = {"path": f"{s}-{g:06d}-{k:04d}.bin", "state": name, "bytes": ntok * item, "num_tokens": ntok,
+            e = {"path": f"{shard_stem(g, s, k)}.bin", "state": name, "bytes": ntok * item, "num_tokens": ntok,
                  "segments": [[n, sha] for _, n, sha in segs]}
             lo, hi = k * cap, k * cap + ntok
             for side in sides:
@@ -264,7 +257,7 @@ def close_group(g: int, results: list[dict], placements: list[dict], state: str,
                 except BaseException:
                     f.abort()
                     raise
-                e[side] = {"path": f"{s}-{g:06d}-{k:04d}.{side}", "state": stem, **got}
+                e[side] = {"path": f"{shard_stem(g, s, k)}.{side}", "state": stem, **got}
                 if side == "docs":
                     e[side]["count"] = int(b - a)
             entries.append(e)

@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 
+from ..format.bestfit import index_files
 from ..format.manifest import SIDE_NAMES, write_json_atomic
 
 DIGEST = "entry_sha256"  # each entry's digest of itself: an entry edited or damaged since is not trusted
@@ -18,6 +19,40 @@ def done_path(state: str, index: int) -> str:
 
 def placed_path(state: str, index: int) -> str:
     return os.path.join(state, f"u{index:06d}.placed.json")
+
+
+def piece_name(g: int, split: str, k: int) -> str:
+    """A shard's name in STATE while its group is placed.  Not named for the run: a resumed build
+    places its remaining units into the pieces the interrupted one left (their trusted segments
+    re-hashed first, resume.py); every writer writes the same bytes at the same offsets."""
+    return f"g{g:06d}.{split}.{k:04d}.bin"
+
+
+def shard_stem(g: int, split: str, k: int) -> str:
+    """The published name of group g's k-th shard of `split`, less its extension (.bin and sidecars)."""
+    return f"{split}-{g:06d}-{k:04d}"
+
+
+# What a build publishes besides its shards: its copies of the tokenizer (and chat template), its
+# plan, a bestfit split's index (format/manifest.py names them too).
+PUBLISHED = ("tokenizer.json", "chat_template.jinja", "build-plan.json",
+             *(n for s in ("train", "val") for n in index_files(s).values()))
+
+
+def journaled_shards(state: str) -> dict[str, str]:
+    """Published name -> name in STATE of each group shard the journal's placements name: what a
+    build stopped while publishing may have moved into OUT, known (and moved back) even when the
+    record of the moves (publish.json) was lost."""
+    out = {}
+    for n in os.listdir(state):
+        if n.endswith(".placed.json") and (p := read_entry(os.path.join(state, n))) is not None:
+            try:
+                for s, segs in p["segments"].items():
+                    for k, *_ in segs:
+                        out[f"{shard_stem(p['group'], s, k)}.bin"] = piece_name(p["group"], s, k)
+            except (KeyError, TypeError, ValueError, AttributeError):
+                continue
+    return out
 
 
 def state_files(result: dict, with_sha: bool = False):

@@ -11,8 +11,9 @@ import socket
 import time
 
 from ..format.errors import ConfigError
-from ..format.manifest import MANIFEST, split_files, write_json_atomic
+from ..format.manifest import MANIFEST, SIDE_NAMES, split_files, write_json_atomic
 from ..format.planid import PLAN_FILE
+from .journal import PUBLISHED, journaled_shards
 
 STATE = ".helixtok-partial"  # everything an unfinished build keeps; only helixtok writes inside
 LOCK_INFO = ".helixtok-lock"  # who holds the lock, for the message a second build prints
@@ -124,6 +125,10 @@ def owned_entries(out: str) -> set[str]:
     names = {STATE, LOCK_INFO, *_manifest_files(out)}
     names.update(read_list(os.path.join(state, OWNED)))
     names.update(read_list(os.path.join(state, PUBLISH)))
+    if os.path.isfile(os.path.join(state, "plan.json")):  # an unfinished build: its journal vouches too
+        for b in journaled_shards(state):
+            names.update([b, *(b.removesuffix(".bin") + "." + side for side in SIDE_NAMES)])
+        names.update(PUBLISHED)
     return names | {f".{n}.tmp" for n in names}  # write_json_atomic's and the shard writer's temp names
 
 
@@ -197,8 +202,10 @@ def unpublish(out: str) -> None:
         with open(os.path.join(state, PUBLISH)) as fh:
             moves = json.load(fh).get("moves", [])
     except (OSError, ValueError, AttributeError):
-        return
-    for m in moves if isinstance(moves, list) else []:
+        moves = []
+    # Its journal names the shards too (publish.json lost or damaged: they are not left in OUT).
+    moves = [*(moves if isinstance(moves, list) else []), *([n, p] for p, n in journaled_shards(state).items())]
+    for m in moves:
         if not (isinstance(m, list) and len(m) == 2 and all(isinstance(x, str) and x and os.path.basename(x) == x
                                                              for x in m)):
             continue

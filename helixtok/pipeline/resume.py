@@ -11,7 +11,7 @@ import shutil
 from ..format.errors import ConfigError
 from ..format.manifest import file_matches, load_manifest, manifest_files, split_files
 from ..format.planid import PLAN_FILE, describe_change
-from .journal import done_path, placed_path, read_entry, state_files
+from .journal import done_path, piece_name, placed_path, read_entry, state_files
 from .outdir import STATE, refuse_foreign, refuse_foreign_state, remove_owned, unpublish
 from .units import Unit
 
@@ -84,7 +84,7 @@ def trusted_results(out: str, state: str, units: list[Unit], groups: list[tuple[
     Read once, at start: the lock guarantees no other build writes here.  Files nothing trusted
     names are deleted; so are the groups' sidecars (each group is closed again).
     """
-    from .join import load_placed, piece_name, placed_from, segments_hold
+    from .join import load_placed, placed_from, segments_hold
 
     group = {i: g for g, a, b in groups for i in range(a, b)}
     trusted: dict[int, dict] = {}
