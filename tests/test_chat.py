@@ -260,7 +260,7 @@ def test_chat_build_stores_each_conversation_as_encoded_alone(chat_build, llama_
     c = m["splits"]["train"]["chat"]
     assert c == {"conversations": len(kept), "truncated": 0,
                  "dropped_too_long": sum(len(e.ids) > 512 for e in want), "no_trainable": 1,
-                 "trainable_tokens": sum(int(e.mask.sum()) for e in kept)}
+                 "trainable_tokens": sum(int(e.mask.sum()) for e in kept), "dropped_trainable_tokens": 0}
     assert c["dropped_too_long"] > 0
     # Gathered back from the chunks a DataLoader gets (cut where position ids restart, padding
     # left out): every conversation, its ids and (from the labels) its mask.

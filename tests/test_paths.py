@@ -9,12 +9,15 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from helixtok.format import limits
 from helixtok.pipeline.builder import STATE, build
@@ -400,3 +403,95 @@ def test_a_publish_stopped_half_way_that_lost_its_record_is_still_ours(tmp_path,
         build([corpus], str(out), tokenizer_path, cfg)
         assert ran == []
     assert data_files(str(out)) == data_files(str(tmp_path / "ref"))
+
+
+def test_running_out_of_memory_is_one_line_naming_the_limit(tmp_path, docs, tokenizer_path):
+    """Issue 62.8: an allocation that fails (a MemoryError, pyarrow's ArrowMemoryError, a thread
+    that cannot start under `ulimit -v`) in a worker or in the command's own process is one line:
+    out of memory, while doing what, the address-space limit when one is set, what to lower."""
+    import pyarrow as pa
+
+    from helixtok.format.errors import memory_error
+
+    assert isinstance(pa.ArrowMemoryError("x"), MemoryError)
+    err = memory_error(pa.ArrowException("Unknown error: Failed to launch worker thread: Resource temporarily "
+                                          "unavailable"), "tokenizing c.parquet")
+    assert str(err).startswith("out of memory while tokenizing c.parquet (ArrowException: Unknown error: Failed to "
+                               "launch worker thread: Resource temporarily unavailable); or use fewer --workers")
+    assert memory_error(KeyError("train"), "x") is None
+    corpus = write_form(tmp_path / "in", "parquet-many", docs)
+    # Every process of the build (the fork server's workers are started afresh) fails its encodes.
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(
+        "import resource\nresource.setrlimit(resource.RLIMIT_AS, (8 << 30, resource.RLIM_INFINITY))\n"
+        "import helixtok.pipeline.encode as e\n"
+        "def encode(self, docs):\n    raise MemoryError\ne.Encoder.encode = encode\n")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path / "site")}
+    for workers in ("1", "2"):
+        r = subprocess.run([sys.executable, "-m", "helixtok.cli", "build", corpus, str(tmp_path / f"o{workers}"), "-t",
+                            tokenizer_path, "-L", "64", "-q", "-j", workers, "--unit-size", "8KiB", "--backend", "hf"],
+                           capture_output=True, text=True, env=env)
+        assert r.returncode == 1, r.stderr
+        line, = r.stderr.strip().splitlines()
+        assert re.fullmatch(r"Error: out of memory while tokenizing \S+c\.parquet \(MemoryError: \); this process may "
+                            r"use 8\.00 GiB of address space \(ulimit -v\): a tokenizing process needs about 1 GiB "
+                            r"\(more with a larger tokenizer\), so raise it; or use fewer --workers or a smaller "
+                            r"--unit-size, then rerun the same command to resume", line), line
+
+
+HOSTILE = ("{% if messages[0]['content'] == 'loop' %}{% for a in range(99999) %}{% for b in range(99999) %}"
+           "{% for c in range(99999) %}{% endfor %}{% endfor %}{% endfor %}{% endif %}"
+           "{% if messages[0]['content'] == 'grow' %}{% set ns = namespace(s='xy') %}{% for i in range(60) %}"
+           "{% set ns.s = ns.s + ns.s %}{% endfor %}{% endif %}"
+           "{% if messages[0]['content'] == 'repeat' %}{{ 'x' * 10000000000 }}{% endif %}"
+           "{% if messages[0]['content'] == 'power' %}{{ 7 ** 100000000 }}{% endif %}")
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_a_hostile_template_or_row_is_bounded_and_counted(tmp_path, kinds, workers):
+    """Issue 62.7: a template that loops (without output) or grows a string past any context, on
+    some rows, rendered in the build's own process (-j 1, and the backend check's sample) or in
+    workers: each such row is stopped at the render bounds (lowered here to 2 s) and counted as
+    not_a_conversation with why; the others build as always, and nothing hangs."""
+    from test_chat import TEMPLATES
+
+    corpus, (tok, _) = kinds["chat"]
+    template = tmp_path / "hostile.jinja"
+    template.write_text(HOSTILE + (TEMPLATES / "llama3_training.jinja").read_text())
+    rows = [{"messages": [{"role": "user", "content": w}, {"role": "assistant", "content": "ok"}]}
+            for w in ("loop", "fine", "grow", "repeat", "power")]
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "h.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    env = {**os.environ, "HELIXTOK_TEST_LIMITS": "RENDER_SECONDS=2,RENDER_CHARS=1000000"}
+    r = subprocess.run([sys.executable, "-m", "helixtok.cli", "build", str(tmp_path / "c"), str(tmp_path / "out"), "-t",
+                        tok, "-L", "64", "-q", "-j", workers, "--chat", "--chat-template", str(template),
+                        "--stall-timeout", "30"], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stderr
+    m = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert m["splits"]["train"]["chat"]["conversations"] == 1
+    why = "the template's rendering was stopped: "
+    assert m["skipped"]["not_a_conversation"]["examples"] == [
+        f"h.jsonl:1 ({why}it took over 2 s)", f"h.jsonl:3 ({why}its output passed 1,000,000 characters)",
+        f"h.jsonl:4 ({why}its output passed 1,000,000 characters)", f"h.jsonl:5 ({why}a power of 100000000 in the "
+                                                                    "template)"]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 3)), max_size=40),
+       st.lists(st.tuples(st.integers(0, 60), st.integers(0, 8)), max_size=8), st.sampled_from(["assistant", "last"]))
+def test_the_mask_of_tokens_in_order_is_transformers_rule(steps, spans, loss):
+    """loss_mask's linear path (tokens in text order: two binary searches a span) marks exactly
+    the tokens of transformers' rule, token_end > span_start and token_start < span_end, spans
+    empty, overlapping or between tokens included; zero-width tokens too."""
+    from helixtok.pipeline.chat import loss_mask
+
+    offsets, pos = [], 0
+    for gap, width in steps:
+        offsets.append((pos + gap, pos + gap + width))
+        pos += gap + width
+    offsets = np.array(offsets, np.int64).reshape(-1, 2)
+    spans = [(a, a + w) for a, w in spans]
+    want = np.zeros(len(offsets), np.uint8)
+    for a, b in (spans[-1:] if loss == "last" else spans):
+        want[(offsets[:, 1] > a) & (offsets[:, 0] < b)] = 1
+    assert loss_mask(offsets, spans, loss).tolist() == want.tolist()

@@ -11,7 +11,7 @@ import threading
 
 import click
 
-from ..format.errors import ConfigError, HelixtokError, Interrupted, from_cli, resource_error
+from ..format.errors import ConfigError, HelixtokError, Interrupted, from_cli, memory_error, resource_error
 from ..read.sizes import parse_bytes
 
 
@@ -45,12 +45,13 @@ def handle_errors(fn):
             # Unix tool does, quietly, with stdout pointed at /dev/null so its flush at exit is quiet too.
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             sys.exit(128 + signal.SIGPIPE)
-        except MemoryError:
-            raise click.ClickException("out of memory; use fewer --workers, a smaller --unit-size, or a machine "
-                                       "with more memory, then rerun the same command (a build resumes)") from None
-        except OSError as e:
-            if (err := resource_error(e)) is not None:
+        except Exception as e:  # noqa: BLE001 - only memory's failures become a line; any other is a bug
+            if isinstance(e, OSError) and (err := resource_error(e)) is not None:
                 raise click.ClickException(str(err)) from e
+            if (err := memory_error(e, "running the command")) is not None:
+                raise click.ClickException(str(err)) from None
+            if not isinstance(e, OSError):
+                raise
             where = f"{e.filename}: " if e.filename else ""
             raise click.ClickException(f"{where}{e.strerror or e}") from e
         finally:

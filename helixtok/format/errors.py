@@ -58,6 +58,28 @@ def resource_error(e: OSError, where: str = "") -> HelixtokError | None:
     return None
 
 
+_NO_THREAD = ("can't start new thread", "Failed to launch worker thread", "Resource temporarily unavailable",
+              "Cannot allocate memory")
+
+
+def memory_error(e: BaseException, doing: str) -> HelixtokError | None:
+    """One line with the fix for running out of memory (or of the address space `ulimit -v` allows)
+    while `doing` something: a MemoryError (pyarrow's ArrowMemoryError is one), or a library that
+    could not start a thread or allocate (pyarrow, CPython say so in their messages); None for
+    any other error.  Names the limit when one is set, since that is then what ran out."""
+    import resource
+
+    if not (isinstance(e, MemoryError) or any(s in str(e) for s in _NO_THREAD)):
+        return None
+    soft = resource.getrlimit(resource.RLIMIT_AS)[0]
+    limit = (f"; this process may use {soft / (1 << 30):.2f} GiB of address space (ulimit -v): a tokenizing "
+             "process needs about 1 GiB (more with a larger tokenizer), so raise it") if soft != resource.RLIM_INFINITY \
+        else ""
+    return HelixtokError(f"out of memory while {doing} ({type(e).__name__}: {(str(e).splitlines() or [''])[0][:120]})"
+                         f"{limit}; or use fewer --workers or a smaller --unit-size, then rerun the same command "
+                         "to resume")
+
+
 # Messages name command-line options; a caller of the Python API reads keywords instead
 # (python_terms, at the API's edge).  Longest first: --bos must not eat --bos-token.
 _KEYWORDS = {

@@ -39,9 +39,13 @@ PIECE_BYTES = 1 << 20
 PIECE_CHARS = 200_000
 SHARD_LIMIT = 2  # no shard holds more than SHARD_LIMIT x --shard-size bytes: a group's stream goes on in pieces
 QUEUED_BYTES = 32 << 20  # buffers handed to a hashing thread and not hashed yet, at most (format/shards.py)
+# One conversation's rendering is stopped past these (a hostile template or row: skipped, counted
+# as not_a_conversation): far above any real one (a 128k-token context is ~0.5M characters).
+RENDER_SECONDS = 10
+RENDER_CHARS = 64 << 20
 
 NAMES = ("HOLD_BYTES", "SPLIT_BYTES", "SPLIT_SHARE", "RANGE_MIN_BYTES", "LONG_DOC_BYTES", "PIECE_BYTES",
-         "PIECE_CHARS", "SHARD_LIMIT", "QUEUED_BYTES")
+         "PIECE_CHARS", "SHARD_LIMIT", "QUEUED_BYTES", "RENDER_SECONDS", "RENDER_CHARS")
 
 
 def lowered(spec: str) -> dict[str, int]:

@@ -94,6 +94,12 @@ class Beat:
             self._held = [0, 0, 0]
         self._sent = time.monotonic()
 
+    def alive(self) -> None:
+        """Work went on that counts no byte yet (a conversation rendered): the stall bound's proof of life."""
+        if time.monotonic() - self._sent >= self.SEND_SECONDS:
+            _send(self._fh, ("alive",), self._lock)
+            self._sent = time.monotonic()
+
 
 def _portable(e: BaseException) -> BaseException:
     """An exception the parent can unpickle: the error itself, or one line saying what it was."""

@@ -13,7 +13,7 @@ from functools import partial
 import numpy as np
 
 from ..format import limits
-from ..format.errors import HelixtokError, InputError, InternalError
+from ..format.errors import HelixtokError, InputError, InternalError, memory_error
 from ..format.manifest import SOURCE_COUNTS
 from ..format.objstore import expired
 from .backends import forget_fast_tokenizers
@@ -141,6 +141,13 @@ def _bump(counters, b: int, d: int, t: int) -> None:
         counters.bump(b, d, t)
 
 
+def _alive(counters) -> None:
+    """Proof of life for the stall bound between batches (each conversation rendered: a slow
+    template's batch may take longer than --stall-timeout, each render bounded by limits)."""
+    if (alive := getattr(counters, "alive", None)) is not None:
+        alive()
+
+
 _HASH_STEP = 1 << 20
 UNIT_FILE_TOKENS = 1 << 60  # a unit's output stays one file per split, whatever its size
 
@@ -206,10 +213,9 @@ def run_unit(unit: Unit, info: TokenizerInfo, where: tuple[int, int] | None = No
         raise
     except (HelixtokError, KeyboardInterrupt, SystemExit):
         raise
-    except MemoryError:
-        raise HelixtokError(f"out of memory while tokenizing {_where(unit)}; use fewer --workers or "
-                            "more memory, then rerun the same command to resume") from None
     except BaseException as e:  # noqa: BLE001 - includes pyo3's PanicException
+        if (err := memory_error(e, f"tokenizing {_where(unit)}")) is not None:
+            raise err from None
         # Not a fault of the input (those are InputErrors, or counted skips): a bug, here or in a
         # library.  Said so, with where its traceback is kept to be reported.
         msg = (str(e).splitlines() or [""])[0][:200]
@@ -353,6 +359,7 @@ def _run_unit(unit: Unit, info: TokenizerInfo, where: tuple[int, int] | None) ->
 
         for record in reader:
             got = enc_chat.encode(record)
+            _alive(counters)
             if isinstance(got, str):
                 tally.add("not_a_conversation", f"{reader.where()} ({got})")
                 continue
