@@ -167,6 +167,30 @@ def test_ray_build_equals_the_local_build_and_survives_a_killed_worker_and_drive
     print(f"ray: kill -9 of the driver with {journaled} units journaled; the same command resumed, exit 0, same bytes")
 
 
+def test_a_group_placed_but_not_closed_resumes_on_ray_in_one_rerun(tmp_path, dev_corpus, tokenizer_path, cluster,
+                                                                   local, monkeypatch):
+    """Issue 62.10a: a build stopped once every unit of its shard group is placed (their files then
+    deleted) but before the group closed is resumed by --executor ray in one run: the group's join
+    task takes the placements the resume trusts instead of placing those units again from files
+    that are gone ("No such file or directory" before)."""
+    import helixtok.pipeline.dispatch as hdisp
+    from helixtok.pipeline.builder import build
+    from helixtok.pipeline.config import BuildConfig
+
+    out = tmp_path / "out"
+    monkeypatch.setattr(hdisp, "close_group", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt()))
+    cfg = BuildConfig(seq_len=128, unit_bytes=64 << 10, val_fraction=0.1, backend="hf", packing="bestfit", workers=1)
+    with pytest.raises(KeyboardInterrupt):
+        build([str(dev_corpus / "txt")], str(out), tokenizer_path, cfg)
+    placed = glob.glob(str(out / STATE / "u*.placed.json"))
+    assert placed and len(placed) == len(glob.glob(str(out / STATE / "u*.done.json")))
+    assert not glob.glob(str(out / STATE / "u*.train.0000.bin"))  # placed: their own files are gone
+    p = _cli(dev_corpus / "txt", out, tokenizer_path, cluster)
+    _, err = p.communicate(timeout=300)
+    assert p.returncode == 0, err
+    same_folder(out, local)
+
+
 def test_ray_from_python_on_the_cluster_and_a_clear_error_without_one(tmp_path, dev_corpus, tokenizer_path, cluster,
                                                                       local):
     # In a child: Ray's driver would stay in pytest's process (its memory) after the build.

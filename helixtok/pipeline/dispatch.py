@@ -312,8 +312,10 @@ class Joins:
         a, b = self.units[g]
         state, run_id, dtype, config = self._args
         rs = [self.results[i] for i in range(a, b)]
+        # In the state folder, the units an interrupted build placed are placed (their files gone).
+        placed = {i: self.placed[i] for i in range(a, b) if i in self.placed}
         fn, args = ((join_uploaded, (g, rs, run_id, dtype, config, self.remote)) if self.remote else
-                    (join_group, (g, rs, state, run_id, dtype, config)))
+                    (join_group, (g, rs, state, run_id, dtype, config, None, placed)))
         return self.workers.submit(fn, *args, what=f"joining work units {a}-{b - 1} into shard {g}")
 
     def finish(self) -> list[dict]:

@@ -13,6 +13,7 @@ dispatch.Joins says where each step runs.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 
@@ -265,13 +266,22 @@ def close_group(g: int, results: list[dict], placements: list[dict], state: str,
     return {"group": g, "run": run, "shards": out}
 
 
-def join_group(g: int, results: list[dict], state: str, run: str, dtype, config, opener=None) -> dict:
+def join_group(g: int, results: list[dict], state: str, run: str, dtype, config, opener=None,
+               placed: dict[int, dict] | None = None) -> dict:
     """Group `g`'s shards from its units' journal entries (in unit order), in one process: each
-    placed in turn, then the group closed (a Ray task's join)."""
+    placed in turn, then the group closed (a Ray task's join).  `placed`: the placements an
+    interrupted build made that a resume trusts (their units' files are gone: not placed again)."""
     pos: dict[str, int] = {}
     placements = []
     for r in results:
-        placements.append(place_unit(r, g, pos, state, dtype, config, opener, drop=opener is None))
+        p = (placed or {}).get(r["index"])
+        if p is not None and p["at"] != {s: pos.get(s, 0) for s in r["shards"]}:
+            for path in (placed_path(state, r["index"]), done_path(state, r["index"])):  # forgotten: redone
+                with contextlib.suppress(OSError):
+                    os.remove(path)
+            raise HelixtokError(f"work unit {r['index']}: its placement in shard {g} disagrees with the units before "
+                                "it (damaged); rerun the same command: it is tokenized again")
+        placements.append(p or place_unit(r, g, pos, state, dtype, config, opener, drop=opener is None))
         pos = offsets_after(r, pos)
     return close_group(g, results, placements, state, run, dtype, config, opener)
 

@@ -187,6 +187,20 @@ def _connect(ray, address: str | None, stall: float, log: str) -> threading.Even
     return hold
 
 
+def _start_watch(ray):
+    """The stall watch, on the driver's own node (a lost worker node must not take it along: the
+    build Ray would finish would fail for it), restarted by Ray if its process dies."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    options = dict(num_cpus=0, max_restarts=-1, max_task_retries=-1)
+    try:
+        options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(),
+                                                                        soft=False)
+    except Exception:  # noqa: BLE001 - a driver on no node of the cluster (Ray Client): anywhere
+        pass
+    return ray.remote(**options)(_Watch).remote()
+
+
 class RayExecutor:
     """submit(fn=run_unit, unit, info) -> Future of the journal entry, on a Ray cluster: the one at
     ADDRESS, the one $RAY_ADDRESS names, or a local one started for this build."""
@@ -203,7 +217,7 @@ class RayExecutor:
         self.n = max(1, int(ray.cluster_resources().get("CPU", 1)))
         self.counters = [0, 0, 0]  # bytes, documents, tokens of the units finished
         self.stall = config.stall_seconds
-        self._watch = ray.remote(num_cpus=0)(_Watch).remote()
+        self._watch = _start_watch(ray)
         self._since = time.monotonic()
         # The tokenizer's bytes go into the object store once; each task gets them from there.
         self._cwd, self._state = os.getcwd(), os.path.abspath(state)
@@ -249,13 +263,19 @@ class RayExecutor:
     def _monitor(self) -> None:
         """Every second: a task that has started and not beaten for `stall` s fails its unit's
         future (the build then stops, cancelling every task); so does a watch that does not answer."""
+        answered = time.monotonic()
         while not self._closed.wait(min(1.0, self.stall / 4)):
             try:
                 ages = self.ray.get(self._watch.ages.remote(), timeout=self.stall)
+                answered = time.monotonic()
             except Exception as e:  # noqa: BLE001 - GetTimeoutError, the actor or the cluster gone
                 if self._closed.is_set():
                     return
-                err = HelixtokError(f"no answer from the Ray cluster for {self.stall:g} s ({type(e).__name__}); "
+                if time.monotonic() - answered < self.stall:  # the watch restarting: asked again
+                    continue
+                what = (str(e).strip().splitlines() or [""])[0][:160]
+                err = HelixtokError(f"no answer from the Ray cluster's stall watch for {self.stall:g} s "
+                                    f"({type(e).__name__}: {what}); the cluster or the driver's node went away? "
                                     "rerun the same command to resume")
                 with self._lock:
                     stuck = list(self._running.values())
