@@ -167,8 +167,8 @@ def test_ray_build_equals_the_local_build_and_survives_a_killed_worker_and_drive
     print(f"ray: kill -9 of the driver with {journaled} units journaled; the same command resumed, exit 0, same bytes")
 
 
-def test_a_group_placed_but_not_closed_resumes_on_ray_in_one_rerun(tmp_path, dev_corpus, tokenizer_path, cluster,
-                                                                   local, monkeypatch):
+def test_a_group_placed_but_not_closed_resumes_on_ray_in_one_rerun(tmp_path, small_corpus, small_tok, cluster,
+                                                                   monkeypatch):
     """Issue 62.10a: a build stopped once every unit of its shard group is placed (their files then
     deleted) but before the group closed is resumed by --executor ray in one run: the group's join
     task takes the placements the resume trusts instead of placing those units again from files
@@ -177,18 +177,30 @@ def test_a_group_placed_but_not_closed_resumes_on_ray_in_one_rerun(tmp_path, dev
     from helixtok.pipeline.builder import build
     from helixtok.pipeline.config import BuildConfig
 
+    cfg = BuildConfig(seq_len=128, unit_bytes=1, shard_bytes=8 << 10, val_fraction=0.1, backend="hf",
+                      packing="bestfit", workers=1)
+    m = build([str(small_corpus)], str(tmp_path / "ref"), small_tok, cfg)
+    assert m["inputs"]["units"] > 4 and len(m["splits"]["train"]["shards"]) >= 2
     out = tmp_path / "out"
-    monkeypatch.setattr(hdisp, "close_group", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt()))
-    cfg = BuildConfig(seq_len=128, unit_bytes=64 << 10, val_fraction=0.1, backend="hf", packing="bestfit", workers=1)
+    real = hdisp.run_unit
+    last = m["inputs"]["units"] - 1  # stopped before the last unit: the groups before its own are placed
+
+    def stopping(unit, *a):
+        if unit.index == last:
+            raise KeyboardInterrupt
+        return real(unit, *a)
+    monkeypatch.setattr(hdisp, "run_unit", stopping)
     with pytest.raises(KeyboardInterrupt):
-        build([str(dev_corpus / "txt")], str(out), tokenizer_path, cfg)
+        build([str(small_corpus)], str(out), small_tok, cfg)
+    # Group 0's units placed (their own files gone), the others still to tokenize: on the cluster.
     placed = glob.glob(str(out / STATE / "u*.placed.json"))
-    assert placed and len(placed) == len(glob.glob(str(out / STATE / "u*.done.json")))
-    assert not glob.glob(str(out / STATE / "u*.train.0000.bin"))  # placed: their own files are gone
-    p = _cli(dev_corpus / "txt", out, tokenizer_path, cluster)
-    _, err = p.communicate(timeout=300)
-    assert p.returncode == 0, err
-    same_folder(out, local)
+    assert 1 < len(placed) == len(glob.glob(str(out / STATE / "u*.done.json"))) < m["inputs"]["units"]
+    assert not glob.glob(str(out / STATE / "u*.train.0000.bin"))
+    r = subprocess.run([sys.executable, "-m", "helixtok.cli", "build", str(small_corpus), str(out), "-t", small_tok,
+                        "--executor", f"ray:{cluster}", "-L", "128", "-q", "--unit-size", "1", "--shard-size", "8KiB", "--val-fraction",
+                        "0.1", "--backend", "hf", "--pack", "bestfit"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    same_folder(out, tmp_path / "ref")
 
 
 def test_ray_from_python_on_the_cluster_and_a_clear_error_without_one(tmp_path, dev_corpus, tokenizer_path, cluster,
