@@ -304,3 +304,92 @@ def test_the_first_batch_needs_only_a_few_blocks(remote, tmp_path):
                                  collate_fn=ds.collate)))
     assert batch["input_ids"].shape == (8, 256)
     assert ds.cache_counts["gets"] <= ds._cache.prefetch_blocks + 2 < blocks // 4, ds.cache_counts
+
+
+_STALLED_READER = """
+import sys
+from helixtok import MemmapChunkDataset
+from helixtok.format.errors import StorageError
+url, cache = sys.argv[1:3]
+ds = MemmapChunkDataset(url, cache_dir=cache + "/a", stall_timeout=1, block_bytes=%d)
+ds[0]
+print("ready", flush=True)
+sys.stdin.readline()  # the server is stopped now
+for step in (lambda: ds[len(ds) - 1], lambda: MemmapChunkDataset(url, cache_dir=cache + "/b", stall_timeout=1)):
+    try:  # mid-epoch (a block not fetched yet), then at open (the manifest)
+        step()
+    except StorageError as e:
+        print("StorageError:", e, flush=True)
+"""
+
+
+def test_a_stalled_server_fails_every_reader_within_its_bound(remote, tmp_path):
+    """Issue 61.1: a server that stops answering (SIGSTOP: it accepts connections, then says nothing)
+    fails `pull`, `verify URL`, `info URL` (--stall-timeout 1) and a MemmapChunkDataset over the URL
+    (stall_timeout=1: mid-epoch, a block not cached yet, and at open) with one StorageError line
+    naming the URL -- none waits on (they each waited 100+ s before); once the server answers,
+    the same pull copies the dataset."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    sets, _ = remote
+    local = sets["packed"][0]
+    server, endpoint = start_moto(subprocess.DEVNULL)
+    env = {**os.environ, "AWS_ACCESS_KEY_ID": KEY_ID, "AWS_SECRET_ACCESS_KEY": SECRET, "AWS_ENDPOINT_URL": endpoint,
+           "AWS_DEFAULT_REGION": "us-east-1"}
+    url = "s3://stall/ds"
+    want = f"{url}: no answer from the storage for 1 s"
+    cli = [sys.executable, "-m", "helixtok.cli"]
+    try:
+        import s3fs
+
+        s3fs.S3FileSystem(skip_instance_cache=True, key=KEY_ID, secret=SECRET, endpoint_url=endpoint).mkdir("stall")
+        r = subprocess.run([*cli, "push", local, url], env=env, capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+        reader = subprocess.Popen([sys.executable, "-c", _STALLED_READER % BLOCK, url, str(tmp_path / "cache")],
+                                  env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  text=True)
+        assert reader.stdout.readline() == "ready\n"
+        server.send_signal(signal.SIGSTOP)
+        t = time.monotonic()
+        cmds = [["pull", url, str(tmp_path / "pulled")], ["verify", url], ["info", url]]
+        runs = [subprocess.Popen([*cli, *c, "--stall-timeout", "1"], env=env, stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True) for c in cmds]
+        out, err = reader.communicate("go\n", timeout=60)
+        assert out.splitlines() == [f"StorageError: {want} (cat_file, asked 3 times); check the server, then rerun "
+                                    "(or raise --stall-timeout / stall_timeout=)"] * 2, (out, err)
+        for c, p in zip(cmds, runs):
+            _, err = p.communicate(timeout=60)
+            assert p.returncode == 1 and len(err.splitlines()) == 1 and want in err, (c, err)
+        assert time.monotonic() - t < 30  # the bound and start-ups, not a driver's minutes of retries
+        server.send_signal(signal.SIGCONT)
+        r = subprocess.run([*cli, "pull", url, str(tmp_path / "pulled")], env=env, capture_output=True, text=True,
+                           timeout=120)
+        assert r.returncode == 0, r.stderr
+    finally:
+        server.send_signal(signal.SIGCONT)
+        server.kill()
+        server.wait()
+
+
+def test_a_segment_evicted_by_another_reader_as_it_is_found_is_read_right(remote, tmp_path, monkeypatch):
+    """Issue 61.1: readers sharing a cache_dir evict each other's files; a segment deleted between
+    being placed (or found) and being opened is read from the bytes in hand or fetched again --
+    the items are the local ones, never a raw FileNotFoundError."""
+    from helixtok.read.blockcache import BlockCache
+
+    sets, _ = remote
+    local, url = sets["packed"]
+    real = BlockCache._place
+
+    def placed_then_evicted(self, path, data):
+        real(self, path, data)
+        if path.endswith(tuple("0123456789")):  # a segment's file (name ends in its byte range)
+            os.unlink(path)
+    monkeypatch.setattr(BlockCache, "_place", placed_then_evicted)
+    a = MemmapChunkDataset(local)
+    b = MemmapChunkDataset(url, cache_dir=str(tmp_path / "cache"), block_bytes=BLOCK)
+    for i in range(0, len(a), 7):
+        assert np.array_equal(a[i]["input_ids"], b[i]["input_ids"]), i

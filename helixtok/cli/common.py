@@ -24,6 +24,20 @@ def parse_size(ctx, param, value):
         raise click.BadParameter(str(e)) from None
 
 
+def bounded_storage(fn):
+    """--stall-timeout for a command that may read object storage (a URL for OUT): each of its storage
+    calls waits at most that long for a sign of life (reads asked again within it), then fails."""
+    from ..format.objstore import READ_STALL_SECONDS, stall_bound
+
+    @functools.wraps(fn)
+    def wrapper(*a, stall_timeout, **kw):
+        with stall_bound(stall_timeout):
+            return fn(*a, **kw)
+    return click.option("--stall-timeout", type=click.FloatRange(min=0, min_open=True), default=READ_STALL_SECONDS,
+                        show_default=True, help="When OUT is a URL: fail when the storage shows no life for this "
+                                                "many seconds (a stopped server).")(wrapper)
+
+
 def handle_errors(fn):
     """Library errors -> one line on stderr and exit 1; Ctrl-C -> exit 130; never a traceback."""
 

@@ -7,7 +7,7 @@ import sys
 
 import click
 
-from .common import console, handle_errors, print_summary
+from .common import bounded_storage, console, handle_errors, print_summary
 
 
 @click.command()
@@ -62,6 +62,7 @@ def show(out, index, split, raw, corpus):
 @click.option("--html", "html_file", default=None,
               help="Also write a self-contained HTML report: summary, tokens per source, document-length and "
                    "chunk-fill histograms, a few decoded chunks.")
+@bounded_storage
 @handle_errors
 def info(out, as_json, html_file):
     """What a finished dataset holds, from its manifest: splits, token arithmetic, backend, BOS,
@@ -241,6 +242,7 @@ def bench_read(out, split, batch_size, num_workers, seconds, need, document_mask
 @click.argument("out")
 @click.option("--sample", type=click.IntRange(min=0), default=0, help="Also decode N random chunks.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON object.")
+@bounded_storage
 @handle_errors
 def verify(out, sample, as_json):
     """Check every shard of OUT: size, sha256, ids < vocab size, counts. Exit 1 on any problem.

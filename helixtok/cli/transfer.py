@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from .common import console, handle_errors, parse_size, print_summary
+from .common import bounded_storage, console, handle_errors, parse_size, print_summary
 
 
 @click.command()
@@ -31,6 +31,7 @@ def push(out, url, overwrite, stall_timeout):
 @click.command()
 @click.argument("url")
 @click.argument("dest")
+@bounded_storage
 @handle_errors
 def pull(url, dest):
     """Copy the dataset at URL to the local folder DEST (sha256 checked on arrival, manifest last).

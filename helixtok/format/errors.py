@@ -32,6 +32,10 @@ class InternalError(HelixtokError):
     traceback was kept for the report."""
 
 
+class StorageError(HelixtokError):
+    """Object storage that stopped answering (past the stall bound), or refused a request."""
+
+
 class Interrupted(KeyboardInterrupt):
     """A stop asked for by a signal (Ctrl-C, SIGTERM, SIGHUP): the CLI exits 128 + signum, resumably."""
 

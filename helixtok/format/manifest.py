@@ -9,7 +9,7 @@ import os
 import orjson
 
 from .errors import DatasetError
-from .objstore import filesystem, is_url, redact, reports_storage_errors
+from .objstore import is_url, redact, reports_storage_errors, watched_filesystem
 
 FORMAT_VERSION = 5  # what build writes; 1 to 4 are still read (but a version 2 bestfit build: docs/format.md)
 READABLE = (1, 2, 3, 4, 5)
@@ -41,7 +41,7 @@ def write_json_atomic(path: str, obj: dict, *, durable: bool = True) -> None:
 
 @reports_storage_errors
 def _read_remote(url: str) -> tuple[str, bytes]:
-    fs, root = filesystem(url)
+    fs, root = watched_filesystem(url)
     path = f"{redact(url).rstrip('/')}/{MANIFEST}"
     try:
         return path, fs.cat_file(f"{root.rstrip('/')}/{MANIFEST}")

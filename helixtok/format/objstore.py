@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import os
 import re
+import threading
+import time
 
-from .errors import ConfigError, HelixtokError, InputError
+from .errors import ConfigError, HelixtokError, InputError, StorageError
 
 READ_BLOCK = 8 << 20  # bytes per ranged GET when streaming an object
 # Local files are read through a 1 MiB buffer: with the default 8 KiB one, iterating the lines
@@ -18,6 +21,101 @@ _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 # S3 and compatible servers (ETag), GCS (generation, etag), HF Hub (blob id), then time.
 _STAMP_KEYS = ("ETag", "etag", "generation", "blob_id", "md5Hash", "mtime", "LastModified", "last_modified",
                "updated", "created")
+
+
+# How long a storage call may show no life before it fails (reads are first asked again: see
+# Watched).  A build's and push's --stall-timeout set it for their calls; the reading side (pull,
+# verify URL, info URL, MemmapChunkDataset over a URL) takes it from stall_bound() or this default.
+READ_STALL_SECONDS = 120.0
+_stall: contextvars.ContextVar[float] = contextvars.ContextVar("helixtok_stall", default=READ_STALL_SECONDS)
+# Calls that only read: asked again (in a new thread) when one shows no life for its share of the bound.
+IDEMPOTENT = frozenset(("cat_file", "info", "ls", "exists", "isfile", "isdir", "find", "size", "read", "readinto",
+                        "get_file", "_fetch_range"))
+READ_TRIES = 3
+
+
+@contextlib.contextmanager
+def stall_bound(seconds: float | None):
+    """Storage calls in this block (this thread) wait at most `seconds` for a sign of life (None: as is)."""
+    token = _stall.set(seconds) if seconds is not None else None
+    try:
+        yield
+    finally:
+        if token is not None:
+            _stall.reset(token)
+
+
+def current_stall() -> float:
+    return _stall.get()
+
+
+class Watched:
+    """An fsspec filesystem (or a file it opened) whose every call runs in a thread of its own and is
+    waited for while it shows life (an answer; a part of a transfer done): a server that stops
+    answering fails the call after `stall` s, naming the URL, instead of holding a command or a
+    training job's DataLoader for ever.  A call that only reads (IDEMPOTENT) is asked again, in a
+    fresh thread, after stall / READ_TRIES s of silence, up to READ_TRIES times in all: a lost
+    request costs a third of the bound, a dead server the whole bound, then one StorageError.  The
+    abandoned thread is a daemon: it cannot hold up the exit."""
+
+    def __init__(self, obj, url: str, stall: float | None = None):
+        self._obj, self._url, self._stall = obj, url, current_stall() if stall is None else stall
+
+    def __getattr__(self, name: str):
+        value = getattr(self._obj, name)
+        return (lambda *a, **kw: self._call(name, value, a, kw)) if callable(value) else value
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._call("close", self._obj.close, (), {})
+
+    def __iter__(self):
+        return iter(lambda: self.readline(), b"")
+
+    def _call(self, name, fn, a, kw):
+        from fsspec.callbacks import Callback
+
+        tries = READ_TRIES if name in IDEMPOTENT else 1
+        wait = self._stall / tries
+        last = [time.monotonic()]
+        if name in ("put_file", "get_file"):
+            class Beat(Callback):
+                def call(self, *_, **__):
+                    last[0] = time.monotonic()
+            kw = {**kw, "callback": Beat()}
+        for attempt in range(tries):
+            box: dict = {}
+
+            def run() -> None:
+                try:
+                    box["value"] = fn(*a, **kw)
+                except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
+                    box["error"] = e
+            t = threading.Thread(target=run, daemon=True, name="helixtok-storage")
+            last[0] = time.monotonic()
+            t.start()
+            while t.is_alive() and time.monotonic() - last[0] <= wait:
+                t.join(min(0.2, wait))
+            if not t.is_alive():
+                break
+        else:
+            raise StorageError(f"{redact(self._url)}: no answer from the storage for {self._stall:g} s ({name}"
+                               f"{f', asked {tries} times' if tries > 1 else ''}); check the server, then rerun "
+                               "(or raise --stall-timeout / stall_timeout=)")
+        if "error" in box:
+            raise box["error"]
+        value = box.get("value")
+        if name == "open":  # its reads are storage calls too
+            return Watched(value, self._url, self._stall)
+        return value
+
+
+def watched_filesystem(url: str, stall: float | None = None):
+    """(Watched fsspec filesystem, path without protocol): filesystem() with every call bounded."""
+    fs, root = filesystem(url)
+    return Watched(fs, url, stall), root
 
 
 def is_url(path: str) -> bool:
@@ -159,7 +257,7 @@ class Folder:
 
     def __init__(self, root: str):
         self.root = root
-        self.fs = filesystem(root)[0] if is_url(root) else None
+        self.fs = watched_filesystem(root)[0] if is_url(root) else None
 
     def _path(self, rel: str) -> str:
         return f"{self.root.rstrip('/')}/{rel}" if self.fs else os.path.join(self.root, rel)
@@ -175,4 +273,6 @@ class Folder:
             return None
 
     def open(self, rel: str):
-        return open_input(self._path(rel))
+        if self.fs is None:
+            return open_input(self._path(rel))
+        return self.fs.open(self._path(rel), "rb", block_size=READ_BLOCK)

@@ -16,14 +16,12 @@ import os
 import posixpath
 import re
 import tempfile
-import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
-from ..format.errors import ConfigError, DatasetError, HelixtokError
+from ..format.errors import ConfigError, DatasetError
 from ..format.manifest import (MANIFEST, SIDE_NAMES, Digest, file_matches, load_manifest, manifest_files, with_paths,
                                write_json_atomic)
-from ..format.objstore import filesystem, redact, reports_storage_errors
+from ..format.objstore import redact, reports_storage_errors, watched_filesystem
 from ..format.planid import PLAN_FILE, plan_folder
 from .outdir import OutLock, fsync_dir
 
@@ -31,51 +29,8 @@ UPLOAD_THREADS = 4  # objects in flight; each large one is itself a multipart up
 COPY_BLOCK = 8 << 20
 
 
-class _Watched:
-    """An fsspec filesystem whose every call runs in a thread of its own and is waited for while
-    it shows life (an answer; a part of a transfer done): a server that stops answering fails the
-    command after `stall` s, naming the URL, instead of holding it for ever.  The abandoned
-    thread is a daemon: it cannot hold up the exit."""
-
-    def __init__(self, fs, url: str, stall: float):
-        self._fs, self._url, self._stall = fs, url, stall
-
-    def __getattr__(self, name: str):
-        fn = getattr(self._fs, name)
-        return (lambda *a, **kw: self._call(name, fn, a, kw)) if callable(fn) else fn
-
-    def _call(self, name, fn, a, kw):
-        from fsspec.callbacks import Callback
-
-        last = [time.monotonic()]
-        if name in ("put_file", "get_file"):
-            class Beat(Callback):
-                def call(self, *_, **__):
-                    last[0] = time.monotonic()
-            kw = {**kw, "callback": Beat()}
-        box: dict = {}
-
-        def run() -> None:
-            try:
-                box["value"] = fn(*a, **kw)
-            except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
-                box["error"] = e
-        t = threading.Thread(target=run, daemon=True, name="helixtok-storage")
-        t.start()
-        while t.is_alive():
-            t.join(0.2)
-            if t.is_alive() and time.monotonic() - last[0] > self._stall:
-                raise HelixtokError(f"{redact(self._url)}: no answer from the storage for {self._stall:g} s "
-                                    f"({name}); check the server, then rerun the same command (or raise "
-                                    "--stall-timeout)")
-        if "error" in box:
-            raise box["error"]
-        return box.get("value")
-
-
 def _filesystem(url: str, stall: float):
-    fs, root = filesystem(url)
-    return _Watched(fs, url, stall), root
+    return watched_filesystem(url, stall)
 
 
 def staging_dir(url: str, staging: str | None) -> str:
@@ -252,7 +207,7 @@ def pull(url: str, dest: str) -> dict:
     bad = [p for p in want if ".." in p.split("/") or os.path.isabs(p)]
     if bad:
         raise DatasetError(f"{redact(url)}: manifest names {bad[0]!r}, outside the dataset; refusing to copy it")
-    fs, root = filesystem(url)
+    fs, root = watched_filesystem(url)
     os.makedirs(dest, exist_ok=True)
     with OutLock(dest):
         if os.path.isfile(os.path.join(dest, MANIFEST)):

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..format.errors import DatasetError
-from ..format.objstore import filesystem, redact
+from ..format.objstore import current_stall, redact, storage_errors, watched_filesystem
 from .sizes import parse_bytes
 
 DEFAULT_BLOCK_BYTES = 64 << 20
@@ -82,8 +82,10 @@ class BlockCache:
     before its own block is read is fetched again: block shuffle fetches up to (1 + a segment /
     a block) times the data an epoch, with a cache smaller than the data."""
 
-    def __init__(self, root: str, cache_dir: str, key: str, limit: int | None = None, block_bytes: int = 0):
+    def __init__(self, root: str, cache_dir: str, key: str, limit: int | None = None, block_bytes: int = 0,
+                 stall: float | None = None):
         self.root, self.cache_dir, self.key, self.limit = root.rstrip("/"), cache_dir, key, limit
+        self.stall = current_stall() if stall is None else stall  # each GET's bound (objstore.Watched)
         # Bytes this process keeps mapped: a deleted segment's disk space is freed only once no
         # process maps it, so a process keeps at most half the limit mapped (and OPEN_BLOCKS blocks).
         self.open_bytes = OPEN_BLOCKS * block_bytes if limit is None else max(2 * block_bytes, limit // 2)
@@ -114,7 +116,7 @@ class BlockCache:
     @property
     def fs(self):
         if self._fs is None:
-            self._fs = filesystem(self.root)[0]
+            self._fs = watched_filesystem(self.root, self.stall)[0]
         return self._fs
 
     def _url(self, rel: str) -> str:
@@ -225,9 +227,9 @@ class BlockCache:
     def _cached(self, seg: Segment) -> np.ndarray | None:
         """The segment from the cache when it is there and intact (a damaged one is deleted)."""
         path = self._file(seg.path, seg.start, seg.end)
-        if not os.path.isfile(path):
-            return None
         data = self._map(path)
+        if data is None:  # not there, or evicted by another reader of this cache since it looked
+            return None
         if len(data) == seg.end - seg.start and hashlib.sha256(data).hexdigest() == seg.sha256:
             self._count("hits")
             return data
@@ -256,33 +258,47 @@ class BlockCache:
                                            "push the dataset again")
                     path = self._file(s.path, s.start, s.end)
                     self._place(path, piece)
-                    have[s] = self._map(path)
+                    mapped = self._map(path)  # (evicted at once by another reader: the bytes in hand)
+                    have[s] = mapped if mapped is not None else np.frombuffer(bytes(piece), np.uint8)
                     self._count("misses")
         return have
 
     @staticmethod
-    def _map(path: str) -> np.ndarray:
-        with open(path, "rb") as fh:
+    def _map(path: str) -> np.ndarray | None:
+        """The cached file mapped (its size then checked by the caller against the manifest's), or
+        None when it is not there."""
+        try:
+            fh = open(path, "rb")
+        except FileNotFoundError:
+            return None
+        with fh:
             size = os.fstat(fh.fileno()).st_size
             return np.memmap(fh, dtype=np.uint8, mode="r", shape=(size,)).view(np.ndarray) if size else \
                 np.empty(0, np.uint8)
 
     def _get(self, rel: str, start: int | None = None, end: int | None = None) -> bytes:
         url = self._url(rel)
-        try:
-            data = self.fs.cat_file(url, start=start, end=end)
-        except FileNotFoundError:
-            raise DatasetError(f"{redact(url)}: missing; the dataset in object storage is incomplete (push it "
-                               "again)") from None
+        with storage_errors(self.root):  # a driver's own error (connection refused) as one line
+            try:
+                data = self.fs.cat_file(url, start=start, end=end)
+            except FileNotFoundError:
+                raise DatasetError(f"{redact(url)}: missing; the dataset in object storage is incomplete (push it "
+                                   "again)") from None
         self._count("gets")
         self._count("bytes_fetched", len(data))
         return data
 
     def _place(self, path: str, data) -> None:
         tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
-        with open(tmp, "wb") as fh:
-            fh.write(data)
-        os.replace(tmp, path)
+        try:
+            with open(tmp, "wb") as fh:
+                fh.write(data)
+            os.replace(tmp, path)
+        except OSError as e:  # a full or read-only cache disk: the reader's own folder, named with the fix
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise DatasetError(f"{self.cache_dir}: cannot cache {os.path.basename(path)} there ({e.strerror or e}); "
+                               "free space on that disk or give a smaller cache_limit (or another cache_dir)") from e
 
     @contextlib.contextmanager
     def _flock(self, name: str):

@@ -20,7 +20,7 @@ from ..format.bestfit import CHUNK_DTYPE, ITEM_DTYPE, doc_spans, load_index
 from ..format.errors import DatasetError
 from ..format.manifest import (DTYPES, INDEX_FILES, MANIFEST, SIDES, check_small_file, load_manifest, shard_tokens,
                                sides_of, split_entry, split_files)
-from ..format.objstore import filesystem, is_url, redact
+from ..format.objstore import READ_STALL_SECONDS, filesystem, is_url, redact, stall_bound
 from ..format.shards import DOCS_DTYPE, MASK_DTYPE, VALID_DTYPE
 from .blockcache import DEFAULT_BLOCK_BYTES, BlockArray, BlockCache, parse_limit, plan_blocks
 from .layout import Pieces, bestfit_pieces, shuffled_documents
@@ -110,15 +110,20 @@ class MemmapChunkDataset(Dataset):
     path may be a URL (a dataset `push`ed to object storage) with cache_dir: the ids are read in
     place through a node-local cache of at most cache_limit bytes (blockcache.py), in blocks of
     block_bytes; ChunkSampler(shuffle="block") is the order that reads each block once an epoch
-    (docs/scale.md).
+    (docs/scale.md).  Every request to the storage waits at most stall_timeout s for an answer
+    (reads are asked again within it), then raises StorageError naming the URL: a stalled server
+    fails the DataLoader instead of holding it.
     """
 
     def __init__(self, path: str, split: str = "train", *, tokenizer: str | None = None,
                  shifted: bool = False, position_ids: bool = False, document_masking: bool = False,
                  fields: Sequence[str] = FIELDS, repack: bool = False, seed: int = 0,
                  cache_dir: str | None = None, cache_limit: int | str | None = None,
-                 block_bytes: int | str = DEFAULT_BLOCK_BYTES):
+                 block_bytes: int | str = DEFAULT_BLOCK_BYTES, stall_timeout: float = READ_STALL_SECONDS):
         self.path = os.fspath(path)
+        if not stall_timeout > 0:
+            raise DatasetError(f"stall_timeout must be positive seconds, got {stall_timeout!r}")
+        self.stall_timeout = float(stall_timeout)
         self.split = split
         self.fields = tuple(fields)
         # Where input_ids, labels and attention_mask sit in a batch's one buffer (None: not asked for).
@@ -136,7 +141,8 @@ class MemmapChunkDataset(Dataset):
             before = None if self.remote else _identity(os.stat(os.path.join(self.path, MANIFEST)))
         except OSError:
             before = None  # load_manifest says what is wrong
-        m = load_manifest(self.path)
+        with stall_bound(self.stall_timeout):
+            m = load_manifest(self.path)
         s = split_entry(m, split, self.path)
         # What the dataset is, whatever folder it is in: a mixture's checkpoint records it (identity()).
         self.manifest_sha256 = hashlib.sha256(json.dumps(m, sort_keys=True).encode()).hexdigest()
@@ -185,7 +191,7 @@ class MemmapChunkDataset(Dataset):
         if self.remote:
             self._remote_files = {x["path"]: x for x in split_files(s)}
             self._cache = BlockCache(self.path, os.fspath(cache_dir), self.manifest_sha256[:16], parse_limit(cache_limit),
-                                     self.block_bytes)
+                                     self.block_bytes, self.stall_timeout)
             self._check_remote_files()
             self._identity = {}
         else:
