@@ -209,9 +209,34 @@ def remote_rows(out: str, B: int, args, tmp: str) -> None:
               f"one epoch {got['tokens'] / got['secs'] / 1e6:.2f} Mtok/s, {got['gets']} GETs, "
               f"{got['bytes_fetched'] / data:.3f}x the data fetched")
         proxy.close()
+        plan_rows(os.path.join(tmp, "plan"), args)
     finally:
         proc.terminate()
         log.close()
+
+
+def plan_rows(cache: str, args) -> None:
+    """Block shuffle over a cache of fetch_plan's cache_needed: node 0 of two (two ranks each, step
+    by step), what it fetched against what fetch_plan said, for block sizes down to 4 MiB."""
+    import itertools
+
+    from helixtok import ChunkSampler
+    from helixtok.read.sizes import parse_bytes
+
+    for block in ("64MiB", "16MiB", "4MiB"):
+        b = parse_bytes(block)
+        ds = MemmapChunkDataset("s3://bench/data", cache_dir=os.path.join(cache, block), block_bytes=b,
+                                cache_limit=8 * 2 * b)
+        kw = dict(shuffle="block", window=2, world_size=4, ranks_per_node=2)
+        plan = ds.fetch_plan(**kw)
+        for i in itertools.chain.from_iterable(zip(*(ChunkSampler(ds, seed=0, rank=r, **kw) for r in (0, 1)))):
+            ds[i]
+        c = ds.cache_counts
+        segs = [n for e in ds.manifest["splits"]["train"]["shards"] for n, _ in e["segments"]]
+        print(f"block shuffle, blocks {block}, cache {8 * 2 * b >> 20} MiB, node 0 of 2: fetched "
+              f"{c['bytes_fetched'] / 1e6:.1f} MB in {c['gets']} GETs; fetch_plan {plan['bytes'] / 1e6:.1f} MB in "
+              f"{plan['gets']} GETs: {c['bytes_fetched'] / plan['bytes']:.3f}x (largest segment "
+              f"{max(segs) / 1e6:.2f} MB)")
 
 
 def _make_bucket(url: str, env: dict) -> None:

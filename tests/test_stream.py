@@ -393,3 +393,45 @@ def test_a_segment_evicted_by_another_reader_as_it_is_found_is_read_right(remote
     b = MemmapChunkDataset(url, cache_dir=str(tmp_path / "cache"), block_bytes=BLOCK)
     for i in range(0, len(a), 7):
         assert np.array_equal(a[i]["input_ids"], b[i]["input_ids"]), i
+
+
+def test_big_units_beside_small_ones_fetch_what_the_plan_says(remote, tmp_path, dev_docs, tokenizer_path,
+                                                              monkeypatch):
+    """Issue 61.2: a .jsonl.gz is one work unit, its ids far larger than a block beside units of a
+    few KB (as real corpora come); segments end at every SEGMENT_BYTES of a shard as well (lowered
+    here with the blocks: 4 KiB under 16 KiB blocks, as 1 MiB under the default 64 MiB), so block
+    shuffle over a cache of fetch_plan's cache_needed fetches within 1.25 x the plan pro rata (732 x
+    before, on 45 MB segments and 4 MiB blocks), and the items are the local ones."""
+    import gzip
+    import json
+
+    from helixtok.format import limits
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    with gzip.open(corpus / "a-big.jsonl.gz", "wt") as fh:
+        for t in dev_docs[:250]:
+            fh.write(json.dumps({"text": t}) + "\n")
+    for i, t in enumerate(dev_docs[250:320]):
+        (corpus / f"b{i:03d}.txt").write_text(t)
+    block = 16 << 10
+    monkeypatch.setattr(limits, "SEGMENT_BYTES", 4 << 10)
+    local = str(tmp_path / "local")
+    m = build([str(corpus)], local, tokenizer_path, BuildConfig(seq_len=256, workers=1, unit_bytes=8 << 10,
+                                                                shard_bytes=4 << 20))
+    units = [n for e in m["splits"]["train"]["shards"] for n, _ in e["segments"]]
+    assert max(units) == 4 << 10 and min(units) < 2 << 10  # cut, and small units beside
+    url = "s3://helix-stream/big-units"
+    upload(local, url, overwrite=False)
+    ds = MemmapChunkDataset(url, cache_dir=str(tmp_path / "c"), block_bytes=block, cache_limit=16 * block)
+    kw = dict(shuffle="block", window=2, world_size=4, ranks_per_node=2)
+    plan = ds.fetch_plan(**kw)
+    assert plan["cache_needed"] == 16 * block and plan["bytes"] > 2 * plan["cache_needed"]
+    ref = MemmapChunkDataset(local)
+    import itertools
+
+    # Node 0's two ranks, step by step (as they train side by side).
+    for i in itertools.chain.from_iterable(zip(*(ChunkSampler(ds, seed=0, rank=r, **kw) for r in (0, 1)))):
+        assert np.array_equal(ds[i]["input_ids"], ref[i]["input_ids"])
+    got = ds.cache_counts["bytes_fetched"]
+    assert plan["bytes"] <= got <= 1.25 * plan["bytes"], (got, plan)

@@ -38,6 +38,11 @@ PIECE_BYTES = 1 << 20
 # part of the plan: docs/format.md); the default of BuildConfig.max_piece_chars.
 PIECE_CHARS = 200_000
 SHARD_LIMIT = 2  # no shard holds more than SHARD_LIMIT x --shard-size bytes: a group's stream goes on in pieces
+# A shard's segments (each with its sha256: what a reader fetches and checks, docs/format.md) end at
+# every multiple of this many bytes of it, besides where work units meet: a reader's fetches stay
+# near its block size whatever the input's form made a unit (a whole .jsonl.gz: 45 MB and more).
+# It decides the manifest's segment lists (~75 bytes of JSON a segment: 1 GB of ids, ~1,000).
+SEGMENT_BYTES = 1 << 20
 QUEUED_BYTES = 32 << 20  # buffers handed to a hashing thread and not hashed yet, at most (format/shards.py)
 # One conversation's rendering is stopped past these (a hostile template or row: skipped, counted
 # as not_a_conversation): far above any real one (a 128k-token context is ~0.5M characters).
@@ -45,7 +50,7 @@ RENDER_SECONDS = 10
 RENDER_CHARS = 64 << 20
 
 NAMES = ("HOLD_BYTES", "SPLIT_BYTES", "SPLIT_SHARE", "RANGE_MIN_BYTES", "LONG_DOC_BYTES", "PIECE_BYTES",
-         "PIECE_CHARS", "SHARD_LIMIT", "QUEUED_BYTES", "RENDER_SECONDS", "RENDER_CHARS")
+         "PIECE_CHARS", "SHARD_LIMIT", "SEGMENT_BYTES", "QUEUED_BYTES", "RENDER_SECONDS", "RENDER_CHARS")
 
 
 def lowered(spec: str) -> dict[str, int]:

@@ -129,11 +129,12 @@ def _write_ranges(e: dict, blocks, g: int, split: str, pos: int, cap: int, item:
                   fds: dict) -> tuple[list, str]:
     """One unit file's ids (entry `e`, given as byte `blocks` in order) written at token `pos` of
     group g's `split` stream, piece by piece: its segments and the sha256 of all of its bytes."""
-    ranges = []  # (piece, byte offset in it, bytes)
+    ranges = []  # (piece, byte offset in it, bytes): a segment each
+    seg = max(1, limits.SEGMENT_BYTES // item)  # tokens: segments end at multiples of it in a piece
     a, left = pos, e["num_tokens"]
     while left:
         k, at = divmod(a, cap)
-        n = min(left, cap - at)
+        n = min(left, cap - at, seg - at % seg)
         ranges.append((k, at * item, n * item))
         a, left = a + n, left - n
     whole, segs = hashlib.sha256(), []
