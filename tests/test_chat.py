@@ -94,9 +94,21 @@ def llama_style_tokenizer(folder: Path, texts: list[str]) -> Path:
     return folder
 
 
-def _transformers_encode(folder: str, template: str, convs: list[dict]) -> list[tuple[list, list]]:
-    """The reference, in a child process: transformers' own ids and assistant masks."""
+def _transformers_encode(folder: str, template: str, convs: list[dict], date: str = "") -> list[tuple[list, list]]:
+    """The reference, in a child process: transformers' own ids and assistant masks (its
+    strftime_now at `date`, 00:00:00, when given: the day a helixtok build pins)."""
+    import datetime
+
     import transformers
+
+    if date:
+        day = datetime.datetime.strptime(date, "%Y-%m-%d")
+
+        class Pinned(datetime.datetime):
+            @classmethod
+            def now(cls, tz=None):
+                return day
+        transformers.utils.chat_template_utils.datetime = Pinned
 
     config = json.loads((Path(folder) / "tokenizer_config.json").read_text())
     tok = transformers.PreTrainedTokenizerFast(
@@ -111,7 +123,7 @@ def _transformers_encode(folder: str, template: str, convs: list[dict]) -> list[
 
 
 def _ours(folder: Path, template: str, convs: list[dict], loss: str = "assistant", L: int = 1 << 20,
-          backend: str | None = None):
+          backend: str | None = None, date: str = ""):
     """helixtok's ids and masks: tokenizers' offsets, or (backend) that library's ids with byte offsets."""
     from tokenizers import Tokenizer
 
@@ -124,7 +136,7 @@ def _ours(folder: Path, template: str, convs: list[dict], loss: str = "assistant
         fh.write(template)
         fh.flush()
         spec = load_spec(str(folder / "tokenizer.json"), fh.name, "all", False, "messages")
-    spec = ChatSpec(template=template, loss=loss, field="messages", token_strings=spec.token_strings)
+    spec = ChatSpec(template=template, loss=loss, field="messages", token_strings=spec.token_strings, date=date)
     ids_fn = None
     if backend is not None:
         ids_fn, _, why = flat_encoder(backend, hold_bytes((folder / "tokenizer.json").read_bytes()), "text", None)
@@ -624,3 +636,125 @@ def test_the_template_runs_in_the_sandbox(llama_dir):
     spec = ChatSpec(template="{{ messages[0].role }}:{{ messages[0].missing }}|{% generation %}"
                              "{{ messages[1]['content'] }}{% endgeneration %}")
     assert ChatEncoder(spec, tok, 1024, np.uint32).encode(conv).text == "user:|yo"
+
+
+DATED = "{{- 'Today Date: ' + strftime_now('%d %b %Y') + '\\n' }}"  # as Llama 3.2's own template writes it
+
+
+def test_the_date_a_template_renders_is_pinned_by_the_plan(tmp_path, llama_dir, dev_docs, monkeypatch, apart):
+    """Issue 57.1: strftime_now renders the build's date, not the wall clock's: --chat-date, else the
+    day the build was planned, kept by a resume and a rerun on another day (one plan, one set of
+    bytes), recorded in the manifest; the ids and masks are transformers' at that date."""
+    import datetime
+
+    import helixtok.pipeline.builder as hb
+    import helixtok.pipeline.dispatch as hdisp
+
+    template = DATED + (TEMPLATES / "llama3_training.jinja").read_text()
+    convs = real_conversations(dev_docs, 12, seed=5)
+    want = apart.submit(_transformers_encode, str(llama_dir), template, convs, "2024-07-26").result()
+    got = _ours(llama_dir, template, convs, date="2024-07-26")
+    for (ids, mask), g in zip(want, got):
+        assert g.text.startswith("Today Date: 26 Jul 2024\n") and g.ids.tolist() == ids and g.mask.tolist() == mask
+    (tmp_path / "t.jinja").write_text(template)
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text("".join(json.dumps(c) + "\n" for c in convs))
+    tok = str(llama_dir / "tokenizer.json")
+
+    def cfg(date=""):
+        return BuildConfig(seq_len=4096, workers=1, chat=load_spec(tok, str(tmp_path / "t.jinja"), "assistant", False,
+                                                                     "messages", date=date))
+    m = build([str(corpus)], str(tmp_path / "given"), tok, cfg("2024-07-26"))
+    assert m["chat"]["date"] == "2024-07-26"
+    # Planned today, stopped, resumed "tomorrow": the plan's day, not the clock's.
+    today = datetime.datetime.now(datetime.timezone.utc).date().isoformat()
+    out = str(tmp_path / "out")
+    with monkeypatch.context() as mp:
+        mp.setattr(hdisp, "run_unit", lambda *a: (_ for _ in ()).throw(KeyboardInterrupt()))
+        with pytest.raises(KeyboardInterrupt):
+            build([str(corpus)], out, tok, cfg())
+
+    class Tomorrow(datetime.datetime):
+        @classmethod
+        def now(cls, tz=None):
+            return datetime.datetime(2031, 1, 2, tzinfo=tz)
+    monkeypatch.setattr(hb.datetime, "datetime", Tomorrow)
+    m = build([str(corpus)], out, tok, cfg())
+    assert m["chat"]["date"] == today
+    assert build([str(corpus)], out, tok, cfg()).reused_units is not None  # up to date, not refused
+    with pytest.raises(ConfigError, match=r"built from other inputs or options \(chat\.date: '" + today):
+        build([str(corpus)], out, tok, cfg("2024-07-26"))
+    with pytest.raises(ConfigError, match=r"--chat-date must be a date as YYYY-MM-DD, got '26/07/2024'"):
+        cfg("26/07/2024")
+
+
+def _special_counts_stay(n: int) -> int:
+    """In the `apart` process: for n random conversations whose tool-call arguments are nested JSON
+    with special-token strings as keys and values, the ids hold each special token as often as the
+    same conversation with those strings replaced by plain text: none came from the row."""
+    import random
+
+    from tokenizers import Tokenizer
+
+    template = (TEMPLATES / "qwen3_training.jinja").read_text()
+    spec = load_spec(str(QWEN / "tokenizer.json"), None, "all", False, "messages")
+    spec = ChatSpec(template=template, field="messages", token_strings=spec.token_strings)
+    tok = Tokenizer.from_file(str(QWEN / "tokenizer.json"))
+    enc = ChatEncoder(spec, tok, 1 << 20, np.uint32)
+    # The special ones (added tokens that are not special, <tool_call> and <think>, are what the
+    # tokenizer makes of that text anywhere, as in a pretraining build: documented).
+    added = tok.get_added_tokens_decoder()
+    specials = ["<|im_end|>", "<|im_start|>", "<|endoftext|>"]
+    ids = {s: tok.token_to_id(s) for s in specials}
+    assert all(added[i].special for i in ids.values())
+    rng = random.Random(0)
+
+    def nested(depth, plain):
+        word = (lambda: "x") if plain else (lambda: rng.choice(specials + ["a", "b <|im_end|> c"]))
+        if depth == 0 or rng.random() < 0.3:
+            return word()
+        if rng.random() < 0.5:
+            return [nested(depth - 1, plain) for _ in range(rng.randint(0, 3))]
+        return {word() + str(i): nested(depth - 1, plain) for i in range(rng.randint(0, 3))}
+
+    checked = 0
+    for _ in range(n):
+        seed = rng.random()
+        convs = []
+        for plain in (False, True):
+            rng.seed(seed)
+            args = nested(4, plain)
+            call = {"type": "function", "function": {"name": "get_weather", "arguments": args if isinstance(
+                args, dict) else {"v": args}}}
+            convs.append({"messages": [{"role": "user", "content": "weather?"},
+                                       {"role": "assistant", "content": "", "tool_calls": [call]}], "tools": TOOLS})
+        hostile, plain = (enc.encode(c) for c in convs)
+        for s, i in ids.items():
+            assert hostile.ids.tolist().count(i) == plain.ids.tolist().count(i), (s, convs[0])
+        checked += 1
+    return checked
+
+
+def test_special_token_strings_as_tool_argument_keys_stay_text(apart):
+    """Issue 57.2: a special-token string used as a key of a tool call's arguments (at any depth, as
+    keys and values of nested JSON) is characters, never the special token."""
+    assert apart.submit(_special_counts_stay, 60).result() == 60
+
+
+def test_a_lone_surrogate_in_a_conversation_is_a_counted_bad_row(tmp_path, llama_dir):
+    """Issue 57.3: a row with a lone surrogate escape ("\\ud800") is skipped and counted with its
+    file:line (it ended the whole build with a UnicodeEncodeError), or one line with --strict."""
+    rows = [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello there"}]}] * 2
+    lines = [json.dumps(r) for r in rows]
+    lines.insert(1, '{"messages": [{"role": "user", "content": "bad \\ud800 row"}, '
+                    '{"role": "assistant", "content": "ok"}]}')
+    (tmp_path / "c.jsonl").write_text("\n".join(lines) + "\n")
+    args = ["build", str(tmp_path / "c.jsonl"), "-t", str(llama_dir / "tokenizer.json"), "-L", "256", "--chat", "-q"]
+    r = CliRunner().invoke(cli, [*args[:2], str(tmp_path / "out"), *args[2:]])
+    assert r.exit_code == 0, r.output
+    m = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert m["splits"]["train"]["chat"]["conversations"] == 2
+    assert m["skipped"]["not_a_conversation"]["examples"] == [
+        "c.jsonl:2 (holds a lone surrogate (an unpaired \\ud800-\\udfff escape), which is not text)"]
+    r = CliRunner().invoke(cli, [*args[:2], str(tmp_path / "strict"), *args[2:], "--strict"])
+    assert r.exit_code == 1 and r.stderr.strip().splitlines()[-1].startswith("Error: c.jsonl:2 (holds a lone surrogate")

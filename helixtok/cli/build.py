@@ -33,7 +33,8 @@ from .common import console, handle_errors, parse_size, print_summary
               help="JSON field or parquet column with the text [default: text; with --chat, messages].")
 @click.option("--chat", is_flag=True,
               help="Rows are conversations (a list of {role, content} messages, and 'tools' where given): each "
-                   "rendered with the model's chat template and tokenized once, with a loss mask (docs/chat.md).")
+                   "rendered with the model's chat template and tokenized once, with a loss mask (docs/training.md, "
+                   "\"Chat data\"; docs/format.md, \"Chat builds\").")
 @click.option("--chat-template", type=click.Path(dir_okay=False), default=None,
               help="--chat: a .jinja template [default: chat_template of the tokenizer_config.json beside the "
                    "tokenizer].")
@@ -43,6 +44,9 @@ from .common import console, handle_errors, parse_size, print_summary
 @click.option("--truncate", is_flag=True,
               help="--chat: cut a conversation longer than --seq-len to its first --seq-len tokens [default: drop "
                    "it, counted].")
+@click.option("--chat-date", default=None, metavar="YYYY-MM-DD",
+              help="--chat: the day the template's strftime_now() renders (at 00:00:00) [default: the day this "
+                   "OUT's build was first planned, kept by every resume and rerun].")
 @click.option("--bos/--no-bos", default=None,
               help="Prepend BOS to every document, or not [default: as the tokenizer's post-processor does for "
                    "one sequence, e.g. Llama 3 yes, GPT-2 no].")
@@ -88,7 +92,7 @@ from .common import console, handle_errors, parse_size, print_summary
               help="Which partition [default: $SLURM_ARRAY_TASK_ID or $JOB_COMPLETION_INDEX].")
 @handle_errors
 def build(corpus, out, tokenizer, seq_len, packing, min_tail_len, text_field, chat, chat_template, loss, truncate,
-          bos, eos_token, bos_token,
+          chat_date, bos, eos_token, bos_token,
           pad_token, val_fraction, split_seed, shard_size, unit_size, workers, overwrite, strict, quiet, as_json,
           stall_timeout, special_tokens, strip, backend, staging, executor, num_tasks, task_index, log_interval):
     """Tokenize CORPUS (files, folders, globs) into fixed-length token shards in OUT.
@@ -113,9 +117,10 @@ def build(corpus, out, tokenizer, seq_len, packing, min_tail_len, text_field, ch
         from ..format.tokenizer_file import resolve_tokenizer_path
         from ..pipeline.chat import load_spec
 
-        spec = load_spec(resolve_tokenizer_path(tokenizer), chat_template, loss, truncate, text_field or "messages")
-    elif chat_template or truncate or loss != "assistant":
-        raise click.UsageError("--chat-template, --loss and --truncate apply to --chat builds only")
+        spec = load_spec(resolve_tokenizer_path(tokenizer), chat_template, loss, truncate, text_field or "messages",
+                         date=chat_date or "")
+    elif chat_template or truncate or loss != "assistant" or chat_date:
+        raise click.UsageError("--chat-template, --loss, --truncate and --chat-date apply to --chat builds only")
     cfg = BuildConfig(seq_len=seq_len, packing=packing, min_tail_len=min_tail_len, text_field=text_field, chat=spec,
                       add_bos=bos, eos_token=eos_token, bos_token=bos_token, pad_token=pad_token,
                       val_fraction=val_fraction, split_seed=split_seed, shard_bytes=shard_size,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import datetime
 import hashlib
 import json
 import os
@@ -38,6 +39,7 @@ from . import preload
 from .backend_check import choose_backend
 from .backends import FAST, backend_version, forget_fast_tokenizers
 from .catalog import CHAT_TEMPLATE, build_manifest, chat_counts, join_split, published, unit_counts
+from .chat import check_date
 from .config import BuildConfig
 from .discover import discover
 from .dispatch import BackendRejected, Joins, Progress, UnitPool, run_units, verdict_for, worker_count
@@ -114,6 +116,7 @@ def _build(corpus, out, tokenizer, config, overwrite, on_progress, task, staging
 
 def _build_local(inputs, out, path, sha, config, overwrite, on_progress, task, remote) -> "Built":
     """build() for a local OUT, the tokenizer's bytes held as `sha`: plan, start what tokenizes, inspect."""
+    config = _pinned_chat_date(config, out, overwrite)
     files, warnings = discover(inputs, exclude=out)
     units, plan_warn = plan_units(files, unit_bytes=config.unit_bytes, text_field=config.text_field,
                                   stall=config.stall_seconds, chat=config.chat is not None)
@@ -364,6 +367,25 @@ def _build_started(run: Run, info) -> dict:
         if check is not None:
             check.end()
     return _publish(run, run_info, backend_check, trusted, results, joined, refs)
+
+
+def _pinned_chat_date(config: BuildConfig, out: str, overwrite: bool) -> BuildConfig:
+    """A chat build's date (what strftime_now renders): --chat-date; else the one this OUT's build was
+    planned with (unfinished or finished: a resume or a rerun the next day is the same plan, the
+    same bytes); else today's, in UTC.  --overwrite plans afresh."""
+    if config.chat is None or config.chat.date:
+        return config
+    date = None
+    for p in () if overwrite else (os.path.join(out, STATE, "plan.json"), os.path.join(out, PLAN_FILE)):
+        try:
+            with open(p) as fh:
+                date = json.load(fh)["config"]["chat"]["date"]
+            check_date(date)
+            break
+        except (OSError, ValueError, KeyError, TypeError, HelixtokError):
+            date = None
+    date = date or datetime.datetime.now(datetime.timezone.utc).date().isoformat()
+    return dataclasses.replace(config, chat=dataclasses.replace(config.chat, date=date))
 
 
 def _resumed_backend(state: str) -> str | None:

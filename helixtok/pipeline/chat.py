@@ -19,7 +19,7 @@ from types import BuiltinMethodType, MethodType
 
 from ..format import limits
 from ..format.errors import ConfigError
-from .longdoc import NESTED
+from .longdoc import NESTED, SURROGATE
 
 
 class RenderBound(Exception):
@@ -46,12 +46,31 @@ class ChatSpec:
     field: str = "messages"
     # The tokenizer's special-token strings a template may use (bos_token, eos_token, ...).
     token_strings: tuple[tuple[str, str], ...] = ()
+    # The day the template's strftime_now() renders (YYYY-MM-DD, at 00:00:00): part of the plan, so
+    # the bytes do not follow the wall clock.  "": not chosen yet (the build pins it: builder.py).
+    date: str = ""
+
+    def __post_init__(self) -> None:
+        if self.date:
+            check_date(self.date)
 
     def to_json(self) -> dict:
         import hashlib
 
         return {"template_sha256": hashlib.sha256(self.template.encode()).hexdigest(), "loss": self.loss,
-                "truncate": self.truncate, "field": self.field, "token_strings": dict(self.token_strings)}
+                "truncate": self.truncate, "field": self.field, "token_strings": dict(self.token_strings),
+                "date": self.date}
+
+
+def check_date(date: str) -> str:
+    """A --chat-date as given, if it is a YYYY-MM-DD date."""
+    try:
+        if len(date) != 10:
+            raise ValueError
+        datetime.strptime(date, "%Y-%m-%d")
+    except (TypeError, ValueError):
+        raise ConfigError(f"--chat-date must be a date as YYYY-MM-DD, got {date!r}") from None
+    return date
 
 
 def _token_string(v) -> str | None:
@@ -62,7 +81,8 @@ def _token_string(v) -> str | None:
     return None
 
 
-def load_spec(tokenizer: str, template_file: str | None, loss: str, truncate: bool, field_name: str) -> ChatSpec:
+def load_spec(tokenizer: str, template_file: str | None, loss: str, truncate: bool, field_name: str,
+              date: str = "") -> ChatSpec:
     """The template from --chat-template, else `chat_template` of the tokenizer_config.json beside
     the tokenizer; refused in one line when it has no `{% generation %}` span and --loss needs one."""
     folder = tokenizer if os.path.isdir(tokenizer) else os.path.dirname(os.path.abspath(tokenizer))
@@ -99,13 +119,15 @@ def load_spec(tokenizer: str, template_file: str | None, loss: str, truncate: bo
                           "patched ones: trl/chat_templates/*_training.jinja), or --loss all")
     strings = tuple(sorted((k, s) for k, v in config.items() if k.endswith("_token") and (s := _token_string(v))))
     compile_template(template, where)  # a syntax error is said now, once, not per worker
-    return ChatSpec(template=template, loss=loss, truncate=truncate, field=field_name, token_strings=strings)
+    return ChatSpec(template=template, loss=loss, truncate=truncate, field=field_name, token_strings=strings,
+                    date=check_date(date) if date else "")
 
 
 # --------------------------------------------------------------------------- rendering
 
-def compile_template(template: str, where: str = "the chat template"):
-    """The template compiled in a sandbox with transformers' settings and globals."""
+def compile_template(template: str, where: str = "the chat template", date: str = ""):
+    """The template compiled in a sandbox with transformers' settings and globals; strftime_now()
+    renders `date` at 00:00:00 (the build's pinned day), or the wall clock where none is given."""
     import jinja2
     from jinja2 import nodes
     from jinja2.ext import Extension, loopcontrols
@@ -222,7 +244,8 @@ def compile_template(template: str, where: str = "the chat template"):
     env.recording = None
     env.deadline = float("inf")
     env.filters["tojson"] = tojson
-    env.globals.update(raise_exception=raise_exception, strftime_now=lambda f: datetime.now().strftime(f),
+    day = datetime.strptime(date, "%Y-%m-%d") if date else None
+    env.globals.update(raise_exception=raise_exception, strftime_now=lambda f: (day or datetime.now()).strftime(f),
                        namespace=Namespace, dict=lambda *a, **k: dict(*a, **k))
     try:
         return env.from_string(template)
@@ -232,7 +255,8 @@ def compile_template(template: str, where: str = "the chat template"):
 
 def _plain(value, strings: list):
     """JSON values only (what a JSON line or a Parquet row gives), as the template sees them; every
-    string among the values (not the keys) appended to `strings`."""
+    string among them, keys included (a tool call's arguments are rendered with theirs), appended
+    to `strings`."""
     import numpy as np
 
     kind = type(value)
@@ -242,7 +266,11 @@ def _plain(value, strings: list):
     if value is None or kind in (int, float, bool):
         return value
     if isinstance(value, dict):
-        return {str(k): _plain(v, strings) for k, v in value.items()}
+        out = {}
+        for k, v in value.items():
+            strings.append(k := str(k))
+            out[k] = _plain(v, strings)
+        return out
     if isinstance(value, (list, tuple)):
         return [_plain(v, strings) for v in value]
     if isinstance(value, np.generic):
@@ -316,11 +344,11 @@ def render(compiled, messages: list, tools, strings: dict) -> tuple[str, list[tu
 
 
 def _mark(value, pattern: re.Pattern):
-    """Every special-token string inside a conversation's own strings wrapped in OPEN/CLOSE."""
+    """Every special-token string inside a conversation's own strings, keys included, wrapped in OPEN/CLOSE."""
     if isinstance(value, str):
         return pattern.sub(lambda m: OPEN + m.group(0) + CLOSE, value)
     if isinstance(value, dict):
-        return {k: _mark(v, pattern) for k, v in value.items()}
+        return {_mark(k, pattern): _mark(v, pattern) for k, v in value.items()}
     if isinstance(value, list):
         return [_mark(v, pattern) for v in value]
     return value
@@ -454,7 +482,7 @@ class ChatEncoder:
         import numpy as np
 
         self.spec, self._tok, self.L, self.dtype = spec, tok, seq_len, np.dtype(dtype)
-        self.compiled = compile_template(spec.template)
+        self.compiled = compile_template(spec.template, date=spec.date)
         self.strings = dict(spec.token_strings)
         if vocab is None:
             vocab = Vocabulary.of(self.tok.to_str()) if ids_fn is not None else Vocabulary.specials_of(self.tok)
@@ -521,6 +549,8 @@ class ChatEncoder:
         # One search over the strings joined by a character no special token holds: a token is
         # found in one of them, never across two.
         joined = self.joiner.join(strings)
+        if SURROGATE.search(joined):  # no UTF-8 holds it: the template's text could not be encoded
+            return "holds a lone surrogate (an unpaired \\ud800-\\udfff escape), which is not text"
         marked = self.special is not None and self.special.search(joined) is not None
         if marked and _NONCHAR.search(joined):
             return "holds U+FDD0/U+FDD1 beside a special-token string"

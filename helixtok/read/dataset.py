@@ -366,7 +366,9 @@ class MemmapChunkDataset(Dataset):
                    ranks_per_node: int | None = None, seed: int = 0, epoch: int = 0) -> dict:
         """What one epoch reads from object storage per node, before it runs (node 0's; the others
         differ by a block or two).  Block shuffle: the blocks of the node's share of the epoch, each
-        fetched once with one GET when cache_limit holds a few windows (8 x window x block_bytes;
+        fetched once with one GET when cache_limit holds a few windows (8 x window x block_bytes; the
+        windows the node's share starts and ends in are counted whole: their chunks are shuffled
+        among their blocks;
         a block's tail, the next block's first segment, is fetched again if evicted before that
         block is read: at most one segment a block more).  A global shuffle reads every block for
         every node: with a cache smaller than the data, a chunk whose segment was evicted costs a
@@ -389,6 +391,10 @@ class MemmapChunkDataset(Dataset):
         a, b = 0, min(share, self._len)
         first = int(np.searchsorted(order.cum, a, side="right")) - 1
         last = int(np.searchsorted(order.cum, b - 1, side="right")) - 1 if b > a else first - 1
+        # Whole windows: a window's chunks are shuffled among its blocks, so a share that ends inside
+        # one reads from every block of it (counting only the blocks its positions fall in was 2x short).
+        if last >= first:
+            first, last = first - first % window, min(len(order.perm) - 1, last - last % window + window - 1)
         picked = order.perm[first: last + 1]
         return {"shuffle": "block", "blocks": len(picked), "bytes": int(sizes[picked].sum()), "gets": len(picked),
                 "cache_needed": 8 * window * self.block_bytes, "estimate": False}
