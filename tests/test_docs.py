@@ -289,3 +289,18 @@ def test_scripts_import_only_what_helixtok_has():
                 module = importlib.import_module(node.module)
                 missing += [f"{path.name}: {node.module}.{a.name}" for a in node.names if not hasattr(module, a.name)]
     assert missing == []
+
+
+def test_docs_name_files_and_keys_that_exist():
+    """Issue 57.5: every docs/NAME.md the docs, the README or a command's help name exists, and every
+    trainable-token key the docs name is one the manifest or `helixtok stats --json` has."""
+    from helixtok.pipeline.unit import CHAT_COUNTS
+    from helixtok.read.stats import Stats
+
+    texts = {p: p.read_text() for p in [ROOT / "README.md", *(ROOT / "docs").glob("*.md"),
+                                         *(ROOT / "helixtok").rglob("*.py")]}
+    named = {(m, p.name) for p, t in texts.items() for m in re.findall(r"docs/([A-Za-z0-9_-]+\.md)", t)}
+    assert named and not [(m, where) for m, where in named if not (ROOT / "docs" / m).is_file()]
+    keys = set(Stats.__dataclass_fields__) | set(CHAT_COUNTS) | {"dropped_trainable_tokens"}
+    said = {k for p, t in texts.items() if p.suffix == ".md" for k in re.findall(r"`([a-z_]*trainable[a-z_]*)`", t)}
+    assert said and said <= keys, said - keys
