@@ -75,7 +75,7 @@ def main() -> None:
         os.makedirs(text_dir)
         with open(os.path.join(text_dir, "rendered.jsonl"), "w", encoding="utf-8") as fh:
             for c in convs:
-                fh.write(json.dumps({"text": render(enc.compiled, *conversation(c, "messages"), enc.strings)[0]},
+                fh.write(json.dumps({"text": render(enc.compiled, *conversation(c, "messages"), enc.variables)[0]},
                                     ensure_ascii=False) + "\n")
         runs = {
             "pretrain auto": [text_dir, os.path.join(work, "pa"), "-t", a.tokenizer, "--pack", "bestfit", *a.extra],
@@ -103,7 +103,7 @@ def main() -> None:
     # Stages, one core: render, the ids of the pieces, everything else encode() does.
     sample = convs[: min(len(convs), 4000)]
     t = time.perf_counter()
-    rendered = sum(len(render(enc.compiled, *conversation(c, "messages"), enc.strings)[0].encode()) for c in sample)
+    rendered = sum(len(render(enc.compiled, *conversation(c, "messages"), enc.variables)[0].encode()) for c in sample)
     t_render = time.perf_counter() - t
     pieces = [enc.pieces(c) for c in sample]
     t = time.perf_counter()

@@ -94,7 +94,8 @@ def llama_style_tokenizer(folder: Path, texts: list[str]) -> Path:
     return folder
 
 
-def _transformers_encode(folder: str, template: str, convs: list[dict], date: str = "") -> list[tuple[list, list]]:
+def _transformers_encode(folder: str, template: str, convs: list[dict], date: str = "",
+                         kwargs: dict | None = None) -> list[tuple[list, list]]:
     """The reference, in a child process: transformers' own ids and assistant masks (its
     strftime_now at `date`, 00:00:00, when given: the day a helixtok build pins)."""
     import datetime
@@ -117,13 +118,14 @@ def _transformers_encode(folder: str, template: str, convs: list[dict], date: st
     out = []
     for c in convs:
         r = tok.apply_chat_template(c["messages"], tools=c.get("tools"), chat_template=template, tokenize=True,
-                                    return_dict=True, return_assistant_tokens_mask=True)
+                                    return_dict=True, return_assistant_tokens_mask=True,
+                                    **{**(kwargs or {}), **c.get("chat_template_kwargs", {})})  # as TRL passes them
         out.append((list(r["input_ids"]), list(r["assistant_masks"])))
     return out
 
 
 def _ours(folder: Path, template: str, convs: list[dict], loss: str = "assistant", L: int = 1 << 20,
-          backend: str | None = None, date: str = ""):
+          backend: str | None = None, date: str = "", kwargs: str = ""):
     """helixtok's ids and masks: tokenizers' offsets, or (backend) that library's ids with byte offsets."""
     from tokenizers import Tokenizer
 
@@ -136,7 +138,8 @@ def _ours(folder: Path, template: str, convs: list[dict], loss: str = "assistant
         fh.write(template)
         fh.flush()
         spec = load_spec(str(folder / "tokenizer.json"), fh.name, "all", False, "messages")
-    spec = ChatSpec(template=template, loss=loss, field="messages", token_strings=spec.token_strings, date=date)
+    spec = ChatSpec(template=template, loss=loss, field="messages", token_strings=spec.token_strings, date=date,
+                    kwargs=kwargs)
     ids_fn = None
     if backend is not None:
         ids_fn, _, why = flat_encoder(backend, hold_bytes((folder / "tokenizer.json").read_bytes()), "text", None)
@@ -758,3 +761,55 @@ def test_a_lone_surrogate_in_a_conversation_is_a_counted_bad_row(tmp_path, llama
         "c.jsonl:2 (holds a lone surrogate (an unpaired \\ud800-\\udfff escape), which is not text)"]
     r = CliRunner().invoke(cli, [*args[:2], str(tmp_path / "strict"), *args[2:], "--strict"])
     assert r.exit_code == 1 and r.stderr.strip().splitlines()[-1].startswith("Error: c.jsonl:2 (holds a lone surrogate")
+
+
+@pytest.mark.parametrize("thinking", [False, True])
+def test_template_kwargs_for_the_build_and_per_row_are_transformers(thinking, dev_docs, apart):
+    """Issue 57.6: --chat-kwargs '{"enable_thinking": ...}' for the whole build, and a row's own
+    chat_template_kwargs (which win), reach the template as apply_chat_template(**kwargs) passes
+    them: Qwen3's ids and masks with thinking on and off equal transformers'."""
+    template = (TEMPLATES / "qwen3_training.jinja").read_text()
+    convs = [c for c in hand_conversations() if "tools" not in c][:6] + real_conversations(dev_docs, 12, seed=9)
+    for i, c in enumerate(convs[::3]):  # some rows say the opposite themselves
+        c["chat_template_kwargs"] = {"enable_thinking": not thinking}
+    kwargs = {"enable_thinking": thinking}
+    want = apart.submit(_transformers_encode, str(QWEN), template, convs, "", kwargs).result()
+    got = apart.submit(_ours, QWEN, template, convs, kwargs=json.dumps(kwargs)).result()
+    off = 0
+    for c, (ids, mask), g in zip(convs, want, got):
+        assert not isinstance(g, str) and g.ids.tolist() == ids and g.mask.tolist() == mask, c
+        off += "<think>\n\n</think>" in g.text
+    assert off > 0  # the switch changed what was rendered
+    with pytest.raises(ConfigError, match="--chat-kwargs may not set 'messages'"):
+        ChatSpec(template=template, kwargs='{"messages": []}')
+    with pytest.raises(ConfigError, match="--chat-kwargs must be a JSON object"):
+        ChatSpec(template=template, kwargs="[1]")
+
+
+def test_a_message_that_says_train_false_keeps_its_turn_out_of_the_loss(llama_dir, dev_docs):
+    """Issue 57.7: "train": false (or axolotl's "weight": 0) on an assistant message turns off exactly
+    that turn's span: the mask is the full mask less that span; the ids do not change; a row that
+    sets it where the template's spans do not pair with its assistant messages is refused (counted)."""
+    template = (TEMPLATES / "llama3_training.jinja").read_text()
+    convs = [c for c in real_conversations(dev_docs, 30, seed=4)
+             if sum(m["role"] == "assistant" for m in c["messages"]) >= 2][:8]
+    assert convs
+    full = _ours(llama_dir, template, convs)
+    for c, f in zip(convs, full):
+        c2 = json.loads(json.dumps(c))
+        turns = [m for m in c2["messages"] if m["role"] == "assistant"]
+        turns[0]["train"] = False
+        turns[-1]["weight"] = 0
+        g, = _ours(llama_dir, template, [c2])
+        assert g.ids.tolist() == f.ids.tolist()
+        starts = np.flatnonzero(np.diff(np.concatenate(([0], f.mask))) == 1)  # each trained run: one turn's
+        ends = np.flatnonzero(np.diff(np.concatenate((f.mask, [0]))) == -1) + 1
+        want = f.mask.copy()
+        for a, b in ((starts[0], ends[0]), (starts[-1], ends[-1])):
+            want[a:b] = 0
+        assert g.mask.tolist() == want.tolist()
+    odd = template + "{% generation %}and one more span{% endgeneration %}"  # not one span a turn
+    c = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "train": False}]}
+    got, = _ours(llama_dir, odd, [c])
+    assert got == "sets 'train': false on a message, but the template marked 2 spans for its 1 assistant messages: " \
+                  "which turn is which is unknown"

@@ -44,6 +44,9 @@ from .common import console, handle_errors, parse_size, print_summary
 @click.option("--truncate", is_flag=True,
               help="--chat: cut a conversation longer than --seq-len to its first --seq-len tokens [default: drop "
                    "it, counted].")
+@click.option("--chat-kwargs", default=None, metavar="JSON",
+              help="--chat: more variables for the template, as apply_chat_template(**kwargs) passes them, e.g. "
+                   "'{\"enable_thinking\": false}'; a row's own chat_template_kwargs object adds to them.")
 @click.option("--chat-date", default=None, metavar="YYYY-MM-DD",
               help="--chat: the day the template's strftime_now() renders (at 00:00:00) [default: the day this "
                    "OUT's build was first planned, kept by every resume and rerun].")
@@ -92,7 +95,7 @@ from .common import console, handle_errors, parse_size, print_summary
               help="Which partition [default: $SLURM_ARRAY_TASK_ID or $JOB_COMPLETION_INDEX].")
 @handle_errors
 def build(corpus, out, tokenizer, seq_len, packing, min_tail_len, text_field, chat, chat_template, loss, truncate,
-          chat_date, bos, eos_token, bos_token,
+          chat_kwargs, chat_date, bos, eos_token, bos_token,
           pad_token, val_fraction, split_seed, shard_size, unit_size, workers, overwrite, strict, quiet, as_json,
           stall_timeout, special_tokens, strip, backend, staging, executor, num_tasks, task_index, log_interval):
     """Tokenize CORPUS (files, folders, globs) into fixed-length token shards in OUT.
@@ -118,9 +121,10 @@ def build(corpus, out, tokenizer, seq_len, packing, min_tail_len, text_field, ch
         from ..pipeline.chat import load_spec
 
         spec = load_spec(resolve_tokenizer_path(tokenizer), chat_template, loss, truncate, text_field or "messages",
-                         date=chat_date or "")
-    elif chat_template or truncate or loss != "assistant" or chat_date:
-        raise click.UsageError("--chat-template, --loss, --truncate and --chat-date apply to --chat builds only")
+                         date=chat_date or "", kwargs=chat_kwargs or "")
+    elif chat_template or truncate or loss != "assistant" or chat_date or chat_kwargs:
+        raise click.UsageError("--chat-template, --loss, --truncate, --chat-kwargs and --chat-date apply to --chat "
+                               "builds only")
     cfg = BuildConfig(seq_len=seq_len, packing=packing, min_tail_len=min_tail_len, text_field=text_field, chat=spec,
                       add_bos=bos, eos_token=eos_token, bos_token=bos_token, pad_token=pad_token,
                       val_fraction=val_fraction, split_seed=split_seed, shard_bytes=shard_size,

@@ -49,17 +49,39 @@ class ChatSpec:
     # The day the template's strftime_now() renders (YYYY-MM-DD, at 00:00:00): part of the plan, so
     # the bytes do not follow the wall clock.  "": not chosen yet (the build pins it: builder.py).
     date: str = ""
+    # --chat-kwargs: more variables for the template (enable_thinking, ...), as JSON with sorted keys
+    # (a row's own `chat_template_kwargs` object adds to and overrides them).
+    kwargs: str = ""
 
     def __post_init__(self) -> None:
         if self.date:
             check_date(self.date)
+        if self.kwargs:
+            object.__setattr__(self, "kwargs", canonical_kwargs(self.kwargs))
 
     def to_json(self) -> dict:
         import hashlib
 
         return {"template_sha256": hashlib.sha256(self.template.encode()).hexdigest(), "loss": self.loss,
                 "truncate": self.truncate, "field": self.field, "token_strings": dict(self.token_strings),
-                "date": self.date}
+                "date": self.date, **({"kwargs": json.loads(self.kwargs)} if self.kwargs else {})}
+
+
+RESERVED = ("messages", "tools", "documents", "add_generation_prompt")  # what the build itself passes
+ROW_KWARGS = "chat_template_kwargs"  # a row's own template variables, as datasets ship them
+
+
+def canonical_kwargs(text: str) -> str:
+    """--chat-kwargs as given (a JSON object of template variables), in the form a plan compares."""
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise ConfigError(f"--chat-kwargs must be a JSON object, e.g. '{{\"enable_thinking\": false}}' ({e})") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"--chat-kwargs must be a JSON object, e.g. '{{\"enable_thinking\": false}}'; got {text!r}")
+    if bad := sorted(set(value) & set(RESERVED)):
+        raise ConfigError(f"--chat-kwargs may not set {bad[0]!r}: the build passes {', '.join(RESERVED)} itself")
+    return json.dumps(value, sort_keys=True, ensure_ascii=False)
 
 
 def check_date(date: str) -> str:
@@ -82,7 +104,7 @@ def _token_string(v) -> str | None:
 
 
 def load_spec(tokenizer: str, template_file: str | None, loss: str, truncate: bool, field_name: str,
-              date: str = "") -> ChatSpec:
+              date: str = "", kwargs: str = "") -> ChatSpec:
     """The template from --chat-template, else `chat_template` of the tokenizer_config.json beside
     the tokenizer; refused in one line when it has no `{% generation %}` span and --loss needs one."""
     folder = tokenizer if os.path.isdir(tokenizer) else os.path.dirname(os.path.abspath(tokenizer))
@@ -120,7 +142,7 @@ def load_spec(tokenizer: str, template_file: str | None, loss: str, truncate: bo
     strings = tuple(sorted((k, s) for k, v in config.items() if k.endswith("_token") and (s := _token_string(v))))
     compile_template(template, where)  # a syntax error is said now, once, not per worker
     return ChatSpec(template=template, loss=loss, truncate=truncate, field=field_name, token_strings=strings,
-                    date=check_date(date) if date else "")
+                    date=check_date(date) if date else "", kwargs=kwargs)
 
 
 # --------------------------------------------------------------------------- rendering
@@ -320,8 +342,9 @@ def conversation(record, field_name: str, strings: list | None = None) -> tuple[
     return out, tools or None
 
 
-def render(compiled, messages: list, tools, strings: dict) -> tuple[str, list[tuple[int, int]]]:
-    """The rendered conversation and its generation spans (character ranges), add_generation_prompt=False."""
+def render(compiled, messages: list, tools, variables: dict) -> tuple[str, list[tuple[int, int]]]:
+    """The rendered conversation and its generation spans (character ranges), add_generation_prompt=False;
+    `variables`: the tokenizer's *_token strings and the template kwargs, as transformers passes them."""
     blocks: list[str] = []
     spans: list[tuple[int, int]] = []
     pos = [0]
@@ -330,7 +353,7 @@ def render(compiled, messages: list, tools, strings: dict) -> tuple[str, list[tu
     env.deadline = deadline = time.monotonic() + limits.RENDER_SECONDS
     try:
         for b in compiled.generate(messages=messages, tools=tools, documents=None, add_generation_prompt=False,
-                                   **strings):
+                                   **variables):
             blocks.append(b)
             pos[0] += len(b)
             if pos[0] > limits.RENDER_CHARS:
@@ -483,7 +506,8 @@ class ChatEncoder:
 
         self.spec, self._tok, self.L, self.dtype = spec, tok, seq_len, np.dtype(dtype)
         self.compiled = compile_template(spec.template, date=spec.date)
-        self.strings = dict(spec.token_strings)
+        # transformers: the special tokens' strings, then the kwargs (which win)
+        self.variables = {**dict(spec.token_strings), **(json.loads(spec.kwargs) if spec.kwargs else {})}
         if vocab is None:
             vocab = Vocabulary.of(self.tok.to_str()) if ids_fn is not None else Vocabulary.specials_of(self.tok)
         specials = sorted(vocab.specials, key=len, reverse=True)
@@ -546,6 +570,13 @@ class ChatEncoder:
         if isinstance(conv, str):
             return conv
         messages, tools = conv
+        row = record.get(ROW_KWARGS) if isinstance(record, dict) else None
+        if row is not None:
+            row = _plain(row, strings)
+            if not isinstance(row, dict):
+                return f"{ROW_KWARGS!r} is not an object"
+            if bad := sorted(set(row) & set(RESERVED)):
+                return f"{ROW_KWARGS!r} sets {bad[0]!r}, which the build passes itself"
         # One search over the strings joined by a character no special token holds: a token is
         # found in one of them, never across two.
         joined = self.joiner.join(strings)
@@ -556,14 +587,24 @@ class ChatEncoder:
             return "holds U+FDD0/U+FDD1 beside a special-token string"
         if marked:
             messages, tools = _mark(messages, self.special), _mark(tools, self.special)
+            row = _mark(row, self.special)
         try:
-            text, spans = render(self.compiled, messages, tools, self.strings)
+            text, spans = render(self.compiled, messages, tools, {**self.variables, **row} if row else self.variables)
         except RenderBound as e:
             return f"the template's rendering was stopped: {e}"
         except jinja2.TemplateError as e:
             return f"the template refused it: {str(e).splitlines()[0][:120] if str(e) else type(e).__name__}"
         except (TypeError, ValueError, KeyError, AttributeError, IndexError, RecursionError) as e:
             return f"the template failed on it: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+        # Turns a row says not to train (axolotl's and open-instruct's field): their spans dropped,
+        # span k being assistant message k -- only where the template gave one span each.
+        assistants = [m for m in messages if m.get("role") == "assistant"]
+        off = {k for k, m in enumerate(assistants) if m.get("train") is False or m.get("weight") == 0}
+        if off and len(spans) != len(assistants):
+            return (f"sets 'train': false on a message, but the template marked {len(spans)} spans for its "
+                    f"{len(assistants)} assistant messages: which turn is which is unknown")
+        if off:
+            spans = [s for k, s in enumerate(spans) if k not in off]
         if marked:
             return _unmark(text, spans)
         return text, spans, []
