@@ -275,7 +275,8 @@ def test_chat_build_stores_each_conversation_as_encoded_alone(chat_build, llama_
     c = m["splits"]["train"]["chat"]
     assert c == {"conversations": len(kept), "truncated": 0,
                  "dropped_too_long": sum(len(e.ids) > 512 for e in want), "no_trainable": 1,
-                 "trainable_tokens": sum(int(e.mask.sum()) for e in kept), "dropped_trainable_tokens": 0}
+                 "trainable_tokens": sum(int(e.mask.sum()) for e in kept), "dropped_trainable_tokens": 0,
+                 "truncated_turns": 0}
     assert c["dropped_too_long"] > 0
     # Gathered back from the chunks a DataLoader gets (cut where position ids restart, padding
     # left out): every conversation, its ids and (from the labels) its mask.
@@ -813,3 +814,38 @@ def test_a_message_that_says_train_false_keeps_its_turn_out_of_the_loss(llama_di
     got, = _ours(llama_dir, odd, [c])
     assert got == "sets 'train': false on a message, but the template marked 2 spans for its 1 assistant messages: " \
                   "which turn is which is unknown"
+
+
+def test_truncate_turns_keeps_the_newest_exchanges_that_fit(tmp_path, llama_dir, dev_docs):
+    """Issue 57.8: --truncate turns drops a too-long conversation's earliest user/assistant exchanges
+    (never its system message) until the template's own rendering fits: the stored ids are those of
+    the fewest exchanges dropped that fit; counted as truncated_turns; one that cannot fit even with
+    its last exchange alone is dropped, counted."""
+    template = (TEMPLATES / "llama3_training.jinja").read_text()
+    rng = np.random.default_rng(0)
+    paras = [p for t in dev_docs for p in t.split("\n\n") if 40 < len(p) < 400]
+    msgs = [{"role": "system", "content": "be brief"}]
+    for k in range(8):
+        msgs += [{"role": "user", "content": f"q{k} " + paras[rng.integers(len(paras))]},
+                 {"role": "assistant", "content": f"a{k} " + paras[rng.integers(len(paras))]}]
+    conv = {"messages": msgs}
+    whole, = _ours(llama_dir, template, [conv])
+    tail = [_ours(llama_dir, template, [{"messages": msgs[:1] + msgs[1 + 2 * d:]}])[0] for d in range(8)]
+    L = (len(tail[3].ids) + len(tail[2].ids)) // 2  # dropping 3 exchanges fits, 2 does not
+    assert len(tail[3].ids) <= L < len(tail[2].ids) <= len(whole.ids)
+    spec = load_spec(str(llama_dir / "tokenizer.json"), None, "assistant", "turns", "messages")
+    from tokenizers import Tokenizer
+
+    enc = ChatEncoder(spec, Tokenizer.from_file(str(llama_dir / "tokenizer.json")), L, np.uint32)
+    got = enc.encode(conv)
+    assert got.dropped_turns == 3 and got.ids.tolist() == tail[3].ids.tolist() and got.mask.tolist() == \
+        tail[3].mask.tolist() and got.text == whole.text
+    tiny = ChatEncoder(spec, Tokenizer.from_file(str(llama_dir / "tokenizer.json")), 20, np.uint32)
+    assert tiny.encode(conv).too_long
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text(json.dumps(conv) + "\n" + json.dumps({"messages": msgs[:3]}) + "\n")
+    r = CliRunner().invoke(cli, ["build", str(corpus), str(tmp_path / "out"), "-t", str(llama_dir / "tokenizer.json"),
+                                 "-L", str(L), "--chat", "--truncate", "turns", "-q", "--json"])
+    assert r.exit_code == 0, r.output
+    c = json.loads((tmp_path / "out" / "manifest.json").read_text())["splits"]["train"]["chat"]
+    assert c["conversations"] == 2 and c["truncated_turns"] == 1 and c["truncated"] == 0

@@ -41,9 +41,10 @@ from .common import console, handle_errors, parse_size, print_summary
 @click.option("--loss", type=click.Choice(["assistant", "all", "last"]), default="assistant", show_default=True,
               help="--chat: which tokens train: the template's {% generation %} spans (assistant), every token, or "
                    "the last assistant turn.")
-@click.option("--truncate", is_flag=True,
-              help="--chat: cut a conversation longer than --seq-len to its first --seq-len tokens [default: drop "
-                   "it, counted].")
+@click.option("--truncate", type=click.Choice(["tokens", "turns"]), is_flag=False, flag_value="tokens", default=None,
+              help="--chat: a conversation longer than --seq-len is cut to its first --seq-len tokens (--truncate, "
+                   "--truncate tokens), or loses its earliest user/assistant exchanges until it fits, the system "
+                   "message kept (--truncate turns) [default: drop it, counted].")
 @click.option("--chat-kwargs", default=None, metavar="JSON",
               help="--chat: more variables for the template, as apply_chat_template(**kwargs) passes them, e.g. "
                    "'{\"enable_thinking\": false}'; a row's own chat_template_kwargs object adds to them.")
@@ -120,7 +121,8 @@ def build(corpus, out, tokenizer, seq_len, packing, min_tail_len, text_field, ch
         from ..format.tokenizer_file import resolve_tokenizer_path
         from ..pipeline.chat import load_spec
 
-        spec = load_spec(resolve_tokenizer_path(tokenizer), chat_template, loss, truncate, text_field or "messages",
+        spec = load_spec(resolve_tokenizer_path(tokenizer), chat_template, loss,
+                         {None: False, "tokens": True}.get(truncate, truncate), text_field or "messages",
                          date=chat_date or "", kwargs=chat_kwargs or "")
     elif chat_template or truncate or loss != "assistant" or chat_date or chat_kwargs:
         raise click.UsageError("--chat-template, --loss, --truncate, --chat-kwargs and --chat-date apply to --chat "

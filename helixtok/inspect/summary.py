@@ -72,7 +72,8 @@ def _chat_alerts(m: dict) -> list[str]:
     if c["dropped_too_long"]:
         out.append(f"{c['dropped_too_long']:,} of {seen:,} conversations ({_share(c['dropped_too_long'], seen):.1%}) "
                    f"are longer than --seq-len {m['seq_len']} tokens and were dropped: --truncate keeps their first "
-                   f"{m['seq_len']} tokens, a larger --seq-len keeps them whole")
+                   f"{m['seq_len']} tokens, --truncate turns their latest exchanges that fit, a larger --seq-len keeps "
+                   "them whole")
     if c["no_trainable"]:
         out.append(f"{c['no_trainable']:,} conversations have no token to train on under --loss {m['chat']['loss']} "
                    "(no assistant turn the template marks, or all of it cut by --truncate) and were dropped")
@@ -128,7 +129,9 @@ def lines(s: dict, *, elapsed: float | None = None, reused: int = 0, units: int 
         c = s["chat"]
         out.append(f"chat: {c['conversations']:,} conversations, {c['trainable_tokens']:,} tokens to train on "
                    f"({_share(c['trainable_tokens'], s['tokens']):.1%} of tokens)"
-                   + (f", {c['truncated']:,} cut to --seq-len" if c["truncated"] else ""))
+                   + (f", {c['truncated']:,} cut to --seq-len" if c["truncated"] else "")
+                   + (f", {c['truncated_turns']:,} lost their earliest exchanges to fit" if c.get("truncated_turns")
+                      else ""))
     if reused:
         out.append(f"resumed: {reused:,} of {units:,} work units reused from an interrupted run")
     if len(s["sources"]) > 1:

@@ -42,7 +42,7 @@ class ChatSpec:
 
     template: str
     loss: str = "assistant"
-    truncate: bool = False
+    truncate: bool | str = False  # True: cut at seq_len tokens; "turns": drop the earliest exchanges
     field: str = "messages"
     # The tokenizer's special-token strings a template may use (bos_token, eos_token, ...).
     token_strings: tuple[tuple[str, str], ...] = ()
@@ -103,7 +103,7 @@ def _token_string(v) -> str | None:
     return None
 
 
-def load_spec(tokenizer: str, template_file: str | None, loss: str, truncate: bool, field_name: str,
+def load_spec(tokenizer: str, template_file: str | None, loss: str, truncate: bool | str, field_name: str,
               date: str = "", kwargs: str = "") -> ChatSpec:
     """The template from --chat-template, else `chat_template` of the tokenizer_config.json beside
     the tokenizer; refused in one line when it has no `{% generation %}` span and --loss needs one."""
@@ -433,6 +433,7 @@ class Encoded:
     mask: object  # np.ndarray of uint8
     text: str  # the rendered conversation (its UTF-8 decides the val split)
     truncated: bool = False  # cut to seq_len (--truncate)
+    dropped_turns: int = 0  # earliest exchanges dropped to fit (--truncate turns)
     too_long: bool = False  # longer than seq_len and not cut: the caller drops it, counted
 
 
@@ -525,7 +526,47 @@ class ChatEncoder:
         return self._tok
 
     def encode(self, record) -> Encoded | str:
-        """One row: its ids and mask, or why it is not a conversation (a reason the caller counts)."""
+        """One row: its ids and mask, or why it is not a conversation (a reason the caller counts).
+        Longer than seq_len: dropped (too_long); --truncate: cut to its first seq_len tokens;
+        --truncate turns: its earliest exchanges dropped until it fits (turns())."""
+        got = self._encoded(record)
+        if isinstance(got, str):
+            return got
+        ids, mask, text = got
+        if len(ids) > self.L:
+            if self.spec.truncate == "turns":
+                return self.turns(record, text) or Encoded(ids, mask, text, too_long=True)
+            if not self.spec.truncate:
+                return Encoded(ids, mask, text, too_long=True)
+            return Encoded(ids[: self.L].astype(self.dtype), mask[: self.L], text, truncated=True)
+        return Encoded(ids.astype(self.dtype), mask, text)
+
+    def turns(self, record: dict, text: str) -> Encoded | None:
+        """The conversation less its fewest earliest exchanges (a user message and what follows it up
+        to the next; system messages before the first stay) that fits in seq_len, each candidate
+        rendered by the template itself (found by bisection: fewer exchanges never render longer),
+        keeping at least its last exchange; None when even that does not fit.  `text`: the whole
+        conversation's rendering (its split is the whole conversation's)."""
+        msgs = record[self.spec.field]
+        starts = [i for i, m in enumerate(msgs) if isinstance(m, dict) and m.get("role") == "user"]
+        if len(starts) < 2:
+            return None
+        head = [m for m in msgs[: starts[0]] if isinstance(m, dict) and m.get("role") == "system"]
+        lo, hi, best = 1, len(starts) - 1, None  # exchanges dropped
+        while lo <= hi:
+            d = (lo + hi) // 2
+            got = self._encoded({**record, self.spec.field: head + list(msgs[starts[d]:])})
+            if not isinstance(got, str) and len(got[0]) <= self.L:
+                best, hi = (d, got), d - 1
+            else:
+                lo = d + 1
+        if best is None:
+            return None
+        d, (ids, mask, _) = best
+        return Encoded(ids.astype(self.dtype), mask, text, dropped_turns=d)
+
+    def _encoded(self, record) -> tuple | str:
+        """(ids, mask, rendered text) of a row, whatever their length, or why it is not a conversation."""
         import numpy as np
 
         got = self.rendered(record)
@@ -542,11 +583,7 @@ class ChatEncoder:
                 enc = self.tok.encode(text, add_special_tokens=False)
                 ids, offsets = np.asarray(enc.ids, np.int64), np.asarray(enc.offsets, np.int64).reshape(-1, 2)
             mask = loss_mask(offsets, spans, self.spec.loss)
-        if len(ids) > self.L:
-            if not self.spec.truncate:
-                return Encoded(ids, mask, text, too_long=True)
-            return Encoded(ids[: self.L].astype(self.dtype), mask[: self.L], text, truncated=True)
-        return Encoded(ids.astype(self.dtype), mask, text)
+        return ids, mask, text
 
     def pieces(self, record) -> list[str]:
         """The text a row's ids are made from, between the template's special tokens (what the

@@ -112,7 +112,7 @@ def end_worker() -> None:
 # A chat build's counts per split (docs/format.md): conversations kept, cut to --seq-len
 # (--truncate), longer than --seq-len and dropped, with no token to train on (dropped), and the
 # tokens that train.
-CHAT_COUNTS = ("conversations", "truncated", "dropped_too_long", "no_trainable", "trainable_tokens")
+CHAT_COUNTS = ("conversations", "truncated", "truncated_turns", "dropped_too_long", "no_trainable", "trainable_tokens")
 
 
 def _chat_encoder(w: Worker, info: TokenizerInfo):
@@ -374,6 +374,7 @@ def _run_unit(unit: Unit, info: TokenizerInfo, where: tuple[int, int] | None) ->
                 continue
             c["conversations"] += 1
             c["truncated"] += got.truncated
+            c["truncated_turns"] += got.dropped_turns > 0
             c["trainable_tokens"] += trainable
             nb = utf8_len(got.text)
             text_bytes[s] += nb
