@@ -495,3 +495,42 @@ def test_the_mask_of_tokens_in_order_is_transformers_rule(steps, spans, loss):
     for a, b in (spans[-1:] if loss == "last" else spans):
         want[(offsets[:, 1] > a) & (offsets[:, 0] < b)] = 1
     assert loss_mask(offsets, spans, loss).tolist() == want.tolist()
+
+
+@pytest.mark.parametrize("kind", ["text", "chat"])
+def test_packed_data_read_at_another_seq_len_is_a_build_at_it(tmp_path, kinds, tokenizer_path, kind):
+    """Issue 56.2: MemmapChunkDataset(out, seq_len=L) over a packed build of another length gives the
+    items and len() of a packed text build at L, and `helixtok stats --seq-len L` says so exactly; a
+    chat build is its stream cut at L (the conversations its own length dropped stay dropped), with
+    the trainable tokens stats gives what the labels hold; other packings are refused."""
+    from click.testing import CliRunner
+
+    from helixtok import MemmapChunkDataset
+    from helixtok.cli import main
+    from helixtok.format.errors import DatasetError
+
+    corpus, chat = kinds[kind]
+    tok = chat[0] if chat else tokenizer_path
+    cfg = dict(packing="packed", workers=1, unit_bytes=8 << 10, shard_bytes=16 << 10, chat=chat[1] if chat else None)
+    built = 600 if chat else 96  # most conversations fit in 600
+    build([corpus], str(tmp_path / "at96"), tok, BuildConfig(seq_len=built, **cfg))
+    for L in (40, 257):
+        got = MemmapChunkDataset(str(tmp_path / "at96"), seq_len=L)
+        r = CliRunner().invoke(main, ["stats", str(tmp_path / "at96"), "--seq-len", str(L), "--json"])
+        assert r.exit_code == 0 and json.loads(r.stdout)["chunks"] == len(got) > 10 and got.seq_len == L
+        if not chat:
+            build([corpus], str(tmp_path / f"at{L}"), tok, BuildConfig(seq_len=L, **cfg))
+            ref = MemmapChunkDataset(str(tmp_path / f"at{L}"))
+            assert len(got) == len(ref)
+            for i in [*range(0, len(ref), 5), len(ref) - 1]:
+                a, b = ref[i], got[i]
+                assert all(np.array_equal(a[k], b[k]) for k in a), (L, i)
+            want = CliRunner().invoke(main, ["stats", str(tmp_path / f"at{L}"), "--json"])
+            assert json.loads(r.stdout) == json.loads(want.stdout)
+        else:
+            trained = sum(int((got[i]["labels"] != -100).sum()) for i in range(len(got)))
+            assert json.loads(r.stdout)["trainable_tokens_per_epoch"] == trained
+    build([corpus], str(tmp_path / "bf"), tok, BuildConfig(seq_len=built, **{**cfg, "packing": "bestfit"}))
+    with pytest.raises(DatasetError, match=f"a bestfit-packed dataset holds chunks placed for seq_len {built}; "
+                                           "reading it at 40 needs a packed build"):
+        MemmapChunkDataset(str(tmp_path / "bf"), seq_len=40)

@@ -129,15 +129,19 @@ def info(out, as_json, html_file):
               help="Shorthand: sets both --sampler-drop-last and --loader-drop-last.")
 @click.option("--warmup-ratio", type=click.FloatRange(0, 1), default=0.0, show_default=True,
               help="Share of optimizer steps for LR warmup (rounded up).")
+@click.option("--seq-len", "-L", type=click.IntRange(min=1), default=None,
+              help="Packed data: count chunks of this length, as MemmapChunkDataset(out, seq_len=L) reads them "
+                   "[default: the build's].")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @handle_errors
 def stats(out, mixture_file, split, batch_size, grad_accum, world_size, epochs, sampler_drop_last, loader_drop_last,
-          drop_last, warmup_ratio, as_json):
+          drop_last, warmup_ratio, seq_len, as_json):
     """Exact chunk, batch and optimizer-step counts for a training run over OUT (or a mixture).
 
     \b
     Example:
       helixtok stats out/ -b 16 -g 4 -w 8 --epochs 2 --warmup-ratio 0.01 --json
+      helixtok stats out/ -b 16 --seq-len 4096     # packed data read at another length
       helixtok stats --mixture mix.yaml -b 16 -g 4 -w 8
     """
     from ..format.errors import ConfigError
@@ -150,7 +154,7 @@ def stats(out, mixture_file, split, batch_size, grad_accum, world_size, epochs, 
 
     st = stats_for(out, split=split, batch_size=batch_size or 1, grad_accum=grad_accum, world_size=world_size,
                    epochs=epochs, drop_last=drop_last, sampler_drop_last=sampler_drop_last,
-                   loader_drop_last=loader_drop_last, warmup_ratio=warmup_ratio)
+                   loader_drop_last=loader_drop_last, warmup_ratio=warmup_ratio, seq_len=seq_len)
     if as_json:
         click.echo(json.dumps(st.to_json()))
         return

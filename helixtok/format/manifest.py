@@ -300,6 +300,24 @@ def split_entry(m: dict, split: str, where: str) -> dict:
     return m["splits"][split]
 
 
+def read_seq_len(m: dict, s: dict, seq_len: int | None, where: str) -> tuple[int, int]:
+    """(seq_len, chunks) a reader cuts split entry `s` into: the build's, or another `seq_len` for
+    packed data -- its shards are one stream, cut every seq_len tokens from its start, so any
+    length is exact (the stream's last partial chunk dropped, as the build drops its own) and a
+    text build read at L is a build at L (a chat build's conversations longer than its own length
+    stay dropped).  The other packings placed their chunks at the build's length: refused."""
+    built = int(m["seq_len"])
+    if seq_len is None or seq_len == built:
+        return built, int(s["num_chunks"])
+    if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 1:
+        raise DatasetError(f"seq_len must be a positive whole number, got {seq_len!r}")
+    if m["packing"] != "packed":
+        raise DatasetError(f"{where}: a {m['packing']}-packed dataset holds chunks placed for seq_len {built}; "
+                           f"reading it at {seq_len} needs a packed build (or build again with -L {seq_len})")
+    stream = sum(shard_tokens(e, built) for e in s["shards"])
+    return seq_len, stream // seq_len
+
+
 def check_small_file(path: str, data, sha: str | None) -> None:
     """The small files that say where chunks and documents lie (a bestfit index, the .docs and .valid
     sidecars) are hashed as a reader first reads them: a damaged one would give wrong chunks or masks

@@ -18,8 +18,8 @@ from torch.utils.data import Dataset  # noqa: E402
 
 from ..format.bestfit import CHUNK_DTYPE, ITEM_DTYPE, doc_spans, load_index
 from ..format.errors import DatasetError
-from ..format.manifest import (DTYPES, INDEX_FILES, MANIFEST, SIDES, check_small_file, load_manifest, shard_tokens,
-                               sides_of, split_entry, split_files)
+from ..format.manifest import (DTYPES, INDEX_FILES, MANIFEST, SIDES, check_small_file, load_manifest, read_seq_len,
+                               shard_tokens, sides_of, split_entry, split_files)
 from ..format.objstore import READ_STALL_SECONDS, filesystem, is_url, redact, stall_bound
 from ..format.shards import DOCS_DTYPE, MASK_DTYPE, VALID_DTYPE
 from .blockcache import DEFAULT_BLOCK_BYTES, BlockArray, BlockCache, parse_limit, plan_blocks
@@ -107,6 +107,10 @@ class MemmapChunkDataset(Dataset):
 
     A chat build (`build --chat`): labels are -100 wherever its mask says a token does not train.
 
+    seq_len (packed data): read the stream in chunks of another length than the build's -- a
+    sequence-length curriculum without tokenizing again; len() is exact (the stream's tokens //
+    seq_len), the items are a packed build's at that length.
+
     path may be a URL (a dataset `push`ed to object storage) with cache_dir: the ids are read in
     place through a node-local cache of at most cache_limit bytes (blockcache.py), in blocks of
     block_bytes; ChunkSampler(shuffle="block") is the order that reads each block once an epoch
@@ -119,7 +123,8 @@ class MemmapChunkDataset(Dataset):
                  shifted: bool = False, position_ids: bool = False, document_masking: bool = False,
                  fields: Sequence[str] = FIELDS, repack: bool = False, seed: int = 0,
                  cache_dir: str | None = None, cache_limit: int | str | None = None,
-                 block_bytes: int | str = DEFAULT_BLOCK_BYTES, stall_timeout: float = READ_STALL_SECONDS):
+                 block_bytes: int | str = DEFAULT_BLOCK_BYTES, stall_timeout: float = READ_STALL_SECONDS,
+                 seq_len: int | None = None):
         self.path = os.fspath(path)
         if not stall_timeout > 0:
             raise DatasetError(f"stall_timeout must be positive seconds, got {stall_timeout!r}")
@@ -146,8 +151,9 @@ class MemmapChunkDataset(Dataset):
         s = split_entry(m, split, self.path)
         # What the dataset is, whatever folder it is in: a mixture's checkpoint records it (identity()).
         self.manifest_sha256 = hashlib.sha256(json.dumps(m, sort_keys=True).encode()).hexdigest()
-        self.seq_len = int(m["seq_len"])
+        built = int(m["seq_len"])
         self.packing = m["packing"]
+        self.seq_len, chunks = read_seq_len(m, s, seq_len, self.path)
         self.dtype = np.dtype(DTYPES[m["dtype"]])
         self.pad_id = int(m["tokenizer"]["pad_id"])
         self.eos_id = int(m["tokenizer"]["eos_id"])
@@ -178,11 +184,11 @@ class MemmapChunkDataset(Dataset):
         self.position_ids = position_ids or document_masking
         if tokenizer is not None:
             self._check_tokenizer(tokenizer)
-        self._shards = [(os.path.join(self.path, e["path"]), shard_tokens(e, self.seq_len), e) for e in s["shards"]]
+        self._shards = [(os.path.join(self.path, e["path"]), shard_tokens(e, built), e) for e in s["shards"]]
         self._index_paths = {k: os.path.join(self.path, s["index"][k]["path"]) for k in INDEX_FILES} \
             if self.packing == "bestfit" else {}
         self._index_entry = s.get("index") if self._index_paths else None  # its manifest entry
-        self._len = int(s["num_chunks"])
+        self._len = chunks
         # Object storage: the token bytes in blocks (blockcache.py), each checked by the segments'
         # digests the build recorded; the small files fetched whole and checked by their sha256.
         self.block_bytes = parse_bytes(block_bytes)
