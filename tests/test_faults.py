@@ -679,6 +679,11 @@ def test_ctrl_c_at_any_moment_is_one_line(tmp_path, small_corpus, small_tok):
                 # A shell reports 130 for both; the cause (strace: Python kills itself with SIGINT,
                 # as for a KeyboardInterrupt that reached the top) is not found yet.
                 continue
+            if code == 130 and err == "\ninterrupted before anything started\n":
+                # On a loaded machine the signal can land while Python still imports the command
+                # line (cli/entry.py): nothing was started, nothing written; the documented line.
+                assert not out.exists()
+                continue
             if code in (0, -signal.SIGINT):
                 # Finished; or finished and then ended by the signal while the interpreter shut down
                 # (Python restores the default handler then): the dataset is whole either way.

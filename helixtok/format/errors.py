@@ -94,6 +94,8 @@ _KEYWORDS = {
     "--text-field": "text_field", "--strict": "strict=True", "--eos-token": "eos_token",
     "--bos-token": "bos_token", "--pad-token": "pad_token", "--no-bos": "add_bos=False", "--bos": "add_bos=True",
     "--staging": "staging", "--strip": "strip=True", "--num-tasks": "task=(k, n)", "--task-index": "task=(k, n)",
+    "--chat-template": "chat_template", "--chat-kwargs": "chat_kwargs", "--chat-date": "chat_date",
+    "--truncate": "truncate", "--loss": "loss", "--chat": "chat=True",
 }
 
 

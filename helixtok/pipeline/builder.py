@@ -70,6 +70,8 @@ def build(corpus, out: str, tokenizer: str, config: BuildConfig | None = None, *
     (see merge.py).  Holds an exclusive lock on `out` throughout: a second build into it fails at
     once.  An `out` URL is built in a local staging folder first, then uploaded, its manifest
     last (publish.py).  Several threads of one program may build at once (into different folders).
+    A chat build: chat=True, with chat_template="x.jinja", loss="assistant"|"last"|"all",
+    truncate=True|"turns", chat_kwargs={...}, chat_date="YYYY-MM-DD" as the command line's options.
 
     Example: helixtok.build("corpus/", "out/", "tokenizer.json", seq_len=2048, val_fraction=0.01)
     """
@@ -81,7 +83,12 @@ def build(corpus, out: str, tokenizer: str, config: BuildConfig | None = None, *
         raise python_terms(e) from e.__cause__
 
 
+# A chat build's choices as build() keywords (the command line's --chat-template, --loss, ...).
+CHAT_KEYWORDS = {"chat_template": None, "loss": "assistant", "truncate": False, "chat_kwargs": "", "chat_date": ""}
+
+
 def _build(corpus, out, tokenizer, config, overwrite, on_progress, task, staging, remote, options) -> "Built":
+    chat_kw = {k: options.pop(k) for k in list(options) if k in CHAT_KEYWORDS}
     unknown = sorted(set(options) - set(BuildConfig.__dataclass_fields__))
     if unknown:
         import difflib
@@ -89,13 +96,19 @@ def _build(corpus, out, tokenizer, config, overwrite, on_progress, task, staging
         near = difflib.get_close_matches(unknown[0], list(BuildConfig.__dataclass_fields__), n=1, cutoff=0.5)
         raise ConfigError(f"helixtok.build got an unknown keyword {unknown[0]!r}"
                           + (f" (did you mean {near[0]!r}?)" if near else "")
-                          + f"; its options: {', '.join(sorted(BuildConfig.__dataclass_fields__))}")
+                          + f"; its options: {', '.join(sorted([*BuildConfig.__dataclass_fields__, *CHAT_KEYWORDS]))}")
     config = dataclasses.replace(config, **options) if config is not None else BuildConfig(**options)
-    if config.chat is True:  # the template beside the tokenizer, every assistant turn trained
+    if chat_kw and config.chat is not True:
+        raise ConfigError(f"{', '.join(chat_kw)} apply to chat=True builds only"
+                          + ("; give them instead of a ChatSpec" if config.chat is not None else ""))
+    if config.chat is True:  # the template beside the tokenizer (or chat_template=), as the command line does
         from .chat import load_spec
 
-        config = dataclasses.replace(config, chat=load_spec(resolve_tokenizer_path(tokenizer), None, "assistant",
-                                                            False, config.text_field))
+        kw = {**CHAT_KEYWORDS, **chat_kw}
+        config = dataclasses.replace(config, chat=load_spec(
+            resolve_tokenizer_path(tokenizer), kw["chat_template"], kw["loss"],
+            {"tokens": True}.get(kw["truncate"], kw["truncate"]), config.text_field, date=kw["chat_date"],
+            kwargs=kw["chat_kwargs"] if isinstance(kw["chat_kwargs"], str) else json.dumps(kw["chat_kwargs"])))
     if config.ray_address is not None:
         from .rayexec import check_cluster
 
