@@ -52,13 +52,24 @@ def _ours(mark: str, home: str) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
+def nodes(tmp_path_factory):
     """`ray start --head` and `ray start --address` as a user runs them: two nodes, one CPU each,
     isolated from anything else on the machine: their own temp folder and ports, token
     authentication off and a HOME of their own (a ~/.ray/auth_token that another Ray left made the
-    second node fail to join), and stopped by killing their own processes only."""
+    second node fail to join), and stopped by killing their own processes only: (address, kill)."""
+    with _two_nodes(str(tmp_path_factory.mktemp("ray"))) as got:
+        yield got
+
+
+@pytest.fixture(scope="module")
+def cluster(nodes):
+    return nodes[0]
+
+
+@contextlib.contextmanager
+def _two_nodes(tmp: str):
+    """The cluster of `cluster`, in the folder `tmp`: yields (address, a function that kills it)."""
     port = _free_port()
-    tmp = str(tmp_path_factory.mktemp("ray"))
     mark = os.path.basename(tmp)
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled", "HOME": tmp, MARK: mark}
     common = ["--num-cpus", "1", "--disable-usage-stats"]
@@ -83,7 +94,12 @@ def cluster(tmp_path_factory):
                 code, why = ended(start("--address", f"127.0.0.1:{port}"))
             if code != 0:
                 pytest.skip(f"a local Ray cluster could not start here: {why}")
-        yield f"127.0.0.1:{port}"
+
+        def kill() -> None:
+            for pid in _ours(mark, tmp):
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
+        yield f"127.0.0.1:{port}", kill
     finally:
         for pid in _ours(mark, tmp):
             with contextlib.suppress(OSError):
@@ -339,3 +355,22 @@ def test_ray_without_an_address_starts_a_local_cluster_for_the_build(tmp_path, d
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
         shutil.rmtree(short, ignore_errors=True)
+
+
+def test_zz_a_cluster_that_goes_away_mid_build_is_one_helixtok_line(tmp_path, dev_corpus, tokenizer_path, nodes):
+    """Issue 62.10c: the whole cluster killed while a build runs on it: the command ends within
+    --stall-timeout with helixtok's one line (before: exit 1 with only Ray's C++ lines, several a
+    second, "Failed to push error to driver"), nothing published, and no Ray line on stderr.
+    (The module's cluster, killed: this test is the module's last, by its place and name.)"""
+    address, kill = nodes
+    p = _cli(dev_corpus / "txt", tmp_path / "o", tokenizer_path, address, "--stall-timeout", "3", "--unit-size", "64KiB")
+    t = time.time()
+    while not glob.glob(str(tmp_path / "o" / STATE / "u*.done.json")) and p.poll() is None and time.time() - t < 120:
+        time.sleep(0.02)  # until units are done on the cluster
+    assert p.poll() is None
+    kill()
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 1 and len(err.splitlines()) == 1, err
+    assert re.fullmatch(r"Error: (no answer from the Ray cluster's stall watch for 3 s|.*failed on the Ray cluster).*"
+                        r"rerun the same command to resume\n", err), err
+    assert not (tmp_path / "o" / "manifest.json").exists()

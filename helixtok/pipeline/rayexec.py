@@ -160,6 +160,11 @@ def _connect(ray, address: str | None, stall: float, log: str) -> threading.Even
     level = quiet.level
     quiet.setLevel(logging.ERROR)
     keep = os.environ.get("HELIXTOK_RAY_LOGS") == "1"
+    if not keep:
+        # Past the connect, Ray's C++ core worker in this process logs each failure of a cluster that
+        # went away ("Failed to push error to driver ...", several a second) straight to fd 2: only
+        # its fatal ones are kept, so the build's own line says what happened.
+        os.environ.setdefault("RAY_BACKEND_LOG_LEVEL", "fatal")
     saved = None if keep else os.dup(2)
     try:
         if saved is not None:
