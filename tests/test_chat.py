@@ -856,7 +856,7 @@ def test_a_chat_build_from_python_takes_the_command_lines_choices_as_keywords(tm
     chat_date=) builds what the command line's --chat options build; its errors name keywords."""
     import helixtok
 
-    convs = real_conversations(dev_docs, 20, seed=6)
+    convs = real_conversations(dev_docs, 8, seed=6)
     corpus = tmp_path / "c.jsonl"
     corpus.write_text("".join(json.dumps(c) + "\n" for c in convs))
     tmpl = tmp_path / "t.jinja"

@@ -23,7 +23,7 @@ from helixtok.format import limits
 from helixtok.pipeline.builder import STATE, build
 from helixtok.pipeline.config import BuildConfig
 
-LOWERED = dict(HOLD_BYTES=3000, SPLIT_BYTES=1, RANGE_MIN_BYTES=1, LONG_DOC_BYTES=20_000, PIECE_BYTES=4096,
+LOWERED = dict(HOLD_BYTES=3000, SPLIT_BYTES=1, RANGE_MIN_BYTES=1, LONG_DOC_BYTES=16_000, PIECE_BYTES=4096,
                QUEUED_BYTES=1 << 16)
 FORMS = ("txt", "jsonl", "jsonl.gz", "jsonl.zst", "parquet-1", "parquet-many")
 
@@ -38,11 +38,11 @@ def lower(monkeypatch, **values) -> None:
 
 @pytest.fixture(scope="module")
 def docs(dev_docs) -> list[str]:
-    """~250 KB of real documents of every size, one of them longer than the lowered LONG_DOC_BYTES."""
-    picked = [d[:5000] for d in dev_docs if d.strip()]
-    long = "\n\n".join(picked[100:])[:60_000]
-    assert len(long) == 60_000
-    return picked[:40] + [long] + picked[40:80]
+    """~150 KB of real documents of every size, one of them longer than the lowered LONG_DOC_BYTES."""
+    picked = [d[:3000] for d in dev_docs if d.strip()]
+    long = "\n\n".join(picked[100:])[:40_000]
+    assert len(long) == 40_000
+    return picked[:30] + [long] + picked[30:60]
 
 
 def write_form(root: Path, form: str, docs: list[str]) -> str:
