@@ -15,7 +15,7 @@ from click.testing import CliRunner
 import helixtok.pipeline.builder as hb
 from helixtok import MemmapChunkDataset
 from helixtok.cli import main
-from helixtok.format.errors import ConfigError, DatasetError, HelixtokError, InputError, InternalError
+from helixtok.format.errors import ConfigError, DatasetError, InputError, InternalError
 from helixtok.pipeline.builder import build
 from helixtok.pipeline.config import BuildConfig
 from helixtok.pipeline.discover import discover

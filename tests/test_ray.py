@@ -363,7 +363,7 @@ def test_zz_a_cluster_that_goes_away_mid_build_is_one_helixtok_line(tmp_path, de
     second, "Failed to push error to driver"), nothing published, and no Ray line on stderr.
     (The module's cluster, killed: this test is the module's last, by its place and name.)"""
     address, kill = nodes
-    p = _cli(dev_corpus / "txt", tmp_path / "o", tokenizer_path, address, "--stall-timeout", "2", "--unit-size", "64KiB")
+    p = _cli(dev_corpus / "txt", tmp_path / "o", tokenizer_path, address, "--stall-timeout", "1", "--unit-size", "64KiB")
     t = time.time()
     while not glob.glob(str(tmp_path / "o" / STATE / "u*.done.json")) and p.poll() is None and time.time() - t < 120:
         time.sleep(0.02)  # until units are done on the cluster
@@ -371,6 +371,6 @@ def test_zz_a_cluster_that_goes_away_mid_build_is_one_helixtok_line(tmp_path, de
     kill()
     _, err = p.communicate(timeout=120)
     assert p.returncode == 1 and len(err.splitlines()) == 1, err
-    assert re.fullmatch(r"Error: (no answer from the Ray cluster's stall watch for 2 s|.*failed on the Ray cluster).*"
+    assert re.fullmatch(r"Error: (no answer from the Ray cluster's stall watch for 1 s|.*failed on the Ray cluster).*"
                         r"rerun the same command to resume\n", err), err
     assert not (tmp_path / "o" / "manifest.json").exists()
