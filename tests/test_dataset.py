@@ -240,7 +240,7 @@ def test_refuses_other_tokenizer_and_unknown_version(dev_packed, tmp_path, small
     m = json.load(open(mp))
     m["format_version"] = 99
     json.dump(m, open(mp, "w"))
-    with pytest.raises(DatasetError, match="format_version 99"):
+    with pytest.raises(DatasetError, match="format_version 99, this helixtok reads versions 1 to 5; upgrade"):
         MemmapChunkDataset(out)
 
 

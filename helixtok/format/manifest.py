@@ -72,8 +72,8 @@ def load_manifest(out_dir: str) -> dict:
         raise DatasetError(f"{path}: not a helixtok manifest (a JSON {type(m).__name__}); rebuild the dataset")
     v = m.get("format_version")
     if v not in READABLE:
-        raise DatasetError(f"{path}: format_version {v!r}, this helixtok reads versions 1 to 4; "
-                           "upgrade helixtok or rebuild the dataset")
+        raise DatasetError(f"{path}: format_version {v!r}, this helixtok reads versions {min(READABLE)} to "
+                           f"{max(READABLE)}; upgrade helixtok or rebuild the dataset")
     if v == 2 and m.get("packing") == "bestfit":
         raise DatasetError(f"{path}: a version 2 bestfit dataset (chunks packed within windows of one work unit); "
                            "this helixtok packs over the whole split: rebuild it with the same command and "

@@ -29,10 +29,6 @@ UPLOAD_THREADS = 4  # objects in flight; each large one is itself a multipart up
 COPY_BLOCK = 8 << 20
 
 
-def _filesystem(url: str, stall: float):
-    return watched_filesystem(url, stall)
-
-
 def staging_dir(url: str, staging: str | None) -> str:
     """Where a build for `url` runs first: --staging, else a folder under the temp dir named for
     the URL, so rerunning the same command resumes an interrupted build."""
@@ -60,7 +56,7 @@ def _remote_manifest(fs, root: str, url: str) -> dict | None:
 @reports_storage_errors
 def check_target(url: str, overwrite: bool, stall: float = 600.0) -> None:
     """Before any work: refuse a URL that already holds a dataset (without --overwrite) or a foreign manifest."""
-    fs, root = _filesystem(url, stall)
+    fs, root = watched_filesystem(url, stall)
     if _remote_manifest(fs, root, url) is not None and not overwrite:
         raise ConfigError(f"{redact(url)}: already holds a finished dataset; pass --overwrite to replace it")
     probe = posixpath.join(root, ".helixtok-write-check")  # a missing bucket or no write access fails now, not
@@ -79,7 +75,7 @@ def upload(local: str, url: str, *, overwrite: bool, stall: float = 600.0) -> di
     if any(p.startswith("..") or os.path.isabs(p) for p in map(os.path.normpath, paths)):
         raise ConfigError(f"{local}: names files outside its folder (a merge of parts elsewhere); "
                           "merge into one folder first")
-    fs, root = _filesystem(url, stall)
+    fs, root = watched_filesystem(url, stall)
     old = _remote_manifest(fs, root, url)
     if old is not None and not overwrite:
         raise ConfigError(f"{redact(url)}: already holds a finished dataset; pass --overwrite to replace it")
@@ -114,7 +110,7 @@ def upload(local: str, url: str, *, overwrite: bool, stall: float = 600.0) -> di
 
 def remote_sizes(url: str, folder: str, stall: float = 600.0) -> dict[str, int]:
     """Object name -> size of what is under URL/folder (one listing): a resumed Ray build's check."""
-    fs, root = _filesystem(url, stall)
+    fs, root = watched_filesystem(url, stall)
     base = posixpath.join(root, folder)
     try:
         found = fs.find(base, detail=True)
@@ -127,14 +123,14 @@ def remote_bytes(url: str, folder: str, path: str, stall: float = 600.0, start: 
                  end: int | None = None) -> bytes:
     """One object under URL/folder (a Ray task's upload), or bytes [start, end) of it: what the driver
     reads of it, a .docs sidecar, a .mask's last bytes."""
-    fs, root = _filesystem(url, stall)
+    fs, root = watched_filesystem(url, stall)
     return fs.cat_file(posixpath.join(root, folder, path), start=start, end=end)
 
 
 def upload_unit(state: str, files, url: str, folder: str, stall: float) -> None:
     """On a Ray task's node: its unit's shards (state name, final name, bytes) from its own staging
     folder into URL/folder, each checked for its size."""
-    fs, root = _filesystem(url, stall)
+    fs, root = watched_filesystem(url, stall)
     for n, p, size in files:
         dst = posixpath.join(root, folder, p)
         fs.put_file(os.path.join(state, n), dst)
@@ -151,7 +147,7 @@ def publish_uploaded(local: str, url: str, *, overwrite: bool, stall: float = 60
     m = load_manifest(local)
     with open(os.path.join(local, PLAN_FILE), "rb") as fh:
         folder = plan_folder(fh.read())
-    fs, root = _filesystem(url, stall)
+    fs, root = watched_filesystem(url, stall)
     old = _remote_manifest(fs, root, url)
     if old is not None and not overwrite:
         raise ConfigError(f"{redact(url)}: already holds a finished dataset; pass --overwrite to replace it")
