@@ -823,3 +823,48 @@ def test_c4_and_dolma_json_gz_files_are_read_as_json_lines(tmp_path, small_tok):
     (tmp_path / "t.csv").write_text("text\nhello\n")
     r = CliRunner().invoke(main, ["build", str(tmp_path / "t.csv"), str(tmp_path / "x"), *base])
     assert r.exit_code == 1 and "Convert it to JSON Lines" in r.output and "to_json(" in r.output, r.output
+
+
+def test_include_and_exclude_choose_the_files_found(tmp_path, small_tok):
+    """Issue 63.1: --include/--exclude globs (repeatable) on the path relative to each corpus
+    argument: a foreign .jsonl.gz that would fail the build is left out (counted), --include keeps
+    only what matches, a file named itself is always read; the same files, the same bytes, for a
+    partitioned build merged."""
+    from click.testing import CliRunner
+
+    from helixtok.cli import main
+    from helixtok.pipeline.merge import merge
+
+    c = tmp_path / "c"
+    (c / "sub").mkdir(parents=True)
+    words = "the quick brown fox jumps over the lazy dog ".split()
+    for i in range(6):
+        (c / f"a{i}.txt").write_text(" ".join(words[(i + j) % 9] for j in range(300)))
+        (c / "sub" / f"b{i}.txt").write_text(" ".join(words[(2 * i + j) % 9] for j in range(200)))
+    with gzip.open(c / "foreign.jsonl.gz", "wt") as fh:
+        fh.write('{"body": "no text field here"}\n')
+    args = ["-t", small_tok, "-L", "16", "-q", "-j", "1"]
+    r = CliRunner().invoke(main, ["build", str(c), str(tmp_path / "all"), *args])
+    assert r.exit_code == 1 and "foreign.jsonl.gz" in r.stderr  # the foreign file fails the build
+    r = CliRunner().invoke(main, ["build", str(c), str(tmp_path / "x"), *args, "--exclude", "*.gz"])
+    assert r.exit_code == 0, r.output
+    m = json.loads((tmp_path / "x" / "manifest.json").read_text())
+    assert sorted(f["name"] for f in m["inputs"]["list"]) == sorted([f"a{i}.txt" for i in range(6)] +
+                                                                      [f"sub/b{i}.txt" for i in range(6)])
+    assert m["warnings"]["left_out_by_pattern"]["count"] == 1
+    r = CliRunner().invoke(main, ["build", str(c), str(c / "a0.txt"), str(tmp_path / "i"), *args, "--include", "sub/*",
+                                  "--include", "*5.txt"])
+    assert r.exit_code == 0, r.output
+    names = sorted(f["name"] for f in json.loads((tmp_path / "i" / "manifest.json").read_text())["inputs"]["list"])
+    assert names == ["a0.txt", "a5.txt"] + [f"sub/b{i}.txt" for i in range(6)]
+    parts = tmp_path / "parts"
+    for k in range(2):
+        r = CliRunner().invoke(main, ["build", str(c), str(parts), *args, "--exclude", "*.gz", "--unit-size", "1",
+                                      "--shard-size", "1KiB", "--num-tasks", "2", "--task-index", str(k)])
+        assert r.exit_code == 0, r.output
+    merge([str(p) for p in sorted(parts.glob("part-*"))], str(parts))
+    single = tmp_path / "single"
+    assert CliRunner().invoke(main, ["build", str(c), str(single), *args, "--exclude", "*.gz", "--unit-size", "1",
+                                     "--shard-size", "1KiB"]).exit_code == 0
+    for f in single.glob("train-*"):
+        assert f.read_bytes() == next(parts.rglob(f.name)).read_bytes(), f.name

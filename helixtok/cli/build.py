@@ -31,6 +31,12 @@ from .common import console, handle_errors, parse_size, print_summary
                    "4, bestfit none dropped].")
 @click.option("--text-field", default=None,
               help="JSON field or parquet column with the text [default: text; with --chat, messages].")
+@click.option("--include", "include", multiple=True, metavar="GLOB",
+              help="Keep only the files found in a folder (or by a pattern) whose path relative to it matches "
+                   "GLOB ('*' crosses folders; repeatable): e.g. --include '*.jsonl.gz'.")
+@click.option("--exclude", "exclude", multiple=True, metavar="GLOB",
+              help="Leave out the files found whose relative path matches GLOB (repeatable): e.g. "
+                   "--exclude 'drafts/*'. Files named on the command line are always read.")
 @click.option("--chat", is_flag=True,
               help="Rows are conversations (a list of {role, content} messages, and 'tools' where given): each "
                    "rendered with the model's chat template and tokenized once, with a loss mask (docs/training.md, "
@@ -95,7 +101,7 @@ from .common import console, handle_errors, parse_size, print_summary
 @click.option("--task-index", type=click.IntRange(min=0), default=None,
               help="Which partition [default: $SLURM_ARRAY_TASK_ID or $JOB_COMPLETION_INDEX].")
 @handle_errors
-def build(corpus, out, tokenizer, seq_len, packing, min_tail_len, text_field, chat, chat_template, loss, truncate,
+def build(corpus, out, tokenizer, seq_len, packing, min_tail_len, text_field, include, exclude, chat, chat_template, loss, truncate,
           chat_kwargs, chat_date, bos, eos_token, bos_token,
           pad_token, val_fraction, split_seed, shard_size, unit_size, workers, overwrite, strict, quiet, as_json,
           stall_timeout, special_tokens, strip, backend, staging, executor, num_tasks, task_index, log_interval):
@@ -128,6 +134,7 @@ def build(corpus, out, tokenizer, seq_len, packing, min_tail_len, text_field, ch
         raise click.UsageError("--chat-template, --loss, --truncate, --chat-kwargs and --chat-date apply to --chat "
                                "builds only")
     cfg = BuildConfig(seq_len=seq_len, packing=packing, min_tail_len=min_tail_len, text_field=text_field, chat=spec,
+                      include=include, exclude=exclude,
                       add_bos=bos, eos_token=eos_token, bos_token=bos_token, pad_token=pad_token,
                       val_fraction=val_fraction, split_seed=split_seed, shard_bytes=shard_size,
                       unit_bytes=unit_size, workers=workers, strict=strict, backend=backend,

@@ -49,6 +49,8 @@ class BuildConfig:
     packing: str | None = None  # None: "packed", or "bestfit" for a chat build
     min_tail_len: int | None = None  # document packing: default seq_len // 4; bestfit: default 0 (drop nothing)
     text_field: str | None = None  # None: "text", or "messages" for a chat build
+    include: tuple[str, ...] = ()  # --include: keep only the files found whose relative path matches one
+    exclude: tuple[str, ...] = ()  # --exclude: leave out the files found whose relative path matches one
     add_bos: bool | None = None  # None: the tokenizer's own rule (its post-processor); True/False: --bos/--no-bos
     eos_token: str | None = None
     bos_token: str | None = None
@@ -76,6 +78,9 @@ class BuildConfig:
             object.__setattr__(self, "max_piece_chars", limits.PIECE_CHARS)
         if self.long_doc_bytes == -1:
             object.__setattr__(self, "long_doc_bytes", limits.LONG_DOC_BYTES)
+        for name in ("include", "exclude"):  # a str is one glob, not its characters
+            v = getattr(self, name)
+            object.__setattr__(self, name, (v,) if isinstance(v, str) else tuple(v))
         if self.chat is False:
             object.__setattr__(self, "chat", None)
         if self.packing is None:

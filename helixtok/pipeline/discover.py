@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fnmatch
 import glob
 import os
 import posixpath
@@ -99,8 +100,21 @@ _NOT_REGULAR = {stat.S_IFIFO: "a FIFO", stat.S_IFCHR: "a character device", stat
                 stat.S_IFSOCK: "a socket"}
 
 
-def discover(paths: list[str], *, exclude: str | None = None) -> tuple[list[InputFile], Tally]:
+def _fixed_prefix(pattern: str) -> str:
+    """The folders of a glob before its first wildcard ("data/*/x.jsonl" -> "data")."""
+    parts = pattern.split(os.sep)
+    k = next(i for i, part in enumerate(parts) if _GLOB_CHARS & set(part))
+    return os.sep.join(parts[:k]) or "."
+
+
+def discover(paths: list[str], *, exclude: str | None = None, include_globs: tuple[str, ...] = (),
+             exclude_globs: tuple[str, ...] = ()) -> tuple[list[InputFile], Tally]:
     """Expand files, directories (recursively, following links) and globs into a sorted file list.
+
+    `exclude`: the output folder (never read).  include_globs / exclude_globs (--include, --exclude):
+    a file found inside a folder or by a pattern is kept when its path relative to that corpus
+    argument matches an include glob (if any is given) and no exclude glob (fnmatch: `*` crosses
+    folders); what they leave out is counted (`left_out_by_pattern`).  A file named itself is kept.
 
     A path or pattern that names nothing is an error; unsupported files and ones that are not
     regular files (FIFOs, devices, sockets) met inside a directory are left out and counted
@@ -119,6 +133,15 @@ def discover(paths: list[str], *, exclude: str | None = None) -> tuple[list[Inpu
     visited: set[tuple[int, int]] = set()
     skip_real = os.path.realpath(exclude) if exclude else None
     roots: list[str] = []
+    base = [""]  # the corpus argument being expanded: what the globs are matched against
+
+    def wanted(p: str) -> bool:
+        rel = os.path.relpath(p, base[0]).replace(os.sep, "/") if base[0] else p
+        keep = (not include_globs or any(fnmatch.fnmatchcase(rel, g) for g in include_globs)) and not any(
+            fnmatch.fnmatchcase(rel, g) for g in exclude_globs)
+        if not keep:
+            warnings.add("left_out_by_pattern", os.path.abspath(p))
+        return keep
 
     def inside(real: str, top: str) -> bool:
         return real == top or real.startswith(top.rstrip(os.sep) + os.sep)
@@ -131,6 +154,8 @@ def discover(paths: list[str], *, exclude: str | None = None) -> tuple[list[Inpu
             warnings.add("not_a_regular_file", f"{os.path.abspath(p)} ({what})")
             return
         if not explicit and _hf_metadata(p):  # (state.json, dataset_info.json: not text, though named .json)
+            return
+        if not explicit and not wanted(p):
             return
         kind = file_kind(p)
         if kind is None:
@@ -194,6 +219,7 @@ def discover(paths: list[str], *, exclude: str | None = None) -> tuple[list[Inpu
         elif not os.path.exists(arg) and _GLOB_CHARS & set(arg):
             roots.extend(os.path.realpath(m) for m in glob.glob(arg, recursive=True) if os.path.isdir(m))
     for arg in paths:
+        base[0] = arg if os.path.isdir(arg) else _fixed_prefix(arg) if _GLOB_CHARS & set(arg) else ""
         if os.path.isdir(arg):
             enter_dir(arg, os.stat(arg))
         elif os.path.exists(arg):
