@@ -276,7 +276,7 @@ def test_chat_build_stores_each_conversation_as_encoded_alone(chat_build, llama_
     assert c == {"conversations": len(kept), "truncated": 0,
                  "dropped_too_long": sum(len(e.ids) > 512 for e in want), "no_trainable": 1,
                  "trainable_tokens": sum(int(e.mask.sum()) for e in kept), "dropped_trainable_tokens": 0,
-                 "truncated_turns": 0}
+                 "truncated_turns": 0, "turn_samples": 0}
     assert c["dropped_too_long"] > 0
     # Gathered back from the chunks a DataLoader gets (cut where position ids restart, padding
     # left out): every conversation, its ids and (from the labels) its mask.
@@ -872,3 +872,28 @@ def test_a_chat_build_from_python_takes_the_command_lines_choices_as_keywords(tm
         helixtok.build(str(corpus), str(tmp_path / "x"), tok, loss="last")
     with pytest.raises(ConfigError, match="chat_date must be a date as YYYY-MM-DD"):
         helixtok.build(str(corpus), str(tmp_path / "y"), tok, chat=True, chat_date="soon")
+
+
+def test_one_sample_per_assistant_turn(tmp_path, llama_dir, dev_docs):
+    """Issue 57.10: --chat-split turns writes, for a conversation of k assistant turns, k samples,
+    each the conversation rendered up to and including that turn with only that turn trained; all
+    in the whole conversation's split; counted (turn_samples)."""
+    template = (TEMPLATES / "llama3_training.jinja").read_text()
+    convs = [c for c in real_conversations(dev_docs, 20, seed=8)
+             if sum(m["role"] == "assistant" for m in c["messages"]) >= 2][:4]
+    tok = str(llama_dir / "tokenizer.json")
+    want = []
+    for c in convs:
+        msgs = c["messages"]
+        for j, m in enumerate(msgs):
+            if m["role"] == "assistant":
+                want.append(_ours(llama_dir, template, [{"messages": msgs[: j + 1]}], loss="last")[0])
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text("".join(json.dumps(c) + "\n" for c in convs))
+    r = CliRunner().invoke(cli, ["build", str(corpus), str(tmp_path / "out"), "-t", tok, "-L", "8192", "--chat",
+                                 "--chat-split", "turns", "-q", "-j", "1"])
+    assert r.exit_code == 0, r.output
+    got = _documents(str(tmp_path / "out"))
+    assert got == [(w.ids.tolist(), w.mask.tolist()) for w in want]
+    c = json.loads((tmp_path / "out" / "manifest.json").read_text())["splits"]["train"]["chat"]
+    assert c["conversations"] == c["turn_samples"] == len(want) > len(convs)

@@ -54,6 +54,9 @@ from .common import console, handle_errors, parse_size, print_summary
 @click.option("--chat-kwargs", default=None, metavar="JSON",
               help="--chat: more variables for the template, as apply_chat_template(**kwargs) passes them, e.g. "
                    "'{\"enable_thinking\": false}'; a row's own chat_template_kwargs object adds to them.")
+@click.option("--chat-split", type=click.Choice(["turns"]), default=None,
+              help="--chat: one sample per assistant turn, rendered up to it with only that turn trained "
+                   "[default: one sample per conversation].")
 @click.option("--chat-date", default=None, metavar="YYYY-MM-DD",
               help="--chat: the day the template's strftime_now() renders (at 00:00:00) [default: the day this "
                    "OUT's build was first planned, kept by every resume and rerun].")
@@ -102,7 +105,7 @@ from .common import console, handle_errors, parse_size, print_summary
               help="Which partition [default: $SLURM_ARRAY_TASK_ID or $JOB_COMPLETION_INDEX].")
 @handle_errors
 def build(corpus, out, tokenizer, seq_len, packing, min_tail_len, text_field, include, exclude, chat, chat_template, loss, truncate,
-          chat_kwargs, chat_date, bos, eos_token, bos_token,
+          chat_kwargs, chat_split, chat_date, bos, eos_token, bos_token,
           pad_token, val_fraction, split_seed, shard_size, unit_size, workers, overwrite, strict, quiet, as_json,
           stall_timeout, special_tokens, strip, backend, staging, executor, num_tasks, task_index, log_interval):
     """Tokenize CORPUS (files, folders, globs) into fixed-length token shards in OUT.
@@ -129,10 +132,10 @@ def build(corpus, out, tokenizer, seq_len, packing, min_tail_len, text_field, in
 
         spec = load_spec(resolve_tokenizer_path(tokenizer), chat_template, loss,
                          {None: False, "tokens": True}.get(truncate, truncate), text_field or "messages",
-                         date=chat_date or "", kwargs=chat_kwargs or "")
-    elif chat_template or truncate or loss != "assistant" or chat_date or chat_kwargs:
-        raise click.UsageError("--chat-template, --loss, --truncate, --chat-kwargs and --chat-date apply to --chat "
-                               "builds only")
+                         date=chat_date or "", kwargs=chat_kwargs or "", split_turns=chat_split == "turns")
+    elif chat_template or truncate or loss != "assistant" or chat_date or chat_kwargs or chat_split:
+        raise click.UsageError("--chat-template, --loss, --truncate, --chat-kwargs, --chat-split and --chat-date "
+                               "apply to --chat builds only")
     cfg = BuildConfig(seq_len=seq_len, packing=packing, min_tail_len=min_tail_len, text_field=text_field, chat=spec,
                       include=include, exclude=exclude,
                       add_bos=bos, eos_token=eos_token, bos_token=bos_token, pad_token=pad_token,

@@ -95,6 +95,7 @@ _KEYWORDS = {
     "--bos-token": "bos_token", "--pad-token": "pad_token", "--no-bos": "add_bos=False", "--bos": "add_bos=True",
     "--staging": "staging", "--strip": "strip=True", "--num-tasks": "task=(k, n)", "--task-index": "task=(k, n)",
     "--chat-template": "chat_template", "--chat-kwargs": "chat_kwargs", "--chat-date": "chat_date",
+    "--chat-split": "chat_split",
     "--truncate": "truncate", "--loss": "loss", "--chat": "chat=True",
 }
 

@@ -84,7 +84,8 @@ def build(corpus, out: str, tokenizer: str, config: BuildConfig | None = None, *
 
 
 # A chat build's choices as build() keywords (the command line's --chat-template, --loss, ...).
-CHAT_KEYWORDS = {"chat_template": None, "loss": "assistant", "truncate": False, "chat_kwargs": "", "chat_date": ""}
+CHAT_KEYWORDS = {"chat_template": None, "loss": "assistant", "truncate": False, "chat_kwargs": "", "chat_date": "",
+                 "chat_split": None}
 
 
 def _build(corpus, out, tokenizer, config, overwrite, on_progress, task, staging, remote, options) -> "Built":
@@ -108,7 +109,8 @@ def _build(corpus, out, tokenizer, config, overwrite, on_progress, task, staging
         config = dataclasses.replace(config, chat=load_spec(
             resolve_tokenizer_path(tokenizer), kw["chat_template"], kw["loss"],
             {"tokens": True}.get(kw["truncate"], kw["truncate"]), config.text_field, date=kw["chat_date"],
-            kwargs=kw["chat_kwargs"] if isinstance(kw["chat_kwargs"], str) else json.dumps(kw["chat_kwargs"])))
+            kwargs=kw["chat_kwargs"] if isinstance(kw["chat_kwargs"], str) else json.dumps(kw["chat_kwargs"]),
+            split_turns=kw["chat_split"] == "turns"))
     if config.ray_address is not None:
         from .rayexec import check_cluster
 

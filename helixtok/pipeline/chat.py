@@ -52,6 +52,9 @@ class ChatSpec:
     # --chat-kwargs: more variables for the template (enable_thinking, ...), as JSON with sorted keys
     # (a row's own `chat_template_kwargs` object adds to and overrides them).
     kwargs: str = ""
+    # --chat-split turns: a conversation of k assistant turns gives k samples, each rendered up to
+    # and including its turn, only that turn trained (what the model sees at inference).
+    split_turns: bool = False
 
     def __post_init__(self) -> None:
         if self.date:
@@ -64,7 +67,8 @@ class ChatSpec:
 
         return {"template_sha256": hashlib.sha256(self.template.encode()).hexdigest(), "loss": self.loss,
                 "truncate": self.truncate, "field": self.field, "token_strings": dict(self.token_strings),
-                "date": self.date, **({"kwargs": json.loads(self.kwargs)} if self.kwargs else {})}
+                "date": self.date, **({"kwargs": json.loads(self.kwargs)} if self.kwargs else {}),
+                **({"split": "turns"} if self.split_turns else {})}
 
 
 RESERVED = ("messages", "tools", "documents", "add_generation_prompt")  # what the build itself passes
@@ -104,7 +108,7 @@ def _token_string(v) -> str | None:
 
 
 def load_spec(tokenizer: str, template_file: str | None, loss: str, truncate: bool | str, field_name: str,
-              date: str = "", kwargs: str = "") -> ChatSpec:
+              date: str = "", kwargs: str = "", split_turns: bool = False) -> ChatSpec:
     """The template from --chat-template, else `chat_template` of the tokenizer_config.json beside
     the tokenizer; refused in one line when it has no `{% generation %}` span and --loss needs one."""
     folder = tokenizer if os.path.isdir(tokenizer) else os.path.dirname(os.path.abspath(tokenizer))
@@ -142,7 +146,7 @@ def load_spec(tokenizer: str, template_file: str | None, loss: str, truncate: bo
     strings = tuple(sorted((k, s) for k, v in config.items() if k.endswith("_token") and (s := _token_string(v))))
     compile_template(template, where)  # a syntax error is said now, once, not per worker
     return ChatSpec(template=template, loss=loss, truncate=truncate, field=field_name, token_strings=strings,
-                    date=check_date(date) if date else "", kwargs=kwargs)
+                    date=check_date(date) if date else "", kwargs=kwargs, split_turns=split_turns)
 
 
 # --------------------------------------------------------------------------- rendering
@@ -434,6 +438,7 @@ class Encoded:
     text: str  # the rendered conversation (its UTF-8 decides the val split)
     truncated: bool = False  # cut to seq_len (--truncate)
     dropped_turns: int = 0  # earliest exchanges dropped to fit (--truncate turns)
+    whole: str | None = None  # --chat-split turns: the whole conversation's rendering (its split's hash)
     too_long: bool = False  # longer than seq_len and not cut: the caller drops it, counted
 
 
@@ -525,23 +530,47 @@ class ChatEncoder:
             self._tok = self._tok()
         return self._tok
 
-    def encode(self, record) -> Encoded | str:
+    def samples(self, record) -> list[Encoded] | str:
+        """A row's samples: the conversation (encode()), or with --chat-split turns one per assistant
+        message, rendered up to it with only its span trained (a turn marked "train": false gives
+        none); every sample's split is the whole conversation's (none leaks into the other)."""
+        if not self.spec.split_turns:
+            got = self.encode(record)
+            return got if isinstance(got, str) else [got]
+        whole = self.rendered(record)
+        if isinstance(whole, str):
+            return whole
+        msgs = list(record[self.spec.field])
+        out = []
+        for j, m in enumerate(msgs):
+            if not (isinstance(m, dict) and m.get("role") == "assistant") or m.get("train") is False or \
+                    m.get("weight") == 0:
+                continue
+            got = self.encode({**record, self.spec.field: msgs[: j + 1]}, last_only=True)
+            if isinstance(got, str):
+                return got
+            got.whole = whole[0]
+            out.append(got)
+        return out
+
+    def encode(self, record, last_only: bool = False) -> Encoded | str:
         """One row: its ids and mask, or why it is not a conversation (a reason the caller counts).
         Longer than seq_len: dropped (too_long); --truncate: cut to its first seq_len tokens;
-        --truncate turns: its earliest exchanges dropped until it fits (turns())."""
-        got = self._encoded(record)
+        --truncate turns: its earliest exchanges dropped until it fits (turns()).  last_only: only
+        the last generation span trains."""
+        got = self._encoded(record, last_only)
         if isinstance(got, str):
             return got
         ids, mask, text = got
         if len(ids) > self.L:
             if self.spec.truncate == "turns":
-                return self.turns(record, text) or Encoded(ids, mask, text, too_long=True)
+                return self.turns(record, text, last_only) or Encoded(ids, mask, text, too_long=True)
             if not self.spec.truncate:
                 return Encoded(ids, mask, text, too_long=True)
             return Encoded(ids[: self.L].astype(self.dtype), mask[: self.L], text, truncated=True)
         return Encoded(ids.astype(self.dtype), mask, text)
 
-    def turns(self, record: dict, text: str) -> Encoded | None:
+    def turns(self, record: dict, text: str, last_only: bool = False) -> Encoded | None:
         """The conversation less its fewest earliest exchanges (a user message and what follows it up
         to the next; system messages before the first stay) that fits in seq_len, each candidate
         rendered by the template itself (found by bisection: fewer exchanges never render longer),
@@ -555,7 +584,7 @@ class ChatEncoder:
         lo, hi, best = 1, len(starts) - 1, None  # exchanges dropped
         while lo <= hi:
             d = (lo + hi) // 2
-            got = self._encoded({**record, self.spec.field: head + list(msgs[starts[d]:])})
+            got = self._encoded({**record, self.spec.field: head + list(msgs[starts[d]:])}, last_only)
             if not isinstance(got, str) and len(got[0]) <= self.L:
                 best, hi = (d, got), d - 1
             else:
@@ -565,7 +594,7 @@ class ChatEncoder:
         d, (ids, mask, _) = best
         return Encoded(ids.astype(self.dtype), mask, text, dropped_turns=d)
 
-    def _encoded(self, record) -> tuple | str:
+    def _encoded(self, record, last_only: bool = False) -> tuple | str:
         """(ids, mask, rendered text) of a row, whatever their length, or why it is not a conversation."""
         import numpy as np
 
@@ -573,6 +602,8 @@ class ChatEncoder:
         if isinstance(got, str):
             return got
         text, spans, ranges = got
+        if last_only:
+            spans = spans[-1:]
         fast = self._encode_fast(text, spans, ranges) if self.byte_lens is not None else None
         if fast is not None:
             ids, mask = fast

@@ -112,7 +112,8 @@ def end_worker() -> None:
 # A chat build's counts per split (docs/format.md): conversations kept, cut to --seq-len
 # (--truncate), longer than --seq-len and dropped, with no token to train on (dropped), and the
 # tokens that train.
-CHAT_COUNTS = ("conversations", "truncated", "truncated_turns", "dropped_too_long", "no_trainable", "trainable_tokens")
+CHAT_COUNTS = ("conversations", "turn_samples", "truncated", "truncated_turns", "dropped_too_long", "no_trainable",
+               "trainable_tokens")
 
 
 def _chat_encoder(w: Worker, info: TokenizerInfo):
@@ -337,6 +338,31 @@ def _run_unit(unit: Unit, info: TokenizerInfo, where: tuple[int, int] | None) ->
         enc_chat = _chat_encoder(w, info)
         pend = {s: ([], [], [], []) for s in splits}  # ids, masks, sources, text bytes
 
+        def add_sample(got) -> None:
+            nonlocal chars
+            s = splits[_split_of(got.whole or got.text, cfg.val_fraction, cfg.split_seed) if cfg.val_fraction > 0
+                       else 0]
+            c = chat[s]
+            if got.too_long:
+                c["dropped_too_long"] += 1
+                return
+            trainable = int(got.mask.sum())
+            if not trainable:
+                c["no_trainable"] += 1
+                return
+            c["conversations"] += 1
+            c["truncated"] += got.truncated
+            c["truncated_turns"] += got.dropped_turns > 0
+            c["turn_samples"] += got.whole is not None
+            c["trainable_tokens"] += trainable
+            nb = utf8_len(got.text)
+            text_bytes[s] += nb
+            pend[s][0].append(got.ids)
+            pend[s][1].append(got.mask)
+            pend[s][2].append(reader.source())
+            pend[s][3].append(nb)
+            chars += len(got.text)
+
         def flush_chats() -> None:
             nonlocal chars, last_consumed
             ntok = ndoc = 0
@@ -358,31 +384,13 @@ def _run_unit(unit: Unit, info: TokenizerInfo, where: tuple[int, int] | None) ->
             chars = 0
 
         for record in reader:
-            got = enc_chat.encode(record)
+            got = enc_chat.samples(record)
             _alive(counters)
             if isinstance(got, str):
                 tally.add("not_a_conversation", f"{reader.where()} ({got})")
                 continue
-            s = splits[_split_of(got.text, cfg.val_fraction, cfg.split_seed) if cfg.val_fraction > 0 else 0]
-            c = chat[s]
-            if got.too_long:
-                c["dropped_too_long"] += 1
-                continue
-            trainable = int(got.mask.sum())
-            if not trainable:
-                c["no_trainable"] += 1
-                continue
-            c["conversations"] += 1
-            c["truncated"] += got.truncated
-            c["truncated_turns"] += got.dropped_turns > 0
-            c["trainable_tokens"] += trainable
-            nb = utf8_len(got.text)
-            text_bytes[s] += nb
-            pend[s][0].append(got.ids)
-            pend[s][1].append(got.mask)
-            pend[s][2].append(reader.source())
-            pend[s][3].append(nb)
-            chars += len(got.text)
+            for sample in got:  # one, or one per assistant turn (--chat-split turns)
+                add_sample(sample)
             if chars >= cfg.batch_chars:
                 flush_chats()
         flush_chats()
