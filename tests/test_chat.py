@@ -897,3 +897,30 @@ def test_one_sample_per_assistant_turn(tmp_path, llama_dir, dev_docs):
     assert got == [(w.ids.tolist(), w.mask.tolist()) for w in want]
     c = json.loads((tmp_path / "out" / "manifest.json").read_text())["splits"]["train"]["chat"]
     assert c["conversations"] == c["turn_samples"] == len(want) > len(convs)
+
+
+def test_a_chat_build_that_keeps_nothing_says_why_in_chat_terms(tmp_path, llama_dir, dev_docs):
+    """Issue 63.8: a chat build whose conversations are all too long, or all without a token to
+    train on, says that (not "lower --seq-len"); a chat summary has no --min-tail-len or
+    --pack packed advice."""
+    tok = str(llama_dir / "tokenizer.json")
+    long = real_conversations(dev_docs, 6, seed=12)
+    (tmp_path / "long.jsonl").write_text("".join(json.dumps(c) + "\n" for c in long))
+    questions = [{"messages": [{"role": "user", "content": f"question {i}?"}]} for i in range(5)]
+    (tmp_path / "q.jsonl").write_text("".join(json.dumps(c) + "\n" for c in questions))
+    r = CliRunner().invoke(cli, ["build", str(tmp_path / "long.jsonl"), str(tmp_path / "o1"), "-t", tok, "-L", "8",
+                                 "--chat", "-q"])
+    assert r.exit_code == 1 and r.stderr.strip().splitlines()[-1] == (
+        "Error: every conversation (6) is longer than --seq-len 8 tokens and was dropped; raise --seq-len, or keep "
+        "them cut with --truncate (or --truncate turns)")
+    r = CliRunner().invoke(cli, ["build", str(tmp_path / "q.jsonl"), str(tmp_path / "o2"), "-t", tok, "-L", "256",
+                                 "--chat", "-q"])
+    assert r.exit_code == 1 and r.stderr.strip().splitlines()[-1].startswith(
+        "Error: no conversation has a token to train on under --loss assistant (5 read: no assistant turn the "
+        "template marks")
+    r = CliRunner().invoke(cli, ["build", str(tmp_path / "long.jsonl"), str(tmp_path / "o3"), "-t", tok, "-L", "4096",
+                                 "--chat"])
+    assert r.exit_code == 0, r.output
+    said = " ".join((r.stdout + r.stderr).split())  # (the warnings wrap at the terminal's width)
+    assert "--min-tail-len" not in said and "--pack packed" not in said
+    assert "conversations are kept whole, so what they leave" in said  # 6 conversations in a 4096 chunk: padding

@@ -129,7 +129,7 @@ def print_summary(m, out, as_json, con, up_to_date=None, elapsed=None, reused=0,
                     f"{s['pad_tokens']:,}", f"{s['dropped_tokens']:,}")
     Console().print(tab)
     click.echo(f"documents {t['documents']:,}  skipped {t['skipped_documents']:,}  repaired {t['repaired_documents']:,}"
-               f"  dropped whole (below --min-tail-len) {t.get('dropped_documents', 0):,}")
+               + ("" if m.get("chat") else f"  dropped whole (below --min-tail-len) {t.get('dropped_documents', 0):,}"))
     # Every term of the arithmetic, so no token is unaccounted for.
     click.echo(f"tokens: produced {t['tokens']:,} + pad {t['pad_tokens']:,} - dropped {t['dropped_tokens']:,} "
                f"= stored {t['chunks'] * m['seq_len']:,} = {t['chunks']:,} chunks x {m['seq_len']}")

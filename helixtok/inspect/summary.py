@@ -29,7 +29,8 @@ def alerts(m: dict) -> list[str]:
     """One line per thing a user should know before training on this dataset, with the fix."""
     t, out = m["totals"], []
     docs, toks = _share(t["dropped_documents"], t["documents"]), _share(t["dropped_tokens"], t["tokens"])
-    if docs > DROP_WARN or toks > DROP_WARN:
+    chat = bool(m.get("chat"))  # a chat build keeps whole conversations: no tail or packing advice fits it
+    if (docs > DROP_WARN or toks > DROP_WARN) and not chat:
         if m["packing"] != "packed":
             out.append(f"{docs:.1%} of documents ({t['dropped_documents']:,}) and {toks:.1%} of tokens were dropped: "
                        f"{m['packing']} packing drops documents and tails shorter than --min-tail-len "
@@ -40,7 +41,10 @@ def alerts(m: dict) -> list[str]:
             out.append(f"{toks:.1%} of tokens were dropped (the last partial chunk of --seq-len {m['seq_len']}): "
                        "lower --seq-len or add text")
     pad = _share(t["pad_tokens"], t["chunks"] * m["seq_len"])
-    if pad > PAD_WARN and m["packing"] == "bestfit":
+    if pad > PAD_WARN and chat:
+        out.append(f"{pad:.1%} of the stored tokens are padding: conversations are kept whole, so what they leave of "
+                   f"each --seq-len {m['seq_len']} chunk is padded; a --seq-len nearer their lengths lowers it")
+    elif pad > PAD_WARN and m["packing"] == "bestfit":
         out.append(f"{pad:.1%} of the stored tokens are padding: bestfit never cuts a document of up to --seq-len "
                    f"{m['seq_len']} tokens (longer ones are cut into --seq-len pieces), so what the documents leave "
                    "is padded; a shorter --seq-len, or more documents to combine, lowers it, --pack packed stores "

@@ -508,6 +508,8 @@ def _publish(run: Run, info, backend_check: dict, trusted: dict, results: list[d
                              "val split, leaving none to train on; lower --val-fraction or add documents")
         if splits["train"]["documents"] == 0 and (why := _nothing_read(tally, config.text_field)):
             raise InputError(why)
+        if config.chat and splits["train"]["documents"] == 0 and (why := _no_conversation(splits, config)):
+            raise InputError(why)
         raise InputError(f"the corpus gave {splits['train']['tokens']} tokens, not one chunk of "
                          f"--seq-len {config.seq_len}; lower --seq-len or add text")
     _check_unchanged(run.files)
@@ -546,6 +548,22 @@ _SKIPPED = {
     "malformed_json": ("lines that are not JSON", "give JSON lines (one object per line)"),
     "not_an_object": ("JSON values that are not objects", "give one JSON object per line"),
 }
+
+
+def _no_conversation(splits: dict, config: BuildConfig) -> str | None:
+    """Why a chat build kept no conversation to train on, in its own terms (not "lower --seq-len")."""
+    c = {k: sum(s["chat"][k] for s in splits.values()) for k in ("dropped_too_long", "no_trainable")}
+    if c["no_trainable"] and not c["dropped_too_long"]:
+        return (f"no conversation has a token to train on under --loss {config.chat.loss} ({c['no_trainable']:,} "
+                "read: no assistant turn the template marks with {% generation %}, or every turn marked "
+                "\"train\": false); check the template and --loss")
+    if c["dropped_too_long"] and not c["no_trainable"]:
+        return (f"every conversation ({c['dropped_too_long']:,}) is longer than --seq-len {config.seq_len} tokens "
+                "and was dropped; raise --seq-len, or keep them cut with --truncate (or --truncate turns)")
+    if c["dropped_too_long"]:
+        return (f"no conversation was kept: {c['dropped_too_long']:,} longer than --seq-len {config.seq_len}, "
+                f"{c['no_trainable']:,} with no token to train on under --loss {config.chat.loss}")
+    return None
 
 
 def _nothing_read(tally: Tally, field: str) -> str | None:
