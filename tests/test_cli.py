@@ -768,3 +768,24 @@ def test_ctrl_c_while_the_interpreter_shuts_down_after_a_command_is_no_traceback
                        preexec_fn=lambda: sig.signal(sig.SIGINT, sig.SIG_DFL))  # as from a terminal
     assert "helixtok, version" in r.stdout
     assert r.returncode == -sig.SIGINT and r.stderr == "", (r.returncode, r.stderr)
+
+
+def test_a_tokenizer_config_passed_for_the_tokenizer_and_an_export_into_a_new_folder(tmp_path, small_corpus, small_tok):
+    """Issue 63.11: -t tokenizer_config.json is one line naming the tokenizer.json beside it; `export
+    llmc` into a folder that does not exist yet makes it, as the other exports do."""
+    import shutil
+
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    shutil.copy(small_tok, folder / "tokenizer.json")
+    (folder / "tokenizer_config.json").write_text('{"eos_token": "</s>"}')
+    r = CliRunner().invoke(main, ["build", str(small_corpus), str(tmp_path / "o"), "-t",
+                                  str(folder / "tokenizer_config.json"), "-L", "16", "-q"])
+    assert r.exit_code == 1 and r.stderr.strip() == (
+        f"Error: {folder / 'tokenizer_config.json'}: the tokenizer's settings (special tokens, chat template), not the "
+        f"tokenizer; pass the tokenizer.json beside it: --tokenizer {folder / 'tokenizer.json'}")
+    assert CliRunner().invoke(main, ["build", str(small_corpus), str(tmp_path / "o"), "-t", str(folder), "-L", "16",
+                                     "-q"]).exit_code == 0
+    r = CliRunner().invoke(main, ["export", "llmc", str(tmp_path / "o"), str(tmp_path / "new" / "sub" / "train.bin")])
+    assert r.exit_code == 0, r.output
+    assert (tmp_path / "new" / "sub" / "train.bin").stat().st_size > 1024

@@ -31,6 +31,7 @@ def export_llmc(src: str, dest: str, *, split: str = "train") -> dict:
     magic, version = HEADERS[m["dtype"]]
     header = np.zeros(256, dtype="<i4")
     header[:3] = magic, version, n
+    os.makedirs(os.path.dirname(os.path.abspath(dest)), exist_ok=True)  # as the other exports make theirs
     tmp = dest + ".tmp"
     view = SplitView(src, m, split)
     step = 1 << 24

@@ -10,8 +10,19 @@ import re
 from .errors import TokenizerError
 
 
+# Files that ship beside a tokenizer.json and are passed for it.
+_NOT_THE_TOKENIZER = {"tokenizer_config.json": "settings (special tokens, chat template)",
+                      "special_tokens_map.json": "special-token map", "config.json": "model config",
+                      "generation_config.json": "generation settings"}
+
+
 def resolve_tokenizer_path(spec: str) -> str:
     """A tokenizer.json path, a folder holding one, or a HF repo id already in the local cache."""
+    if os.path.isfile(spec) and os.path.basename(spec) in _NOT_THE_TOKENIZER:
+        beside = os.path.join(os.path.dirname(spec), "tokenizer.json")
+        raise TokenizerError(f"{spec}: the tokenizer's {_NOT_THE_TOKENIZER[os.path.basename(spec)]}, not the tokenizer; "
+                             + (f"pass the tokenizer.json beside it: --tokenizer {beside}" if os.path.isfile(beside)
+                                else "pass the model's tokenizer.json (or the folder holding both)"))
     if os.path.isfile(spec):
         with open(spec, "rb") as fh:
             head = fh.read(64).lstrip(b"\xef\xbb\xbf \t\r\n")
