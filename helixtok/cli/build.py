@@ -130,8 +130,8 @@ def build(corpus, out, tokenizer, seq_len, packing, min_tail_len, text_field, in
         from ..format.tokenizer_file import resolve_tokenizer_path
         from ..pipeline.chat import load_spec
 
-        spec = load_spec(resolve_tokenizer_path(tokenizer), chat_template, loss,
-                         {None: False, "tokens": True}.get(truncate, truncate), text_field or "messages",
+        spec = load_spec(resolve_tokenizer_path(tokenizer), chat_template, loss, truncate or False,
+                         text_field or "messages",
                          date=chat_date or "", kwargs=chat_kwargs or "", split_turns=chat_split == "turns")
     elif chat_template or truncate or loss != "assistant" or chat_date or chat_kwargs or chat_split:
         raise click.UsageError("--chat-template, --loss, --truncate, --chat-kwargs, --chat-split and --chat-date "

@@ -71,9 +71,6 @@ class Watched:
     def __exit__(self, *exc) -> None:
         self._call("close", self._obj.close, (), {})
 
-    def __iter__(self):
-        return iter(lambda: self.readline(), b"")
-
     def _call(self, name, fn, a, kw):
         from fsspec.callbacks import Callback
 

@@ -107,10 +107,8 @@ def _build(corpus, out, tokenizer, config, overwrite, on_progress, task, staging
 
         kw = {**CHAT_KEYWORDS, **chat_kw}
         config = dataclasses.replace(config, chat=load_spec(
-            resolve_tokenizer_path(tokenizer), kw["chat_template"], kw["loss"],
-            {"tokens": True}.get(kw["truncate"], kw["truncate"]), config.text_field, date=kw["chat_date"],
-            kwargs=kw["chat_kwargs"] if isinstance(kw["chat_kwargs"], str) else json.dumps(kw["chat_kwargs"]),
-            split_turns=kw["chat_split"] == "turns"))
+            resolve_tokenizer_path(tokenizer), kw["chat_template"], kw["loss"], kw["truncate"], config.text_field,
+            date=kw["chat_date"], kwargs=kw["chat_kwargs"], split_turns=kw["chat_split"] == "turns"))
     if config.ray_address is not None:
         from .rayexec import check_cluster
 

@@ -59,8 +59,11 @@ class ChatSpec:
     def __post_init__(self) -> None:
         if self.date:
             check_date(self.date)
-        if self.kwargs:
-            object.__setattr__(self, "kwargs", canonical_kwargs(self.kwargs))
+        object.__setattr__(self, "kwargs", canonical_kwargs(self.kwargs) if self.kwargs else "")
+        if self.truncate == "tokens":  # the command line's word for the flag's meaning
+            object.__setattr__(self, "truncate", True)
+        if self.truncate not in (False, True, "turns"):
+            raise ConfigError(f"--truncate takes tokens or turns, got {self.truncate!r}")
 
     def to_json(self) -> dict:
         import hashlib
@@ -75,10 +78,11 @@ RESERVED = ("messages", "tools", "documents", "add_generation_prompt")  # what t
 ROW_KWARGS = "chat_template_kwargs"  # a row's own template variables, as datasets ship them
 
 
-def canonical_kwargs(text: str) -> str:
-    """--chat-kwargs as given (a JSON object of template variables), in the form a plan compares."""
+def canonical_kwargs(text: str | dict) -> str:
+    """--chat-kwargs as given (a JSON object of template variables, or a dict from Python), in the
+    form a plan compares."""
     try:
-        value = json.loads(text)
+        value = json.loads(text) if isinstance(text, str) else text
     except ValueError as e:
         raise ConfigError(f"--chat-kwargs must be a JSON object, e.g. '{{\"enable_thinking\": false}}' ({e})") from None
     if not isinstance(value, dict):
@@ -108,7 +112,7 @@ def _token_string(v) -> str | None:
 
 
 def load_spec(tokenizer: str, template_file: str | None, loss: str, truncate: bool | str, field_name: str,
-              date: str = "", kwargs: str = "", split_turns: bool = False) -> ChatSpec:
+              date: str = "", kwargs: str | dict = "", split_turns: bool = False) -> ChatSpec:
     """The template from --chat-template, else `chat_template` of the tokenizer_config.json beside
     the tokenizer; refused in one line when it has no `{% generation %}` span and --loss needs one."""
     folder = tokenizer if os.path.isdir(tokenizer) else os.path.dirname(os.path.abspath(tokenizer))
