@@ -5,7 +5,7 @@ This module is the public API and nothing else; docs/architecture.md maps the fo
 from .version import __version__
 
 __all__ = ["BuildConfig", "ChunkSampler", "MemmapChunkDataset", "Mixture", "MixtureDataset", "Stage", "build",
-           "__version__"]
+           "repack", "__version__"]
 
 
 def __getattr__(name):
@@ -14,6 +14,10 @@ def __getattr__(name):
         from .pipeline.builder import build
 
         return build
+    if name == "repack":
+        from .repacking import repack
+
+        return repack
     if name == "BuildConfig":
         from .pipeline.config import BuildConfig
 

@@ -152,7 +152,7 @@ def test_tokenizers_1_0s_reworked_api_is_refused_in_one_line(tmp_path, corpus, s
 
 def test_version_is_the_codes_and_the_projects():
     """`helixtok --version` said the version an editable install was made at (0.2.0), not the
-    code's (0.3.0): it reports helixtok.__version__, which pyproject.toml states too."""
+    code's (0.4.0): it reports helixtok.__version__, which pyproject.toml states too."""
     from helixtok import __version__
 
     r = run("--version")

@@ -1,8 +1,8 @@
 """The helixtok command line: a thin click layer over the library; results on stdout, progress on stderr.
 
 Its commands, by what they read: build.py (a corpus: build, train-tokenizer), inspect.py (a dataset:
-show, info, stats, verify, bench-read), transfer.py (datasets joined, moved or converted: merge, push,
-pull, export, import).
+show, info, stats, verify, bench-read), transfer.py (datasets joined, moved or converted: merge,
+repack, push, pull, export, import).
 """
 
 from __future__ import annotations
@@ -28,5 +28,5 @@ def main():
 
 
 for _command in (build.build, build.train_tokenizer, inspect.show, inspect.info, inspect.stats, inspect.verify,
-                 inspect.bench_read, transfer.merge, transfer.push, transfer.pull, transfer.export, transfer.import_):
+                 inspect.bench_read, transfer.merge, transfer.repack, transfer.push, transfer.pull, transfer.export, transfer.import_):
     main.add_command(_command)

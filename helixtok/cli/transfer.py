@@ -1,4 +1,4 @@
-"""Commands that join, move or convert datasets: merge, push, pull, export, import."""
+"""Commands that join, move or convert datasets: merge, repack, push, pull, export, import."""
 
 from __future__ import annotations
 
@@ -70,6 +70,37 @@ def merge(parts, out, overwrite, as_json):
                    "parts as they are, nothing rewritten)")
         return
     print_summary(m, out, as_json, console(), up_to_date=isinstance(m, MergedAlready))
+
+
+@click.command()
+@click.argument("out")
+@click.argument("new")
+@click.option("--seq-len", "-L", type=click.IntRange(min=1), default=None,
+              help="Tokens per training sequence [default: OUT's].")
+@click.option("--pack", "packing", type=click.Choice(["packed", "document", "bestfit"]), default=None,
+              help="How documents fill sequences [default: OUT's].")
+@click.option("--min-tail-len", type=click.IntRange(min=0), default=None,
+              help="document and bestfit: as build's [default: the new packing's own, not OUT's].")
+@click.option("--overwrite", is_flag=True, help="Replace a dataset or unfinished build in NEW.")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as one JSON object.")
+@handle_errors
+def repack(out, new, seq_len, packing, min_tail_len, overwrite, as_json):
+    """Write OUT's documents into NEW at another --seq-len or --pack, tokenizing nothing: NEW holds what
+    `helixtok build` with those options writes. A packed or bestfit NEW links OUT's shards (hard links:
+    it costs about the index); a document NEW is written from them. OUT is only read.
+
+    \b
+    Example:
+      helixtok repack out/ out-4096/ --seq-len 4096 --pack bestfit
+    """
+    from ..repacking import repack as run_repack
+
+    m = run_repack(out, new, seq_len=seq_len, packing=packing, min_tail_len=min_tail_len, overwrite=overwrite)
+    up = bool(getattr(m, "up_to_date", False))
+    if not as_json and not up:
+        click.echo(f"repacked {out} into {new}: {m.linked} shard group{'s' if m.linked != 1 else ''} linked, "
+                        f"{m.packed} written anew; nothing tokenized")
+    print_summary(m, new, as_json, console(), up_to_date=up)
 
 
 @click.group()

@@ -27,7 +27,6 @@ from typing import Callable
 
 import numpy as np
 
-from ..format.bestfit import build_index, doc_spans, write_index
 from ..format.errors import ConfigError, DatasetError, HelixtokError, InputError, from_cli, python_terms, resource_error
 from ..format.manifest import FORMAT_VERSION, MANIFEST, write_json_atomic
 from ..format.objstore import current, is_url
@@ -38,7 +37,7 @@ from ..version import __version__
 from . import preload
 from .backend_check import choose_backend
 from .backends import FAST, backend_version, forget_fast_tokenizers
-from .catalog import CHAT_TEMPLATE, build_manifest, chat_counts, join_split, published, unit_counts
+from .catalog import CHAT_TEMPLATE, bestfit_index, build_manifest, chat_counts, join_split, published, unit_counts
 from .chat import check_date
 from .config import BuildConfig
 from .discover import discover
@@ -486,7 +485,8 @@ def _publish(run: Run, info, backend_check: dict, trusted: dict, results: list[d
         run.on_progress(Progress(total, total, sum(sum(r["documents"].values()) for r in results),
                                  sum(sum(r["tokens"].values()) for r in results), len(units), len(units), "write"))
     names = ("train", "val") if config.val_fraction > 0 else ("train",)
-    indexes = {s: _bestfit_index(run, [e for j in joined for e in j["shards"][s]], s) for s in names} \
+    indexes = {s: bestfit_index([e for j in joined for e in j["shards"][s]], s, config, partial(_read_docs, run),
+                                run.state) for s in names} \
         if config.packing == "bestfit" else {}
     splits = {s: join_split([unit_counts(r, s) for r in results], [published(e) for j in joined for e in j["shards"][s]],
                             config.seq_len, config.packing, indexes.get(s)) for s in names}
@@ -572,15 +572,6 @@ def _nothing_read(tally: Tally, field: str) -> str | None:
         return None
     parts = [f"{n:,} {_SKIPPED[r][0].format(f=field)} (e.g. {tally.examples[r][0]})" for n, r in got]
     return f"the corpus gave no document to tokenize: {'; '.join(parts)}; {_SKIPPED[got[0][1]][1]}"
-
-
-def _bestfit_index(run: Run, shards: list[dict], split: str):
-    """The split's bestfit index, placed from its documents' lengths (the .docs sidecars: 8 bytes a
-    document, no token read) and written into STATE."""
-    spans = doc_spans([(e["num_tokens"], _read_docs(run, e["docs"])) for e in shards])
-    idx = build_index(*spans, run.config.seq_len, run.config.tail_len)
-    idx.entry = write_index(run.state, split, idx)
-    return idx
 
 
 def _read_mask(run: Run, m: dict, start: int, stop: int) -> bytes:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ..format.bestfit import build_index, doc_spans, write_index
 from ..format.manifest import DOC_SKIPS, FORMAT_VERSION, REPAIRS, SIDE_NAMES, sum_sources
 from ..version import __version__
 
@@ -32,6 +33,15 @@ def join_split(pieces: list[dict], shards: list[dict], seq_len: int, packing: st
                  dropped_documents=index.dropped_documents)
         extra = {"index": index.entry}
     return {"num_chunks": chunks, "num_tokens": chunks * seq_len, **d, "shards": shards, **extra}
+
+
+def bestfit_index(shards: list[dict], split: str, config, read_docs, folder: str):
+    """The split's bestfit index, placed from its documents' lengths (read_docs(a shard's "docs"
+    entry): its .docs offsets, 8 bytes a document, no token read) and written into `folder`."""
+    spans = doc_spans([(e["num_tokens"], read_docs(e["docs"])) for e in shards])
+    idx = build_index(*spans, config.seq_len, config.tail_len)
+    idx.entry = write_index(folder, split, idx)
+    return idx
 
 
 def chat_counts(pieces: list[dict], split: dict, shards: list[dict], packing: str, read_mask) -> dict:

@@ -48,8 +48,11 @@ def shard_groups(units, shard_bytes: int, itemsize: int) -> list[tuple[int, int]
 
 
 def piece_tokens(config, itemsize: int) -> int:
-    """Tokens a shard (a piece of its group's stream) holds at most: whole chunks."""
-    return max(1, limits.SHARD_LIMIT * config.shard_bytes // (config.seq_len * itemsize)) * config.seq_len
+    """Tokens a shard (a piece of its group's stream) holds at most: 2 x --shard-size bytes, in whole
+    chunks for `document` (its shards hold rows); for `packed` and `bestfit` whatever the sequence
+    length, so their shards are the same for every --seq-len and either packing (a repack links them)."""
+    n = max(1, limits.SHARD_LIMIT * config.shard_bytes // itemsize)
+    return max(1, n // config.seq_len) * config.seq_len if config.packing == "document" else n
 
 
 def placed_from(r: dict) -> list:

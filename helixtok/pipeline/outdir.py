@@ -154,7 +154,7 @@ def refuse_foreign_state(out: str) -> None:
 
 # What helixtok writes in STATE (and their temp names): a folder holding only these is its own.
 _STATE_NAMES = re.compile(r"\.?(u\d{6}\.\S+|g\d{6}\.\S+|plan\.json|owned\.json|publish\.json|tokenizer\.json|"
-                          r"build-plan\.json|manifest\.json|ray-driver\.log|chat_template\.jinja)(\.tmp)?")
+                          r"build-plan\.json|manifest\.json|ray-driver\.log|chat_template\.jinja|(?:train|val)\.(?:items|chunks))(\.tmp)?")
 
 
 def refuse_foreign(out: str, allowed: set[str] = frozenset()) -> None:
