@@ -335,3 +335,40 @@ def test_block_shuffle_covers_the_epoch_keeps_nodes_apart_and_resumes(sizes, nod
             assert set(elastic) <= set(rest) and len(elastic) >= len(rest) - new_world
         else:
             assert set(elastic) == set(rest)
+
+
+@pytest.mark.parametrize("nw", [0, 2, 4])
+def test_statefuldataloader_resumes_each_rank_at_the_exact_next_sample(dev_packed, nw):
+    """Issue 56.5: torchdata's StatefulDataLoader over MemmapChunkDataset + ChunkSampler, stopped after
+    7 batches and resumed from its own state_dict() in a new loader and sampler: the rest equals an
+    uninterrupted run's, on each of 2 ranks; the two ranks' runs hold every chunk of the epoch once."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    ds = MemmapChunkDataset(dev_packed)
+    B = 16
+
+    def loader(rank, state=None):
+        s = ChunkSampler(ds, seed=7, rank=rank, world_size=2, drop_last=True)
+        s.set_epoch(1)
+        dl = StatefulDataLoader(ds, batch_size=B, sampler=s, num_workers=nw)
+        if state is not None:
+            dl.load_state_dict(state)
+        return dl
+
+    rows = []
+    for rank in (0, 1):
+        want = [b["input_ids"].numpy() for b in loader(rank)]
+        dl, got = loader(rank), []
+        for k, b in enumerate(dl):
+            got.append(b["input_ids"].numpy())
+            if k == 6:
+                state = dl.state_dict()
+                break
+        del dl
+        got += [b["input_ids"].numpy() for b in loader(rank, state)]
+        assert len(got) == len(want) and all(np.array_equal(a, b) for a, b in zip(got, want))
+        rows.append(np.concatenate(want))
+    every = np.stack([ds[i]["input_ids"].numpy() for i in range(len(ds) - len(ds) % 2)])
+    both = np.concatenate(rows)
+    assert len(both) == len(every)
+    assert sorted(map(bytes, both)) == sorted(map(bytes, every))

@@ -98,7 +98,9 @@ class ChunkSampler:
 
     Resume: `state = sampler.state_dict(samples_consumed)` at a checkpoint (what the training
     loop consumed on this rank this epoch: batches x batch_size); after `load_state_dict(state)`
-    the next iteration starts at exactly the next sample, whatever num_workers is.
+    the next iteration starts at exactly the next sample, whatever num_workers is.  torchdata's
+    `StatefulDataLoader` does it by itself: `loader.state_dict()` holds this sampler's state for
+    the last batch it yielded, and `load_state_dict` resumes there (num_workers any).
 
     Elastic resume: the state also records the global position (samples_consumed x world_size:
     every rank consumed as many).  Loaded by a sampler with another world size, the rest of the
@@ -156,6 +158,7 @@ class ChunkSampler:
         total = self._positions()
         self.num_samples = samples_per_rank(total - base, self.world_size, self.drop_last) if base < total else 0
         self._offset = 0
+        self._pulled: int | None = None  # indices handed out by the running iteration (state_dict())
 
     def set_epoch(self, epoch: int) -> None:
         if epoch != self.epoch:
@@ -182,17 +185,19 @@ class ChunkSampler:
         return Permutation(self.n, seed=self.seed, epoch=self.epoch)(pos)
 
     def __iter__(self) -> Iterator[int | tuple[int, int]]:
+        self._pulled = self._offset
         for a in range(self._offset, self.num_samples, BLOCK):
             got = self.indices(a, min(a + BLOCK, self.num_samples))
-            if self._fetcher is not None:
-                yield from self._prefetching(got)
-                continue
-            got = got.tolist()
-            # A dataset that repacks every epoch is told the epoch with each index: DataLoader
-            # workers (persistent ones too) then read the epoch's packing without set_epoch.
-            yield from ([(self.epoch, i) for i in got] if self.pairs else got)
+            parts = self._prefetching(got) if self._fetcher is not None else (got.tolist(),)
+            for part in parts:
+                # A dataset that repacks every epoch is told the epoch with each index: DataLoader
+                # workers (persistent ones too) then read the epoch's packing without set_epoch.
+                for i in part:
+                    self._pulled += 1  # before the yield: what state_dict() says once it is taken
+                    yield (self.epoch, i) if self.pairs else i
         # A resumed position applies to one epoch only; len() stays right while the epoch runs.
         self._rebase(0)
+        self._pulled = self.num_samples  # the epoch is done: a state taken now resumes after it
 
     def _node_share(self, pos: np.ndarray) -> np.ndarray:
         """Global position -> place in the block order: rank r's k-th sample is the (r % R + R k)-th
@@ -204,13 +209,18 @@ class ChunkSampler:
         return (r // rpn) * (rpn * per_rank) + r % rpn + rpn * k
 
     def _prefetching(self, got: np.ndarray):
-        """got's indices, the blocks of the next PREFETCH_AHEAD asked for as each stretch starts."""
+        """got's indices in stretches, the blocks of the next PREFETCH_AHEAD asked for as each starts."""
         for j in range(0, len(got), PREFETCH_STEP):
             self._fetcher.prefetch(got[j: j + PREFETCH_AHEAD])
-            part = got[j: j + PREFETCH_STEP].tolist()
-            yield from ([(self.epoch, i) for i in part] if self.pairs else part)
+            yield got[j: j + PREFETCH_STEP].tolist()
 
-    def state_dict(self, samples_consumed: int) -> dict:
+    def state_dict(self, samples_consumed: int | None = None) -> dict:
+        """Where this rank is in the epoch.  samples_consumed: what the training loop consumed on
+        this rank this epoch; None: the indices this sampler has handed out (what torchdata's
+        StatefulDataLoader needs: it calls state_dict() as each batch's indices are drawn, and
+        keeps the state that matches the batch it yields)."""
+        if samples_consumed is None:
+            samples_consumed = self._offset if self._pulled is None else self._pulled
         consumed = min(self._base + int(samples_consumed) * self.world_size, self._positions())
         return {"seed": self.seed, "epoch": self.epoch, "offset": int(samples_consumed), "n": self.n,
                 "world_size": self.world_size, "rank": self.rank, "drop_last": self.drop_last,
