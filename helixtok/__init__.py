@@ -4,8 +4,9 @@ This module is the public API and nothing else; docs/architecture.md maps the fo
 
 from .version import __version__
 
-__all__ = ["BuildConfig", "ChunkSampler", "MemmapChunkDataset", "Mixture", "MixtureDataset", "Stage", "build",
-           "repack", "__version__"]
+__all__ = ["BuildConfig", "ChunkSampler", "MemmapChunkDataset", "MemmapDocumentDataset", "Mixture", "MixtureDataset",
+           "Stage", "TokenBudgetSampler", "build",
+           "collate_varlen", "repack", "__version__"]
 
 
 def __getattr__(name):
@@ -26,6 +27,10 @@ def __getattr__(name):
         from .read.dataset import MemmapChunkDataset
 
         return MemmapChunkDataset
+    if name in ("MemmapDocumentDataset", "TokenBudgetSampler", "collate_varlen"):
+        from .read import documents
+
+        return getattr(documents, name)
     if name == "MixtureDataset":
         from .read.mixture import MixtureDataset
 

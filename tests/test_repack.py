@@ -143,6 +143,20 @@ def test_a_chat_build_repacks_where_its_conversations_stay_whole(tmp_path, dev_d
         chat_build(tmp_path / f"ref-{pk}", L, pk)
         repack(str(tmp_path / "src"), str(tmp_path / f"new-{pk}"), seq_len=L, packing=pk)
         assert_same_dataset(tmp_path / f"new-{pk}", tmp_path / f"ref-{pk}")
+    # The document view of a chat build: a conversation an item, trained where its mask says.
+    import numpy as np
+
+    from helixtok import MemmapDocumentDataset
+
+    ds = MemmapDocumentDataset(str(tmp_path / "new-bestfit"))
+    train = json.loads((tmp_path / "new-bestfit" / "manifest.json").read_text())["splits"]["train"]
+    mask = np.concatenate([np.fromfile(tmp_path / "new-bestfit" / e["mask"]["path"], np.uint8) for e in train["shards"]])
+    assert len(ds) == train["chat"]["conversations"] and len(mask) == sum(len(ds[i]["labels"]) for i in range(len(ds)))
+    at = 0
+    for i in range(len(ds)):
+        lab = ds[i]["labels"].numpy()
+        assert np.array_equal(lab != -100, mask[at: at + len(lab)] == 1)
+        at += len(lab)
     # Shorter than its longest conversation: a build would drop or cut it.
     with pytest.raises(ConfigError, match=f"holds a conversation of {longest:,} tokens, longer than --seq-len "
                                           f"{longest - 1}: a build at {longest - 1} drops or cuts it"):

@@ -459,3 +459,18 @@ try:
 except HelixtokError as e:
     print(type(e).__name__ + ":", e)
 """
+
+
+def test_the_document_view_streams_the_local_items(remote, tmp_path):
+    """Issue 56.3: MemmapDocumentDataset over a URL (through the block cache): the local items, exactly."""
+    from helixtok import MemmapDocumentDataset
+
+    (sets, _) = remote
+    for packing in ("packed", "bestfit"):
+        local, url = sets[packing]
+        a = MemmapDocumentDataset(local, max_len=300)
+        b = MemmapDocumentDataset(url, max_len=300, cache_dir=str(tmp_path / packing), block_bytes=BLOCK)
+        assert len(a) == len(b) > 50
+        for i in range(len(a)):
+            x, y = a[i], b[i]
+            assert all(np.array_equal(x[k], y[k]) for k in ("input_ids", "labels")), i

@@ -132,10 +132,15 @@ def info(out, as_json, html_file):
 @click.option("--seq-len", "-L", type=click.IntRange(min=1), default=None,
               help="Packed data: count chunks of this length, as MemmapChunkDataset(out, seq_len=L) reads them "
                    "[default: the build's].")
+@click.option("--max-tokens", type=click.IntRange(min=1), default=None,
+              help="Count the document view's token-budget batches instead (MemmapDocumentDataset + "
+                   "TokenBudgetSampler(max_tokens=N)): per epoch and per rank.")
+@click.option("--max-len", type=click.IntRange(min=1), default=None,
+              help="With --max-tokens: documents cut into pieces of at most this many tokens (max_len=).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @handle_errors
 def stats(out, mixture_file, split, batch_size, grad_accum, world_size, epochs, sampler_drop_last, loader_drop_last,
-          drop_last, warmup_ratio, seq_len, as_json):
+          drop_last, warmup_ratio, seq_len, max_tokens, max_len, as_json):
     """Exact chunk, batch and optimizer-step counts for a training run over OUT (or a mixture).
 
     \b
@@ -143,6 +148,7 @@ def stats(out, mixture_file, split, batch_size, grad_accum, world_size, epochs, 
       helixtok stats out/ -b 16 -g 4 -w 8 --epochs 2 --warmup-ratio 0.01 --json
       helixtok stats out/ -b 16 --seq-len 4096     # packed data read at another length
       helixtok stats --mixture mix.yaml -b 16 -g 4 -w 8
+      helixtok stats out/ --max-tokens 16384 --max-len 4096 -w 8   # the document view's batches
     """
     from ..format.errors import ConfigError
     from ..read.stats import stats_for
@@ -152,6 +158,16 @@ def stats(out, mixture_file, split, batch_size, grad_accum, world_size, epochs, 
     if mixture_file:
         return _mixture_stats(mixture_file, split, batch_size, grad_accum, world_size, as_json)
 
+    if max_tokens is not None:
+        from ..read.budget import budget_for
+
+        b = budget_for(out, split, max_tokens, max_len, world_size, drop_last)
+        click.echo(json.dumps(b) if as_json else "\n".join(f"{k}: {v:,}" if isinstance(v, int) and v is not None
+                                                           and not isinstance(v, bool) else f"{k}: {v}"
+                                                           for k, v in b.items()))
+        return
+    if max_len is not None:
+        raise ConfigError("--max-len goes with --max-tokens (the document view's pieces)")
     st = stats_for(out, split=split, batch_size=batch_size or 1, grad_accum=grad_accum, world_size=world_size,
                    epochs=epochs, drop_last=drop_last, sampler_drop_last=sampler_drop_last,
                    loader_drop_last=loader_drop_last, warmup_ratio=warmup_ratio, seq_len=seq_len)

@@ -121,3 +121,4 @@ def stats_for(out_dir: str, **kw) -> Stats:
             n -= k
         return ones
     return compute_stats(load_manifest(out_dir), where=out_dir, tail_ones=None if is_url(out_dir) else tail_ones, **kw)
+
