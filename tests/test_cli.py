@@ -97,9 +97,9 @@ def test_unsupported_file_type_and_json(tmp_path, small_tok):
     (tmp_path / "data.csv").write_text("a,b\n")
     r = run("build", tmp_path / "data.csv", tmp_path / "out", "-t", small_tok)
     assert r.exit_code == 1 and "data.csv: unsupported file type; supported: .txt" in r.output
-    (tmp_path / "data.json").write_text('[{"text": "x"}]')
+    (tmp_path / "data.json").write_text('{\n  "text": "x"\n}')
     r = run("build", tmp_path / "data.json", tmp_path / "out", "-t", small_tok)
-    # (issue 41: .json is read as JSON Lines now; one JSON array is refused with the conversion)
+    # (issue 41: .json is read as JSON Lines or one JSON array; one object over lines is refused with the conversion)
     assert r.exit_code == 1 and "not JSON Lines" in r.output and "jq -c '.[]'" in r.output
 
 

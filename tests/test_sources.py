@@ -782,9 +782,9 @@ def test_one_huge_json_line_under_a_memory_limit_is_one_line(tmp_path, small_tok
 
 def test_c4_and_dolma_json_gz_files_are_read_as_json_lines(tmp_path, small_tok):
     """allenai/c4 and Dolma name their JSON Lines files .json.gz: a file and a folder of them build,
-    the same bytes as the same records named .jsonl.gz; a .json holding one JSON array (or one
-    document over several lines) is refused in one line naming it and the jq command that converts
-    it (issue 41: refused as unsupported, with a fix that wrote X.json.gzl)."""
+    the same bytes as the same records named .jsonl.gz; a .json holding one object over several
+    lines is refused in one line naming it and the jq command that converts it (issue 41: refused
+    as unsupported, with a fix that wrote X.json.gzl); one JSON array is read (issue 63.2)."""
     import gzip
 
     from click.testing import CliRunner
@@ -811,9 +811,9 @@ def test_c4_and_dolma_json_gz_files_are_read_as_json_lines(tmp_path, small_tok):
     assert [e["segments"] for e in a["splits"]["train"]["shards"]] == [e["segments"] for e in b["splits"]["train"]["shards"]]
     assert json.loads((tmp_path / "one" / "manifest.json").read_text())["totals"]["documents"] == 200
 
-    (tmp_path / "array.json").write_text(json.dumps(records[:3]))
+    (tmp_path / "pretty.json").write_text(json.dumps(records[1], indent=2))
     (tmp_path / "pretty.json.gz").write_bytes(gzip.compress(json.dumps(records[0], indent=2).encode()))
-    for name, cat in (("array.json", f"jq -c '.[]' {tmp_path / 'array.json'} > {tmp_path / 'array'}.jsonl"),
+    for name, cat in (("pretty.json", f"jq -c '.[]' {tmp_path / 'pretty.json'} > {tmp_path / 'pretty'}.jsonl"),
                       ("pretty.json.gz", f"gzip -dc {tmp_path / 'pretty.json.gz'} | jq -c '.[]' > "
                                          f"{tmp_path / 'pretty'}.jsonl")):
         r = CliRunner().invoke(main, ["build", str(tmp_path / name), str(tmp_path / "x"), *base])
@@ -868,3 +868,63 @@ def test_include_and_exclude_choose_the_files_found(tmp_path, small_tok):
                                      "--shard-size", "1KiB"]).exit_code == 0
     for f in single.glob("train-*"):
         assert f.read_bytes() == next(parts.rglob(f.name)).read_bytes(), f.name
+
+
+def test_nested_fields_and_json_arrays_build_the_flat_corpus_bytes(tmp_path, small_tok):
+    """Issue 63.2: --text-field meta.text reaches into nested JSON objects (.jsonl, .jsonl.gz, a JSON
+    array .json/.json.gz) and Parquet/Arrow struct columns: the very bytes of the same texts in a
+    flat `text` field, at -j 1 and -j 2 with small units; a record without it is counted at its
+    element; a wrong path is one line naming the columns."""
+    import gzip
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from click.testing import CliRunner
+
+    from helixtok.cli import main
+
+    texts = [f"Record {i}: " + "the quick brown fox jumps over the lazy dog. " * (i % 5 + 1) for i in range(120)]
+    flat, nested = tmp_path / "flat", tmp_path / "nested"
+    for d in (flat, nested):
+        (d / "a").mkdir(parents=True)
+    chunks = [texts[:30], texts[30:60], texts[60:90], texts[90:]]
+
+    def lines(rows):
+        return "".join(json.dumps(r) + "\n" for r in rows)
+    (flat / "a" / "0.jsonl").write_text(lines({"text": t} for t in chunks[0]))
+    (nested / "a" / "0.jsonl").write_text(lines({"meta": {"text": t, "lang": "en"}, "id": i} for i, t in enumerate(chunks[0])))
+    (flat / "a" / "1.jsonl.gz").write_bytes(gzip.compress(lines({"text": t} for t in chunks[1]).encode()))
+    (nested / "a" / "1.json.gz").write_bytes(gzip.compress(json.dumps([{"meta": {"text": t}} for t in chunks[1]],
+                                                                         indent=1).encode()))
+    (flat / "a" / "2.jsonl").write_text(lines({"text": t} for t in chunks[2]))
+    (nested / "a" / "2.json").write_text(json.dumps([{"meta": {"text": t}} for t in chunks[2]]))
+    pq.write_table(pa.table({"text": chunks[3]}), flat / "a" / "3.parquet", row_group_size=8)
+    pq.write_table(pa.table({"meta": pa.array([{"text": t, "url": "u"} for t in chunks[3]])}), nested / "a" / "3.parquet",
+                   row_group_size=8)
+    base = ["-t", small_tok, "-L", "16", "-q", "--unit-size", "1KiB", "--val-fraction", "0.2"]
+    r = CliRunner().invoke(main, ["build", str(flat), str(tmp_path / "ref"), *base])
+    assert r.exit_code == 0, r.output
+    for j in ("1", "2"):
+        out = tmp_path / f"n{j}"
+        r = CliRunner().invoke(main, ["build", str(nested), str(out), *base, "--text-field", "meta.text", "-j", j])
+        assert r.exit_code == 0, r.output
+        a, b = (json.loads((p / "manifest.json").read_text()) for p in (tmp_path / "ref", out))
+        assert a["totals"] == b["totals"] and a["totals"]["documents"] == 120
+        for s in ("train", "val"):
+            for x, y in zip(a["splits"][s]["shards"], b["splits"][s]["shards"]):
+                assert (tmp_path / "ref" / x["path"]).read_bytes() == (out / y["path"]).read_bytes()
+    # A record of an array without the field: counted where it is.
+    (nested / "a" / "2.json").write_text(json.dumps([{"meta": {"text": t}} for t in chunks[2]] + [{"meta": {}}]))
+    r = CliRunner().invoke(main, ["build", str(nested), str(tmp_path / "m"), *base, "--text-field", "meta.text",
+                                  "--json"])
+    assert r.exit_code == 0, r.output
+    m = json.loads((tmp_path / "m" / "manifest.json").read_text())
+    assert m["skipped"]["missing_text"] == {"count": 1, "examples": ["2.json element 31"]}, m["skipped"]
+    # A path that is not there: one line naming the columns.
+    r = CliRunner().invoke(main, ["build", str(nested / "a" / "3.parquet"), str(tmp_path / "w"), *base,
+                                  "--text-field", "meta.body"])
+    assert r.exit_code == 1 and "no column 'meta.body' (columns: meta)" in r.output and "Traceback" not in r.output
+    # A damaged array: one line.
+    (tmp_path / "bad.json").write_text('[{"text": "a"}, {"text": ')
+    r = CliRunner().invoke(main, ["build", str(tmp_path / "bad.json"), str(tmp_path / "b"), *base])
+    assert r.exit_code == 1 and "bad.json: not one valid JSON array" in r.output and "Traceback" not in r.output

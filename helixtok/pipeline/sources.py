@@ -14,11 +14,12 @@ try:
 except ImportError:  # optional speed-up: the stdlib path reads every line the same way
     orjson = None
 
+from ..format.errors import InputError
 from ..format.objstore import expired, open_input, size_of
 from .compressed import ZstdRaw, damaged, drop_index, open_stream
 from .longdoc import NESTED, SURROGATE, LongText, long_text_file, parse_long_line, repair_surrogates
 from .tally import Tally
-from .units import Unit, arrow_batches, parquet_source
+from .units import Unit, arrow_batches, arrow_field, arrow_leaf, field_value, parquet_source
 
 # --------------------------------------------------------------------------- reading
 
@@ -34,7 +35,7 @@ def _fast_text(line: bytes, field: str) -> str | None:
         obj = orjson.loads(line)
     except orjson.JSONDecodeError:
         return None
-    text = obj.get(field) if type(obj) is dict else None
+    text = (obj.get(field) if "." not in field else field_value(obj, field)[1]) if type(obj) is dict else None
     return text if type(text) is str else None
 
 
@@ -159,6 +160,8 @@ class UnitReader:
             yield from self._parquet()
         elif kind == "arrow":
             yield from self._arrow()
+        elif self.unit.array:
+            yield from self._json_array()
         else:
             yield from self._jsonl()
 
@@ -183,6 +186,29 @@ class UnitReader:
                 text = text[1:]
             self._loc = (name, None, "")
             yield text
+
+    def _json_array(self) -> Iterator[str]:
+        """A .json file holding one JSON array: parsed whole (in memory: JSON Lines is the form for
+        large data), each element a record, located as `file element N`."""
+        u = self.unit
+        path, name = u.files[0], u.names[0]
+        with open_input(path) as raw:
+            try:
+                data = open_stream(path, u.kind, raw).read()
+            except (OSError, EOFError, ValueError) as e:  # a damaged compressed stream, said as such
+                raise InputError(f"{name}: cannot be read ({e}); re-create it or leave it out") from None
+        self.consumed += len(data)
+        try:
+            items = json.loads(data.decode("utf-8-sig"))
+        except (ValueError, RecursionError) as e:
+            raise InputError(f"{name}: not one valid JSON array ({str(e)[:120]}); fix the file or write it as JSON "
+                             "Lines (one object per line)") from None
+        del data
+        for n, obj in enumerate(items, 1):
+            self._loc = (name, n, " element ")
+            got = self._field(obj, f"{name} element {n}")
+            if got is not None:
+                yield got
 
     def _gz_range(self, path: str, raw):
         """A stream at the start of this .gz range: through its seek index (`aux`), or, with none or
@@ -328,9 +354,9 @@ class UnitReader:
             return None
         if self.records:
             return obj
-        text = obj.get(self.text_field)
+        found, text = field_value(obj, self.text_field)
         if text is None:
-            self.tally.add("missing_text" if self.text_field not in obj else "null_text", where)
+            self.tally.add("null_text" if found else "missing_text", where)
             return None
         if not isinstance(text, str):
             self.tally.add("non_string_text", f"{where} ({type(text).__name__})")
@@ -379,7 +405,8 @@ class UnitReader:
                     yield from self._rows(b.select([c for c in (self.text_field, "tools") if c in b.schema.names]),
                                           row)
                 else:
-                    yield from self._column(b.column(self.text_field), row)
+                    where = arrow_field(b.schema, self.text_field)
+                    yield from self._column(arrow_leaf(b.column(where[0]), where), row)
                 row += b.num_rows
                 self.consumed += b.nbytes
 
@@ -395,7 +422,8 @@ class UnitReader:
                 cols = [c for c in (self.text_field, "tools") if c in pf.schema_arrow.names]
                 yield from self._rows(pf.read_row_group(rg, columns=cols), row)
             else:
-                table = pf.read_row_group(rg, columns=[self.text_field])
-                yield from self._column(table.column(0), row)
+                where = arrow_field(pf.schema_arrow, self.text_field)
+                table = pf.read_row_group(rg, columns=[".".join(where)])
+                yield from self._column(arrow_leaf(table.column(0), where), row)
             row += meta.num_rows
             self.consumed += meta.total_byte_size

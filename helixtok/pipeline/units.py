@@ -39,7 +39,8 @@ class Unit:
     between frames instead (`frames`: start/stop are compressed offsets, each range owning the
     lines that begin from the second byte of its first frame on).  stop == 0: the whole file.
     parquet: row groups
-    [start, stop), first_line the index of its first row.
+    [start, stop), first_line the index of its first row.  array: a whole .json(.gz/.zst) file
+    holding one JSON array of records (HF users' `to_json(lines=False)`), its elements the records.
     """
 
     index: int
@@ -57,6 +58,8 @@ class Unit:
     seek: tuple[int, int] = (0, 0)  # jsonl.zst ranges: (compressed, decompressed) offset of a frame
     ends_file: bool = False  # jsonl.zst ranges: the last, which must end where the data ends
     frames: bool = False  # jsonl.zst: start/stop are compressed offsets of whole frames (sizes undeclared)
+    array: bool = False  # a .json file holding one JSON array of records: read whole, by one reader
+
 
     @property
     def skip_bytes(self) -> int:
@@ -66,7 +69,7 @@ class Unit:
 
     def to_json(self) -> dict:
         return {"kind": self.kind, "files": list(self.names), "start": self.start, "stop": self.stop,
-                "est_bytes": self.est_bytes}
+                "est_bytes": self.est_bytes, **({"array": True} if self.array else {})}
 
 
 def plan_units(files: list[InputFile], *, unit_bytes: int, text_field: str, stall: float = 600.0,
@@ -80,7 +83,8 @@ def plan_units(files: list[InputFile], *, unit_bytes: int, text_field: str, stal
     packed_total = sum(f.size for f in files if f.kind in ("jsonl.gz", "jsonl.zst"))
     split_at = max(limits.SPLIT_BYTES, packed_total // limits.SPLIT_SHARE)
     range_bytes = max(unit_bytes, limits.RANGE_MIN_BYTES)
-    big = [f for f in files if f.kind in ("jsonl.gz", "jsonl.zst") and f.size >= split_at]
+    arrays = {f.path for f in files if f.kind in ("jsonl", "jsonl.gz", "jsonl.zst") and json_array_file(f)}
+    big = [f for f in files if f.kind in ("jsonl.gz", "jsonl.zst") and f.size >= split_at and f.path not in arrays]
     for f in big:  # a wrong --text-field fails before any long pass starts
         _check_jsonl_head(f, text_field)
     halt = threading.Event()  # ends the passes early when planning fails or is interrupted
@@ -112,7 +116,10 @@ def plan_units(files: list[InputFile], *, unit_bytes: int, text_field: str, stal
                     flush_text()
                 continue
             flush_text()
-            if f.kind == "jsonl":
+            if f.path in arrays:  # one JSON array: parsed whole, so one unit
+                units.append(Unit(len(units), f.kind, (f.path,), (f.name,), est_bytes=f.size * (1 if f.kind == "jsonl"
+                                                                                                  else 4), array=True))
+            elif f.kind == "jsonl":
                 if f.size == 0:
                     warnings.add("empty_file", f.name)
                     continue
@@ -162,13 +169,67 @@ def _line_aligned_cuts(path: str, size: int, unit_bytes: int) -> Iterator[tuple[
             start = stop
 
 
+def field_value(obj: dict, field: str) -> tuple[bool, object]:
+    """(found, value) of --text-field in a record: the key itself, else a dotted path into nested
+    objects (`meta.text`: obj["meta"]["text"]), as Megatron's --json-keys users write it."""
+    if field in obj:
+        return True, obj[field]
+    if "." not in field:
+        return False, None
+    for part in field.split("."):
+        if not isinstance(obj, dict) or part not in obj:
+            return False, None
+        obj = obj[part]
+    return True, obj
+
+
+def arrow_field(schema, field: str) -> list[str] | None:
+    """Where --text-field is in an Arrow schema: [the column], or (a dotted path) the column and
+    the names of the struct fields down to it; None when it is neither."""
+    import pyarrow as pa
+
+    if field in schema.names:
+        return [field]
+    path = field.split(".")
+    if len(path) < 2 or path[0] not in schema.names:
+        return None
+    typ = schema.field(path[0]).type
+    for p in path[1:]:
+        if not pa.types.is_struct(typ) or typ.get_field_index(p) < 0:
+            return None
+        typ = typ.field(p).type
+    return path
+
+
+def arrow_leaf(column, path: list[str]):
+    """The (chunked) array at `path` (arrow_field's) below a column holding path[0]."""
+    import pyarrow.compute as pc
+
+    for p in path[1:]:
+        column = pc.struct_field(column, p)
+    return column
+
+
+def json_array_file(f: InputFile) -> bool:
+    """A file named .json(.gz/.zst) whose first non-blank byte opens a JSON array."""
+    if re.search(r"\.json(\.gz|\.zst|\.zstd)?$", f.path.lower()) is None:
+        return False
+    try:
+        with open_input(f.path) as raw:
+            head = open_stream(f.path, f.kind, raw).read(1 << 16)
+    except Exception:  # noqa: BLE001 - a damaged stream is reported, with its line, by the reader
+        return False
+    return head.lstrip(b"\xef\xbb\xbf \t\r\n").startswith(b"[")
+
+
 def _check_jsonl_head(f: InputFile, text_field: str) -> None:
     """Fail fast when the first record lacks the text field: that is a wrong --text-field, not bad
     data.  A file named .json* (C4 and Dolma name JSON Lines so) whose first line is not one JSON
     object holds a single JSON document: refused, with how to convert it."""
     first = None
     named_json = re.search(r"\.json(\.gz|\.zst|\.zstd)?$", f.path.lower()) is not None
-    key = re.compile(rb'"' + re.escape(json.dumps(text_field)[1:-1].encode()) + rb'"\s*:')
+    last = text_field.rsplit(".", 1)[-1]  # a dotted path's last key: on that line, somewhere
+    key = re.compile(rb'"' + re.escape(json.dumps(last)[1:-1].encode()) + rb'"\s*:')
     try:
         with open_input(f.path) as raw:
             stream, lineno = open_stream(f.path, f.kind, raw), 0
@@ -195,12 +256,12 @@ def _check_jsonl_head(f: InputFile, text_field: str) -> None:
         cat = {"jsonl": "", "jsonl.gz": "gzip -dc", "jsonl.zst": "zstd -dc"}[f.kind]
         src = f"{cat} {f.path} | jq -c '.[]'" if cat else f"jq -c '.[]' {f.path}"
         stem = re.sub(r"\.json(\.gz|\.zst|\.zstd)?$", "", f.path, flags=re.I)
-        raise InputError(f"{f.path}:{first[0]}: not JSON Lines (its first line is not one JSON object): a file "
-                         f"named .json is read as one JSON object per line; if it holds one JSON array, convert "
-                         f"it: {src} > {stem}.jsonl")
+        raise InputError(f"{f.path}:{first[0]}: not JSON Lines (its first line is not one JSON object) nor one JSON "
+                         f"array of objects: a file named .json is read as either; convert it to JSON Lines: "
+                         f"{src} > {stem}.jsonl")
     if first is None or first[1] is None:  # bad JSON is reported, with its line, by the reader
         return
-    if first and isinstance(first[1], dict) and text_field not in first[1]:
+    if first and isinstance(first[1], dict) and not field_value(first[1], text_field)[0]:
         keys = ", ".join(sorted(first[1])[:10]) or "none"
         chats = [k for k, v in first[1].items() if isinstance(v, list) and v and isinstance(v[0], dict) and "role" in v[0]]
         raise InputError(f"{f.path}:{first[0]}: record has no field {text_field!r} (fields: {keys}); "
@@ -211,10 +272,13 @@ def _check_jsonl_head(f: InputFile, text_field: str) -> None:
 def _check_text_column(path: str, schema, text_field: str, chat: bool = False) -> None:
     import pyarrow as pa
 
-    if text_field not in schema.names:
+    where = arrow_field(schema, text_field) if not chat else [text_field] if text_field in schema.names else None
+    if where is None:
         raise InputError(f"{path}: no column {text_field!r} (columns: {', '.join(schema.names)}); "
-                         "pass --text-field with the name of the text column")
-    typ = schema.field(text_field).type
+                         "pass --text-field with the name of the text column (a.b: field b of struct column a)")
+    typ = schema.field(where[0]).type
+    for p in where[1:]:
+        typ = typ.field(p).type
     if chat:
         if not (pa.types.is_list(typ) or pa.types.is_large_list(typ)):
             raise InputError(f"{path}: column {text_field!r} has type {typ}, expected a list of messages; "
