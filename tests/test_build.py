@@ -322,10 +322,77 @@ def test_val_split_is_document_level_and_deterministic(tmp_path, small_tok):
     assert m["splits"] == m2["splits"]
     tr, va = m["splits"]["train"]["documents"], m["splits"]["val"]["documents"]
     assert tr + va == 220 and 20 < va < 80
-    # Duplicates go to the same split (content hash), so no document is in both.
-    from helixtok.pipeline.unit import _split_of
+    # The split is docs/format.md's hash, computed here without helixtok: a duplicate goes where
+    # its first copy goes, so no document is in both.
+    want_val = sum(_spec_hash(t, 0) < 0.2 * 2.0**64 for t in texts + texts[:20])
+    assert va == want_val
 
-    assert all(_split_of(t, 0.2, 0) == _split_of(t, 0.2, 0) for t in texts[:20])
+
+def _spec_hash(text: str, seed: int) -> int:
+    """docs/format.md's split hash: BLAKE2b, 8-byte digest, keyed by the seed, read little-endian."""
+    import hashlib
+
+    h = hashlib.blake2b(text.encode(), digest_size=8, key=seed.to_bytes(8, "little"))
+    return int.from_bytes(h.digest(), "little")
+
+
+def test_val_size_takes_the_n_smallest_hashes_whatever_the_partitioning(tmp_path, small_tok):
+    """Issue 63.3: --val-size N puts exactly the N documents with the smallest split hashes in val
+    (docs/format.md, recomputed here), the same bytes at -j 1 and -j 2, any unit size and as two
+    merged tasks; a val split that ends empty is a warning; what cannot be is one line."""
+    from click.testing import CliRunner
+
+    from helixtok.cli import main
+
+    texts = [f"hello world {i} " * (i % 7 + 1) for i in range(300)]
+    write(tmp_path / "c" / "a.jsonl", "".join(json.dumps({"text": t}) + "\n" for t in texts[:150]))
+    write(tmp_path / "c" / "b.jsonl", "".join(json.dumps({"text": t}) + "\n" for t in texts[150:]))
+    N = 37
+    cut = sorted(_spec_hash(t, 5) for t in texts)[N - 1]
+    want = sorted(t for t in texts if _spec_hash(t, 5) <= cut)
+    assert len(want) == N
+    outs = []
+    for k, kw in enumerate(({"workers": 1}, {"workers": 2, "unit_bytes": 2048}, {"workers": 2, "unit_bytes": 700})):
+        out = str(tmp_path / f"o{k}")
+        m = build([str(tmp_path / "c")], out, small_tok, BuildConfig(seq_len=4, val_size=N, split_seed=5, **kw))
+        assert m["splits"]["val"]["documents"] == N and m["splits"]["train"]["documents"] == 300 - N
+        assert m["options"]["val_size"] == N
+        outs.append(out)
+    tok = Tokenizer.from_file(small_tok)
+    val_stream = np.concatenate([np.fromfile(os.path.join(outs[0], e["path"]), np.uint16)
+                                 for e in json.load(open(os.path.join(outs[0], "manifest.json")))["splits"]["val"]["shards"]])
+    want_ids = [i for t in texts if _spec_hash(t, 5) <= cut for i in tok.encode(t).ids + [tok.token_to_id("<|endoftext|>")]]
+    assert val_stream.tolist() == want_ids  # those documents, in corpus order
+    for o in outs[1:]:
+        for s in ("train", "val"):
+            a = [open(os.path.join(outs[0], e["path"]), "rb").read() for e in json.load(open(os.path.join(outs[0], "manifest.json")))["splits"][s]["shards"]]
+            b = [open(os.path.join(o, e["path"]), "rb").read() for e in json.load(open(os.path.join(o, "manifest.json")))["splits"][s]["shards"]]
+            assert b"".join(a) == b"".join(b)
+    # Two tasks of a partitioned build, merged: the single build's splits.
+    base = ["-t", small_tok, "-L", "4", "--val-size", str(N), "--split-seed", "5", "-q", "--unit-size", "2KiB",
+            "--shard-size", "1KiB"]
+    for t in (0, 1):
+        r = CliRunner().invoke(main, ["build", str(tmp_path / "c"), str(tmp_path / "parts"), *base,
+                                      "--num-tasks", "2", "--task-index", str(t)])
+        assert r.exit_code == 0, r.output
+    r = CliRunner().invoke(main, ["merge", str(tmp_path / "parts" / "part-00000"), str(tmp_path / "parts" / "part-00001"),
+                                  str(tmp_path / "parts"), "--json"])
+    assert r.exit_code == 0, r.output
+    merged = json.load(open(tmp_path / "parts" / "manifest.json"))
+    assert merged["splits"]["val"]["documents"] == N
+    single = json.load(open(os.path.join(outs[0], "manifest.json")))
+    assert merged["splits"]["val"]["num_tokens"] == single["splits"]["val"]["num_tokens"]
+    # What cannot be: one line each.
+    for args, line in ((["--val-size", "300"], "--val-size 300 leaves no document to train on: the corpus has 300"),
+                       (["--val-size", "3", "--val-fraction", "0.1"], "give --val-fraction or --val-size, not both")):
+        r = CliRunner().invoke(main, ["build", str(tmp_path / "c"), str(tmp_path / "x"), "-t", small_tok, "-L", "4",
+                                      *args])
+        assert r.exit_code != 0 and line in r.output and "Traceback" not in r.output, r.output
+    assert not (tmp_path / "x").exists()
+    # A val fraction too small for the corpus: built, with a warning saying so.
+    r = CliRunner().invoke(main, ["build", str(tmp_path / "c"), str(tmp_path / "y"), "-t", small_tok, "-L", "4",
+                                  "--val-fraction", "0.000001"])
+    assert r.exit_code == 0 and "empty val split" in r.output and "give --val-size N for exactly N" in r.output
 
 
 def test_refuses_non_empty_out_and_finished_dataset(tmp_path, small_tok):

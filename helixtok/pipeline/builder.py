@@ -137,6 +137,8 @@ def _build_local(inputs, out, path, sha, config, overwrite, on_progress, task, r
         raise InputError(f"{warnings.first} (--strict)")
     if not units:
         raise InputError(f"no documents to read in {' '.join(inputs)}")
+    if config.val_size:
+        config = dataclasses.replace(config, val_cut=_val_cut(units, config))
     run = Run(out=out, config=config, overwrite=overwrite, on_progress=on_progress, files=files, units=units,
               warnings=warnings, run_id=f"r{os.getpid()}x{secrets.token_hex(3)}", remote=remote)
     # Sized for the library the check most likely picks; if it picks a slower one, a pool that
@@ -188,6 +190,30 @@ def _build_local(inputs, out, path, sha, config, overwrite, on_progress, task, r
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def _val_cut(units, config: BuildConfig) -> int:
+    """--val-size N's threshold: the N-th smallest split hash of the whole corpus, plus one (a hash
+    below it is val), from a first pass that reads and hashes every document in worker processes
+    (each task of a partitioned build makes the same pass over the whole corpus: the same cut)."""
+    import heapq
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+    from itertools import repeat
+
+    from .unit import smallest_split_hashes
+
+    n, workers = config.val_size, min(config.num_workers, len(units))
+    if workers > 1:
+        with ProcessPoolExecutor(workers, mp_context=mp.get_context("fork")) as ex:
+            parts = list(ex.map(smallest_split_hashes, units, repeat(config), repeat(n + 1)))
+    else:
+        parts = [smallest_split_hashes(u, config, n + 1) for u in units]
+    best = heapq.nsmallest(n + 1, heapq.merge(*parts))  # one more: a document must be left to train on
+    if len(best) <= n:
+        raise InputError(f"--val-size {n:,} leaves no document to train on: the corpus has {len(best):,}; give a "
+                         "smaller --val-size")
+    return best[n - 1] + 1
 
 
 @dataclasses.dataclass
@@ -484,7 +510,7 @@ def _publish(run: Run, info, backend_check: dict, trusted: dict, results: list[d
         total = sum(u.est_bytes for u in units)
         run.on_progress(Progress(total, total, sum(sum(r["documents"].values()) for r in results),
                                  sum(sum(r["tokens"].values()) for r in results), len(units), len(units), "write"))
-    names = ("train", "val") if config.val_fraction > 0 else ("train",)
+    names = ("train", "val") if config.has_val else ("train",)
     indexes = {s: bestfit_index([e for j in joined for e in j["shards"][s]], s, config, partial(_read_docs, run),
                                 run.state) for s in names} \
         if config.packing == "bestfit" else {}
@@ -499,11 +525,14 @@ def _publish(run: Run, info, backend_check: dict, trusted: dict, results: list[d
     for r in results:
         tally.merge(Tally.from_json(r["skipped"]))
     tally = refs.resolve_tally(tally)
+    if "val" in splits and splits["val"]["documents"] == 0 and splits["train"]["documents"] and run.part is None:
+        run.warnings.add("empty_val_split", f"{_val_option(config)} of {splits['train']['documents']:,} documents "
+                         "gave the val split none: raise it, or give --val-size N for exactly N")
     if splits["train"]["num_chunks"] == 0 and run.part is None:
         val = splits.get("val", {}).get("documents", 0)
         if splits["train"]["documents"] == 0 and val:
-            raise InputError(f"--val-fraction {config.val_fraction:g} put every one of the {val:,} documents in the "
-                             "val split, leaving none to train on; lower --val-fraction or add documents")
+            raise InputError(f"{_val_option(config)} put every one of the {val:,} documents in the "
+                             "val split, leaving none to train on; lower it or add documents")
         if splits["train"]["documents"] == 0 and (why := _nothing_read(tally, config.text_field)):
             raise InputError(why)
         if config.chat and splits["train"]["documents"] == 0 and (why := _no_conversation(splits, config)):
@@ -546,6 +575,10 @@ _SKIPPED = {
     "malformed_json": ("lines that are not JSON", "give JSON lines (one object per line)"),
     "not_an_object": ("JSON values that are not objects", "give one JSON object per line"),
 }
+
+
+def _val_option(config: BuildConfig) -> str:
+    return f"--val-size {config.val_size:,}" if config.val_size else f"--val-fraction {config.val_fraction:g}"
 
 
 def _no_conversation(splits: dict, config: BuildConfig) -> str | None:

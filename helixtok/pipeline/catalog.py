@@ -103,6 +103,7 @@ def build_manifest(config, info, backend_check: dict, files, units, part: dict |
         "min_tail_len": config.tail_len if config.packing != "packed" else None,
         "tokenizer": {**info.to_json(), "file": "tokenizer.json", "backend_check": backend_check},
         "options": {"text_field": config.text_field, "val_fraction": config.val_fraction,
+                    **({"val_size": config.val_size} if config.val_size else {}),
                     "split_seed": config.split_seed, "shard_bytes": config.shard_bytes,
                     "unit_bytes": config.unit_bytes, "max_piece_chars": config.max_piece_chars,
                     "strip": config.strip},

@@ -56,6 +56,8 @@ class BuildConfig:
     bos_token: str | None = None
     pad_token: str | None = None
     val_fraction: float = 0.0
+    val_size: int = 0  # --val-size N: the N documents with the smallest split hashes are val (docs/format.md)
+    val_cut: int = 0  # --val-size's threshold, found by the build's first pass (builder.py); part of the plan
     split_seed: int = 0
     shard_bytes: int = DEFAULT_SHARD_BYTES
     unit_bytes: int = DEFAULT_UNIT_BYTES
@@ -100,6 +102,13 @@ class BuildConfig:
                 )
         if not 0.0 <= self.val_fraction < 1.0:
             raise ConfigError(f"--val-fraction must be in [0, 1), got {self.val_fraction}")
+        if self.val_size < 0:
+            raise ConfigError(f"--val-size must be a number of documents, at least 0, got {self.val_size}")
+        if self.val_size and self.val_fraction:
+            raise ConfigError("give --val-fraction or --val-size, not both")
+        if self.val_size and self.chat is not None:
+            raise ConfigError("--val-size applies to text builds (a conversation's split hash is of its rendering); "
+                              "give a chat build --val-fraction")
         if self.shard_bytes < 1:
             raise ConfigError(f"--shard-size must be positive, got {self.shard_bytes}")
         if self.workers < 0:
@@ -137,6 +146,11 @@ class BuildConfig:
         return 0
 
     @property
+    def has_val(self) -> bool:
+        """Whether the build has a val split (--val-fraction > 0 or --val-size > 0)."""
+        return self.val_fraction > 0 or self.val_size > 0
+
+    @property
     def ray_address(self) -> str | None:
         """None: not on Ray; "": Ray ($RAY_ADDRESS, or a local cluster); else the cluster's address."""
         kind, _, address = self.executor.partition(":")
@@ -151,6 +165,9 @@ class BuildConfig:
         d = asdict(self)
         for k in ("workers", "strict", "batch_chars", "stall_seconds", "executor"):
             d.pop(k)
+        if not self.val_size:  # (absent unless given: the plans of builds without it stay as they were)
+            d.pop("val_size")
+            d.pop("val_cut")
         if self.packing != "packed":
             d["min_tail_len"] = self.tail_len
         return d

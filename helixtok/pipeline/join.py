@@ -203,7 +203,7 @@ def close_group(g: int, results: list[dict], placements: list[dict], state: str,
     item = np.dtype(dtype).itemsize
     L, cap = config.seq_len, piece_tokens(config, item)
     sides = PACKERS[config.packing].sides + (("mask",) if config.chat else ())
-    splits = ("train", "val") if config.val_fraction > 0 else ("train",)
+    splits = ("train", "val") if config.has_val else ("train",)
     out = {}
     for s in splits:
         pos, starts, valid = 0, [], []

@@ -153,35 +153,56 @@ _HASH_STEP = 1 << 20
 UNIT_FILE_TOKENS = 1 << 60  # a unit's output stays one file per split, whatever its size
 
 
-def _split_of(text: str, fraction: float, seed: int) -> int:
+def split_cut(cfg: BuildConfig) -> float | int:
+    """A document goes to val when its split hash is below this: --val-fraction's share of the 2^64
+    hashes (a double, as docs/format.md says), or --val-size's threshold (val_threshold)."""
+    return cfg.val_cut if cfg.val_size else cfg.val_fraction * 2.0**64
+
+
+def _split_of(text: str, cut: float | int, seed: int) -> int:
     # Content hash: identical documents always land in the same split, so none is in both.
-    return _split_of_pieces((text[i: i + _HASH_STEP] for i in range(0, len(text), _HASH_STEP)), fraction, seed)
+    return int(split_hash((text[i: i + _HASH_STEP] for i in range(0, len(text), _HASH_STEP)), seed) < cut)
 
 
-def _split_of_pieces(pieces, fraction: float, seed: int) -> int:
-    """_split_of for a text given in pieces (the hash of the pieces' bytes is the text's)."""
-    if fraction <= 0:
-        return 0
+def split_hash(pieces, seed: int) -> int:
+    """The split hash of a text given in pieces (the hash of the pieces' bytes is the text's)."""
     h = hashlib.blake2b(digest_size=8, key=seed.to_bytes(8, "little"))
     for p in pieces:
         h.update(p.encode("utf-8", "surrogatepass"))
-    return int(int.from_bytes(h.digest(), "little") < fraction * 2.0**64)
+    return int.from_bytes(h.digest(), "little")
 
 
 def kept(text: str, cfg: BuildConfig) -> tuple[str, int | None]:
     """A document as tokenized (stripped with --strip) and its split (0 train, 1 val); split None:
-    skipped, being empty.  (A LongText is split by _split_of_pieces.)"""
+    skipped, being empty.  (A LongText is split by kept_long.)"""
     if cfg.strip:
         text = text.strip()
     if not text or text.isspace():
         return text, None
-    return text, _split_of(text, cfg.val_fraction, cfg.split_seed) if cfg.val_fraction > 0 else 0
+    return text, _split_of(text, split_cut(cfg), cfg.split_seed) if cfg.has_val else 0
 
 
 def kept_long(text: LongText, cfg: BuildConfig):
     """kept() for a document read in pieces: (a function giving its pieces as tokenized, its split)."""
     pieces = (lambda: stripped(text.pieces())) if cfg.strip else text.pieces
-    return pieces, _split_of_pieces(pieces(), cfg.val_fraction, cfg.split_seed)
+    return pieces, int(split_hash(pieces(), cfg.split_seed) < split_cut(cfg)) if cfg.has_val else 0
+
+
+def smallest_split_hashes(unit: Unit, cfg: BuildConfig, n: int) -> list[int]:
+    """The n smallest split hashes of a unit's documents, as the build would split them (--val-size's
+    first pass: read and hashed, nothing tokenized)."""
+    import heapq
+
+    def hashes():
+        for text in UnitReader(unit, cfg.text_field, Tally(), long_bytes=cfg.long_doc_bytes):
+            if isinstance(text, LongText):
+                pieces = (lambda: stripped(text.pieces())) if cfg.strip else text.pieces
+                yield split_hash(pieces(), cfg.split_seed)
+                continue
+            text, s = kept(text, dataclasses.replace(cfg, val_size=0, val_fraction=0.0))
+            if s is not None:
+                yield split_hash((text,), cfg.split_seed)
+    return heapq.nsmallest(n, hashes())
 
 
 def run_unit(unit: Unit, info: TokenizerInfo, where: tuple[int, int] | None = None) -> dict:
@@ -230,7 +251,7 @@ def _run_unit(unit: Unit, info: TokenizerInfo, where: tuple[int, int] | None) ->
     w: Worker = _here.worker
     enc = _encoder(w, info)
     cfg, state, counters, run = w.config, w.state, w.counters, w.run
-    splits = ("train", "val") if cfg.val_fraction > 0 else ("train",)
+    splits = ("train", "val") if cfg.has_val else ("train",)
     L = cfg.seq_len
     # The unit's output, one file per split (and sidecar), named for this run (an orphan of an
     # earlier run can never write into it); its ids are placed into its shard group's shards
@@ -340,7 +361,7 @@ def _run_unit(unit: Unit, info: TokenizerInfo, where: tuple[int, int] | None) ->
 
         def add_sample(got) -> None:
             nonlocal chars
-            s = splits[_split_of(got.whole or got.text, cfg.val_fraction, cfg.split_seed) if cfg.val_fraction > 0
+            s = splits[_split_of(got.whole or got.text, split_cut(cfg), cfg.split_seed) if cfg.has_val
                        else 0]
             c = chat[s]
             if got.too_long:
