@@ -254,3 +254,50 @@ def test_mixture_inputs_of_the_wrong_shape_are_one_line_each(dev_packed, tmp_pat
     del state["schedule"]["stages"]
     with pytest.raises(ConfigError, match=r"not a mixture checkpoint \(Mixture.state_dict's\): KeyError 'stages'"):
         mix.load_state_dict(state, mix.sampler())
+
+
+def test_a_sequence_length_curriculum_reads_each_stage_at_its_own_length(dev_packed, tmp_path):
+    """Issue 56.2: stages with their own seq_len read the packed sources at that length (no rebuild):
+    each item is the source read at that length, a length's stream goes on where its last stage
+    left it (no chunk twice before all were used), until_tokens counts each stage at its length,
+    `helixtok stats --mixture` says the same, and a resume refuses a begun stage's length changed."""
+    base = MemmapChunkDataset(dev_packed)
+    long = MemmapChunkDataset(dev_packed, seq_len=1024)
+    B = 8
+    stages = [Stage({"web": 1}, until_steps=5), Stage({"web": 1}, until_tokens=5 * B * 512 + 3 * B * 1024, seq_len=1024),
+              Stage({"web": 1}, until_steps=12)]
+    mix = Mixture({"web": base}, stages, batch_size=B, seed=4)
+    assert len(mix) == 12 * B and [(p.start, p.end, p.seq_len) for p in mix.plans] == [(0, 40, 512), (40, 64, 1024),
+                                                                                          (64, 96, 512)]
+    seen = {512: [], 1024: []}
+    for i in range(len(mix)):
+        L = 1024 if 40 <= i < 64 else 512
+        name, epoch, j = mix.locate(i)
+        x = mix[i]["input_ids"]
+        assert len(x) == L and x.tolist() == (long if L == 1024 else base)[j]["input_ids"].tolist()
+        seen[L].append((epoch, j))
+    assert len(set(seen[512])) == 72 and len(set(seen[1024])) == 24  # one stream per length, nothing twice
+    dl = DataLoader(mix, batch_size=4, sampler=mix.sampler(rank=0, world_size=2), collate_fn=mix.collate)
+    assert [b["input_ids"].shape[1] for b in dl] == [512] * 5 + [1024] * 3 + [512] * 4  # 4 a rank of each 8
+    st = mix.stats(world_size=2, batch_size=4)
+    assert [s["tokens"] for s in st["stages"]] == [40 * 512, 24 * 1024, 32 * 512]
+    assert st["tokens"] == st["sources"]["web"]["tokens"] == 72 * 512 + 24 * 1024
+    assert st["stages"][1]["seq_len"] == 1024 and "seq_len" not in st["stages"][0]
+    f = tmp_path / "mix.json"
+    f.write_text(json.dumps({"seed": 4, "batch_size": B, "sources": {"web": os.path.relpath(dev_packed, tmp_path)},
+                             "stages": [{"until_steps": 5, "weights": {"web": 1}},
+                                        {"until_tokens": 5 * B * 512 + 3 * B * 1024, "seq_len": 1024, "weights": {"web": 1}},
+                                        {"until_steps": 12, "weights": {"web": 1}}]}))
+    r = CliRunner().invoke(main, ["stats", "--mixture", str(f), "-b", "4", "-w", "2", "--json"])
+    assert r.exit_code == 0 and json.loads(r.output) == json.loads(json.dumps(st)), r.output
+    # A resume: the same schedule goes on; a begun stage read at another length is refused.
+    sampler = mix.sampler(rank=0, world_size=2)
+    state = mix.state_dict(sampler, samples_consumed=30)
+    mix.load_state_dict(state, mix.sampler(rank=0, world_size=2))
+    other = Mixture({"web": base}, stages[:1] + [Stage({"web": 1}, until_steps=8, seq_len=2048), stages[2]],
+                    batch_size=B, seed=4)
+    with pytest.raises(ConfigError, match="stage 1 \\(begun\\) seq_len 1024 -> 2048"):
+        other.load_state_dict(state, other.sampler(rank=0, world_size=2))
+    # A source that cannot be read at another length: one line.
+    with pytest.raises(ConfigError, match="source 'l' cannot be read at seq_len 64"):
+        Mixture({"l": Source("l", 10)}, [Stage({"l": 1}, until_steps=2, seq_len=64)], batch_size=2)

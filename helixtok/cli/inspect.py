@@ -212,7 +212,9 @@ def _mixture_stats(path: str, split: str, b: int | None, g: int, w: int, as_json
         tab.add_column(c, justify="left" if c in ("source", "stage: steps") else "right", no_wrap=c != "source")
     for s in st["stages"]:
         for k, (name, v) in enumerate(s["sources"].items()):
-            tab.add_row(f"{s['stage']}: {s['first_step']:,}-{s['first_step'] + s['steps']:,}" if not k else "", name,
+            label = f"{s['stage']}: {s['first_step']:,}-{s['first_step'] + s['steps']:,}" + (
+                f" L{s['seq_len']}" if "seq_len" in s else "")
+            tab.add_row(label if not k else "", name,
                         f"{v['weight']:.2f}", f"{v['samples']:,}", f"{v['tokens']:,}", f"{v['epochs_of_source']:.2f}",
                         f"{v['epochs_so_far']:.2f}")
     for name, v in st["sources"].items():

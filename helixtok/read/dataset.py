@@ -154,6 +154,7 @@ class MemmapChunkDataset(Dataset):
         built = int(m["seq_len"])
         self.packing = m["packing"]
         self.seq_len, chunks = read_seq_len(m, s, seq_len, self.path)
+        self._built_seq_len = built
         self.dtype = np.dtype(DTYPES[m["dtype"]])
         self.pad_id = int(m["tokenizer"]["pad_id"])
         self.eos_id = int(m["tokenizer"]["eos_id"])
@@ -462,9 +463,23 @@ class MemmapChunkDataset(Dataset):
         return lay
 
     def identity(self) -> dict:
-        """What decides this dataset's samples: its manifest (by sha256), split and repacking."""
+        """What decides this dataset's samples: its manifest (by sha256), split, repacking, and the
+        length it is read at where that is not the build's."""
         return {"manifest": self.manifest_sha256[:16], "split": self.split, "repack": bool(self.repack),
-                **({"seed": self.seed} if self.repack else {})}
+                **({"seed": self.seed} if self.repack else {}),
+                **({"seq_len": self.seq_len} if self.seq_len != self._built_seq_len else {})}
+
+    def with_seq_len(self, seq_len: int) -> "MemmapChunkDataset":
+        """This dataset read in chunks of another seq_len (packed data; the same files, checks and
+        cache): what a Mixture stage with its own seq_len reads."""
+        if seq_len == self.seq_len:
+            return self
+        m = self.manifest
+        L, n = read_seq_len(m, split_entry(m, self.split, self.path), seq_len, self.path)
+        other = object.__new__(type(self))
+        other.__dict__.update(self.__getstate__())
+        other.seq_len, other._len = L, n
+        return other
 
     def __len__(self) -> int:
         return self._len

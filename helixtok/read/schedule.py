@@ -29,18 +29,21 @@ class Stage:
     weights: dict[str, float]
     until_tokens: float | None = None
     until_steps: int | None = None
+    seq_len: int | None = None  # its own sequence length (packed sources read at it): a curriculum
 
 
 @dataclass
 class _Plan:
     """A stage as planned: global samples [start, end), cumulative samples per source at each of its
-    optimizer steps (blocks of batch_size), and where each source's stream stands when it begins."""
+    optimizer steps (blocks of batch_size), its sequence length, and where each source's stream at
+    that length stands when it begins."""
 
     start: int
     end: int
     weights: np.ndarray
     bounds: np.ndarray = field(repr=False)  # [steps + 1, sources]
-    offset: np.ndarray = field(repr=False)  # [sources]: samples each source gave before this stage
+    offset: np.ndarray = field(repr=False)  # [sources]: samples each source's stream at seq_len gave before
+    seq_len: int | None = None
 
 
 class Mixture(Dataset):
@@ -65,6 +68,11 @@ class Mixture(Dataset):
       what the schedule asks for and what would fit.
     - `counts[k][name]` samples of each source in stage k; `stats(world_size, per_rank_batch)`
       every count `helixtok stats --mixture` prints.
+    - A stage with its own seq_len (a sequence-length curriculum) reads its sources at that length
+      (MemmapChunkDataset.with_seq_len: packed data, nothing rebuilt); a source read at a length is
+      its own stream (permutations as above, over its chunks at that length), continued by every
+      stage of that length; until_tokens counts each stage's tokens at its own length; max_epochs
+      caps the passes summed over a source's lengths.
 
     Example: Mixture({"web": web, "math": math}, [Stage({"web": 1}, until_steps=90),
       Stage({"web": 0.5, "math": 0.5}, until_steps=100)], batch_size=8) -> len 800: 720 web
@@ -90,6 +98,8 @@ class Mixture(Dataset):
         self.seq_len, self.batch_size, self.seed = seq_len, int(batch_size), int(seed)
         self.stages = list(stages)
         self.max_epochs = self._caps(max_epochs)
+        # Each source at each length a stage reads it at: (source number, seq_len) -> dataset.
+        self._streams = {(k, seq_len): d for k, d in enumerate(self.sources.values())}
         self.plans = self._plan()
         self._n = self.plans[-1].end
         self.counts = [dict(zip(self.names, (p.bounds[-1]).tolist())) for p in self.plans]
@@ -112,18 +122,36 @@ class Mixture(Dataset):
             raise ConfigError("max_epochs must be > 0")
         return caps
 
-    def _end_step(self, k: int, st: Stage) -> int:
+    def _end_step(self, k: int, st: Stage, step: int, tokens: int, L: int | None) -> int:
+        """The step stage k ends at, from `step` (where it starts) and `tokens` (trained before it)."""
         if (st.until_tokens is None) == (st.until_steps is None):
             raise ConfigError(f"stage {k}: give until_tokens or until_steps (one of them)")
         if st.until_steps is not None:
             return int(st.until_steps)
-        if self.seq_len is None:
+        if L is None:
             raise ConfigError(f"stage {k}: until_tokens needs the sources' seq_len (give seq_len=)")
-        return int(math.floor(float(st.until_tokens) / (self.batch_size * self.seq_len) + 1e-9))
+        if tokens == step * self.batch_size * L:  # one length so far: the run's steps from its start
+            return int(math.floor(float(st.until_tokens) / (self.batch_size * L) + 1e-9))
+        return step + int(math.floor((float(st.until_tokens) - tokens) / (self.batch_size * L) + 1e-9))
+
+    def stream_lens(self, L: int | None) -> np.ndarray:
+        """Chunks of each source read at length L (the run's own: the sources as given)."""
+        out = []
+        for k, (name, d) in enumerate(self.sources.items()):
+            if (k, L) not in self._streams:
+                if not hasattr(d, "with_seq_len"):
+                    raise ConfigError(f"source {name!r} cannot be read at seq_len {L}: a stage's own seq_len needs "
+                                      "MemmapChunkDataset sources of packed data")
+                self._streams[(k, L)] = d.with_seq_len(L)
+            out.append(len(self._streams[(k, L)]))
+        return np.array(out, dtype=np.int64)
 
     def _plan(self) -> list[_Plan]:
-        plans, step, offset = [], 0, np.zeros(len(self.names), dtype=np.int64)
+        plans, step, tokens, offsets = [], 0, 0, {}
         for k, st in enumerate(self.stages):
+            L = st.seq_len or self.seq_len
+            lens = self.lens if L == self.seq_len else self.stream_lens(L)
+            offset = offsets.setdefault(L, np.zeros(len(self.names), dtype=np.int64))
             unknown = sorted(set(st.weights) - set(self.names))
             if unknown:
                 raise ConfigError(f"stage {k} weighs source {unknown[0]!r}, not one of {', '.join(self.names)}")
@@ -131,32 +159,44 @@ class Mixture(Dataset):
             if (w < 0).any() or w.sum() <= 0:
                 raise ConfigError(f"stage {k}: weights must be >= 0 and not all 0, got {st.weights}")
             w = w / w.sum()
-            empty = [n for n, x, size in zip(self.names, w, self.lens) if x > 0 and size == 0]
+            empty = [n for n, x, size in zip(self.names, w, lens) if x > 0 and size == 0]
             if empty:
-                raise ConfigError(f"stage {k} weighs source {empty[0]!r}, which has no chunks")
-            end = self._end_step(k, st)
+                raise ConfigError(f"stage {k} weighs source {empty[0]!r}, which has no chunks"
+                                  + (f" at seq_len {L}" if L != self.seq_len else ""))
+            end = self._end_step(k, st, step, tokens, L)
             if end <= step:
                 how = "" if st.until_steps is not None else (
-                    f" (until_tokens {st.until_tokens:g} / (batch_size {self.batch_size} x seq_len {self.seq_len}) "
+                    f" (until_tokens {st.until_tokens:g} / (batch_size {self.batch_size} x seq_len {L}) "
                     f"rounds down to step {end})")
                 raise ConfigError(f"stage {k} ends at step {end}{how}, not after {'the start' if not k else f'stage {k - 1} (step {step})'}"
                                   "; give each stage a later end")
             n = (end - step) * self.batch_size
             bounds = MixtureDataset._plan(w, n, self.batch_size)
-            plans.append(_Plan(step * self.batch_size, end * self.batch_size, w, bounds, offset.copy()))
+            plans.append(_Plan(step * self.batch_size, end * self.batch_size, w, bounds, offset.copy(), L))
             offset += bounds[-1]
+            tokens += n * (L or 0)
             step = end
         return plans
 
     def _check_caps(self) -> None:
-        total = sum(p.bounds[-1] for p in self.plans)
+        """max_epochs: a source's passes, summed over the lengths it is read at."""
+        used: dict = {}
+        for p in self.plans:
+            used[p.seq_len] = used.get(p.seq_len, 0) + p.bounds[-1]
+        epochs = sum(u / np.maximum(self.stream_lens(L), 1) for L, u in used.items())
         for s, name in enumerate(self.names):
-            if total[s] > self.max_epochs[s] * self.lens[s] + 1e-9:
-                fits = int(math.floor(self.max_epochs[s] * self.lens[s]))
-                raise ConfigError(
-                    f"source {name!r} has {self.lens[s]:,} chunks; the schedule asks for {int(total[s]):,} samples of it "
-                    f"({total[s] / self.lens[s]:.2f} epochs), max_epochs {self.max_epochs[s]:g} allows {fits:,}: lower its "
-                    "weights, shorten the stages that use it, or raise its cap")
+            if epochs[s] > self.max_epochs[s] + 1e-9:
+                if len(used) == 1:
+                    L = next(iter(used))
+                    size, total = int(self.stream_lens(L)[s]), int(used[L][s])
+                    fits = int(math.floor(self.max_epochs[s] * size))
+                    raise ConfigError(
+                        f"source {name!r} has {size:,} chunks; the schedule asks for {total:,} samples of it "
+                        f"({total / size:.2f} epochs), max_epochs {self.max_epochs[s]:g} allows {fits:,}: lower its "
+                        "weights, shorten the stages that use it, or raise its cap")
+                raise ConfigError(f"source {name!r}: the schedule reads it {epochs[s]:.2f} times over (its stages' "
+                                  f"lengths together), max_epochs {self.max_epochs[s]:g}: lower its weights, shorten "
+                                  "the stages that use it, or raise its cap")
 
     # ------------------------------------------------------------------ reading
 
@@ -168,24 +208,32 @@ class Mixture(Dataset):
         if not 0 <= i < self._n:
             raise IndexError(f"index {i} out of range for {self._n} samples")
         k = next(j for j, p in enumerate(self.plans) if i < p.end)
+        name, epoch, j, _ = self._locate(k, i)
+        return name, epoch, j
+
+    def _locate(self, k: int, i: int) -> tuple[str, int, int, object]:
         p = self.plans[k]
         b, off = divmod(i - p.start, self.batch_size)
         cum = np.cumsum(p.bounds[b + 1] - p.bounds[b])
         s = int(np.searchsorted(cum, off, side="right"))
         g = int(p.offset[s] + p.bounds[b][s] + off - (cum[s - 1] if s else 0))  # position in source s's stream
-        n = int(self.lens[s])
+        src = self._streams[(s, p.seq_len)]
+        n = len(src)
         epoch, at = divmod(g, n)
-        perm = self._perms.get((s, epoch))
+        perm = self._perms.get((s, n, epoch))
         if perm is None:
             if len(self._perms) > 64:
                 self._perms.clear()
-            perm = self._perms[(s, epoch)] = Permutation(n, seed=self.seed * 1_000_003 + s, epoch=epoch)
-        return self.names[s], epoch, int(perm(np.array([at]))[0])
+            perm = self._perms[(s, n, epoch)] = Permutation(n, seed=self.seed * 1_000_003 + s, epoch=epoch)
+        return self.names[s], epoch, int(perm(np.array([at]))[0]), src
 
     def __getitem__(self, i):
         i = int(i)
-        name, epoch, j = self.locate(i + (self._n if i < 0 else 0))
-        src = self.sources[name]
+        i += self._n if i < 0 else 0
+        if not 0 <= i < self._n:
+            raise IndexError(f"index {i} out of range for {self._n} samples")
+        k = next(j for j, p in enumerate(self.plans) if i < p.end)
+        _, epoch, j, src = self._locate(k, i)
         return src[(epoch, j)] if getattr(src, "repack", False) else src[j]
 
     collate = staticmethod(collate)
@@ -204,26 +252,28 @@ class Mixture(Dataset):
         if b * world_size * grad_accum != self.batch_size:
             raise ConfigError(f"per-rank batch {b} x world size {world_size} x grad accum {grad_accum} = "
                               f"{b * world_size * grad_accum}, but the mixture's global batch is {self.batch_size}")
-        L = self.seq_len or 0
-        stages, used = [], np.zeros(len(self.names), dtype=np.int64)
+        stages, so_far = [], np.zeros(len(self.names))
+        tokens = np.zeros(len(self.names), dtype=np.int64)
         for k, p in enumerate(self.plans):
-            got = p.bounds[-1]
-            used = used + got
+            got, L, lens = p.bounds[-1], p.seq_len or 0, self.stream_lens(p.seq_len)
+            epochs = np.where(lens > 0, got / np.maximum(lens, 1), 0.0)
+            so_far = so_far + epochs
+            tokens += got * L
             stages.append({"stage": k, "first_step": p.start // self.batch_size, "steps": (p.end - p.start) // self.batch_size,
+                           **({"seq_len": p.seq_len} if self.stages[k].seq_len else {}),
                            "samples": int(p.end - p.start), "tokens": int(p.end - p.start) * L,
                            "sources": {n: {"samples": int(c), "tokens": int(c) * L, "weight": float(w),
-                                           "epochs_of_source": float(c / size) if size else 0.0,
-                                           "epochs_so_far": float(u / size) if size else 0.0}
-                                       for n, c, w, size, u in zip(self.names, got, p.weights, self.lens, used)}})
+                                           "epochs_of_source": float(e), "epochs_so_far": float(u)}
+                                       for n, c, w, e, u in zip(self.names, got, p.weights, epochs, so_far)}})
         total = sum(p.bounds[-1] for p in self.plans)
         per_rank = self._n // world_size
         return {"seq_len": self.seq_len, "global_batch": self.batch_size, "batch_size": b, "world_size": world_size,
-                "grad_accum": grad_accum, "samples": self._n, "tokens": self._n * L,
+                "grad_accum": grad_accum, "samples": self._n, "tokens": int(sum(s["tokens"] for s in stages)),
                 "samples_per_rank": per_rank, "batches_per_rank": per_rank // b,
                 "optimizer_steps": self._n // self.batch_size, "stages": stages,
-                "sources": {n: {"chunks": int(size), "samples": int(c), "tokens": int(c) * L,
-                                "epochs": float(c / size) if size else 0.0, "max_epochs": float(cap)}
-                            for n, size, c, cap in zip(self.names, self.lens, total, self.max_epochs)}}
+                "sources": {n: {"chunks": int(size), "samples": int(c), "tokens": int(t),
+                                "epochs": float(e), "max_epochs": float(cap)}
+                            for n, size, c, t, e, cap in zip(self.names, self.lens, total, tokens, so_far, self.max_epochs)}}
 
     # ------------------------------------------------------------------ resume
 
@@ -233,7 +283,9 @@ class Mixture(Dataset):
                 "sources": dict(zip(self.names, self.lens.tolist())),
                 "identities": {n: d.identity() if hasattr(d, "identity") else None for n, d in self.sources.items()},
                 "stages": [{"start_step": p.start // self.batch_size, "end_step": p.end // self.batch_size,
-                            "weights": dict(zip(self.names, p.weights.tolist()))} for p in self.plans]}
+                            "weights": dict(zip(self.names, p.weights.tolist())),
+                            **({"seq_len": p.seq_len} if st.seq_len else {})}
+                           for p, st in zip(self.plans, self.stages)]}
 
     def state_dict(self, sampler: ChunkSampler, samples_consumed: int) -> dict:
         """What to checkpoint: the schedule and the sampler's position (this rank's samples consumed)."""
@@ -284,6 +336,8 @@ def schedule_change(old: dict, new: dict, pos: int) -> str | None:
         if t is None or (s["start_step"], s["end_step"]) != (t["start_step"], t["end_step"]):
             return (f"stage {i} (begun) ends at step {s['end_step']} -> "
                     f"{'no such stage' if t is None else t['end_step']}")
+        if s.get("seq_len") != t.get("seq_len"):
+            return f"stage {i} (begun) seq_len {s.get('seq_len')} -> {t.get('seq_len')}"
         ws = {n: w for n, w in s["weights"].items() if w > 0}
         wt = {n: w for n, w in t["weights"].items() if w > 0}
         if ws != wt:
@@ -333,7 +387,8 @@ def load_mixture(path: str, *, batch_size: int | None = None, split: str = "trai
     for k, st in enumerate(spec["stages"]):
         if not isinstance(st, dict) or not isinstance(st.get("weights"), dict):
             raise ConfigError(f"{path}: stage {k} needs weights (source: weight)")
-        stages.append(Stage(st["weights"], until_tokens=st.get("until_tokens"), until_steps=st.get("until_steps")))
+        stages.append(Stage(st["weights"], until_tokens=st.get("until_tokens"), until_steps=st.get("until_steps"),
+                            seq_len=st.get("seq_len")))
     given = spec.get("batch_size")
     if batch_size is not None and given is not None and int(given) != batch_size:
         raise ConfigError(f"{path}: batch_size {given} (global), but the command gives {batch_size} "
