@@ -644,3 +644,80 @@ def test_a_build_whose_check_rejected_fastokens_resumes(tmp_path, small_corpus, 
     assert m.reused_units == 2 and m["tokenizer"]["backend"] == ref["tokenizer"]["backend"]
     for n in sorted(os.listdir(tmp_path / "ref")):
         assert (out / n).read_bytes() == (tmp_path / "ref" / n).read_bytes(), n
+
+
+def _post_processed(tmp_path, name, post_processor, model="BPE"):
+    """A small tokenizer with the given post-processor (and model kind), as a tokenizer.json."""
+    from tokenizers import AddedToken, processors
+
+    if model == "WordPiece":
+        tok = Tokenizer(models.WordPiece({"[UNK]": 0, "[CLS]": 1, "[SEP]": 2, "hello": 3, "world": 4, "a": 5},
+                                         unk_token="[UNK]"))
+    elif model == "Unigram":
+        tok = Tokenizer(models.Unigram([("<unk>", 0.0), ("<s>", 0.0), ("</s>", 0.0), ("a", -1.0), ("hello", -2.0),
+                                        ("world", -2.0), (" ", -3.0)], unk_id=0, byte_fallback=False))
+    else:
+        tok = Tokenizer(models.WordLevel({"<unk>": 0, "<s>": 1, "</s>": 2, "hello": 3, "world": 4, "a": 5},
+                                         unk_token="<unk>"))
+    from tokenizers import pre_tokenizers
+
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    specials = ["[CLS]", "[SEP]"] if model == "WordPiece" else ["<s>", "</s>"]
+    tok.add_special_tokens([AddedToken(s, special=True) for s in specials])
+    tok.add_tokens(["<extra>"])  # an added token that is not special
+    if post_processor is not None:
+        tok.post_processor = post_processor(processors, tok)
+    p = tmp_path / f"{name}.json"
+    tok.save(str(p))
+    return str(p)
+
+
+def test_the_tokenizer_read_from_its_json_is_what_tokenizers_loads(tmp_path, shapes, small_tok, dev_docs):
+    """Issue 58.1: a build inspects its tokenizer from the JSON (vocabulary, added and special
+    tokens, the post-processor's BOS) without loading it into tokenizers: the TokenizerInfo equals
+    the one tokenizers' load gives for every tokenizer the suite has -- published Qwen, byte-level,
+    Llama-3-like, SentencePiece-like, WordPiece with BertProcessing, Unigram, RobertaProcessing,
+    templates with a BOS, an EOS after, two specials before -- and the cut rule the encoder probes
+    when a long document first needs it is the one tokenizers' probes give."""
+    from test_chat import QWEN, llama_style_tokenizer
+
+    from helixtok.pipeline.encode import Encoder
+    from helixtok.pipeline.tokenizer import _splits_exactly, from_json, inspect_tokenizer, tokenizer_from_bytes
+
+    T = "TemplateProcessing"
+    toks = {**shapes, "small": small_tok, "qwen (published)": str(QWEN / "tokenizer.json"),
+            "llama-style chat": str(llama_style_tokenizer(tmp_path / "ll", dev_docs[:50]) / "tokenizer.json"),
+            "bert": _post_processed(tmp_path, "bert", lambda p, t: p.BertProcessing(("[SEP]", 2), ("[CLS]", 1)),
+                                    "WordPiece"),
+            "roberta": _post_processed(tmp_path, "roberta", lambda p, t: p.RobertaProcessing(("</s>", 2), ("<s>", 1))),
+            "unigram": _post_processed(tmp_path, "unigram", None, "Unigram"),
+            "bos": _post_processed(tmp_path, "bos", lambda p, t: p.TemplateProcessing(single="<s> $A", special_tokens=[
+                ("<s>", 1)])),
+            "bos+eos": _post_processed(tmp_path, "bose", lambda p, t: p.Sequence([p.ByteLevel(), p.TemplateProcessing(
+                single="<s> $A </s>", special_tokens=[("<s>", 1), ("</s>", 2)])])),
+            "eos after": _post_processed(tmp_path, "eos", lambda p, t: p.TemplateProcessing(
+                single="$A </s>", special_tokens=[("</s>", 2)])),
+            "two before": _post_processed(tmp_path, "two", lambda p, t: p.TemplateProcessing(
+                single="<s> </s> $A", special_tokens=[("<s>", 1), ("</s>", 2)]))}
+    leads = {}
+    for name, path in toks.items():
+        data = open(path, "rb").read()
+        assert from_json(data) is not None, name  # read from the file, not loaded
+        for add_bos in (None, False):
+            kw = dict(add_bos=add_bos, eos_token=None if name not in ("bos", "eos after", "two before", "roberta",
+                                                                      "unigram", "bos+eos") else "</s>")
+            a = inspect_tokenizer(path, via="json", **kw)
+            b = inspect_tokenizer(path, via="tokenizers", **kw)
+            assert a.splittable is None and b.splittable is not None
+            assert dataclasses.replace(a, splittable=b.splittable) == b, name
+            if add_bos is None:
+                leads[name] = a.bos_token if a.add_bos else None
+        enc = Encoder(dataclasses.replace(a, backend="hf"), max_piece_chars=1 << 20)
+        assert enc.splittable == _splits_exactly(tokenizer_from_bytes(data, path)), name
+    assert leads["bos"] == leads["bos+eos"] == "<s>" and leads["bert"] == "[CLS]" and leads["roberta"] == "<s>"
+    assert leads["eos after"] is None and leads["two before"] is None and leads["llama-style chat"] is None
+    # What the JSON cannot tell is loaded: an unknown post-processor, a model kind it does not read.
+    spec = json.loads(open(toks["bos"]).read())
+    spec["post_processor"] = {"type": "SomethingNew"}
+    assert from_json(json.dumps(spec).encode()) is None
+    assert from_json(b"not json") is None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from typing import Callable, Iterable, Iterator
 
@@ -64,10 +65,20 @@ class Encoder:
         if self._encode is None:
             raise TokenizerError(f"{info.path}: backend {info.backend} unavailable: {why}")
 
+    @property
+    def splittable(self) -> bool:
+        """The tokenizer's cut rule holds (TokenizerInfo.splittable), probed with this encoder's own
+        library (checked to give tokenizers' ids) the first time a long document asks."""
+        if self.info.splittable is None:
+            from .tokenizer import splits_exactly
+
+            self.info = dataclasses.replace(self.info, splittable=splits_exactly(lambda t: self._encode([t])[0]))
+        return self.info.splittable
+
     def _pieces(self, docs: list[str]) -> Iterator[tuple[int, str]]:
         """(document index, text piece), made lazily: a huge document is never held twice."""
         for d, text in enumerate(docs):
-            if self.info.splittable and len(text) > self.max_piece_chars:
+            if len(text) > self.max_piece_chars and self.splittable:
                 bounds = [0, *cut_points(text, self.max_piece_chars), len(text)]
                 for a, b in zip(bounds, bounds[1:]):
                     yield d, text[a:b]
@@ -81,7 +92,7 @@ class Encoder:
         """Encode one document given as text pieces, handing its ids (BOS/EOS included) to
         `write` a group at a time; returns how many.  The same ids as encode([joined text]):
         cuts fall only on cut_points of the text seen so far, so memory stays flat."""
-        if not self.info.splittable:  # no exact cut rule: the whole text, as encode() does
+        if not self.splittable:  # no exact cut rule: the whole text, as encode() does
             ids, _ = self.encode(["".join(pieces)])
             write(ids)
             return len(ids)

@@ -44,7 +44,9 @@ class TokenizerInfo:
     bos_id: int | None
     bos_token: str | None
     add_bos: bool
-    splittable: bool  # long documents may be encoded piecewise without changing ids
+    # Long documents may be encoded piecewise without changing ids; None: not decided yet (it takes
+    # encoding probes: the encoder decides when a long document first needs it).
+    splittable: bool | None
     backend: str = "hf"  # "hf" (tokenizers, the reference) or a faster library checked to give its ids
     backend_version: str = ""  # the library's version: another version may give other ids
     special_tokens: str = "text"  # special-token strings inside documents: "text" or "extract"
@@ -150,20 +152,29 @@ def read_tokenizer(path: str) -> bytes:
 
 def inspect_tokenizer(spec: str, *, eos_token: str | None = None, bos_token: str | None = None,
                       pad_token: str | None = None, add_bos: bool | None = False, special_tokens: str = "text",
-                      sha256: str | None = None) -> TokenizerInfo:
+                      sha256: str | None = None, via: str = "json") -> TokenizerInfo:
     """What a build needs to know of a tokenizer: special ids, vocabulary size, dtype, whether long
     documents may be cut.  add_bos None: what the tokenizer's post-processor puts before a single
     sequence (Llama 3: <|begin_of_text|>; GPT-2: nothing), as tokenizer(text) does in transformers.
     sha256: the held bytes (hold_bytes) to inspect; else the file is read and its bytes held
-    (the caller releases them: release_bytes(info.sha256))."""
+    (the caller releases them: release_bytes(info.sha256)).  via "tokenizers": loaded into it, not
+    read from the JSON (the reference the JSON reading is tested against)."""
     path = resolve_tokenizer_path(spec)
     if sha256 is None:
         sha256 = hold_bytes(read_tokenizer(path))
-    tok = tokenizer_from_bytes(tokenizer_bytes(sha256), path)
-    vocab = tok.get_vocab(with_added_tokens=True)
+    # From the file's JSON, without loading it into tokenizers (~0.5-1 s of a core for a 100k
+    # vocabulary): what it says is what tokenizers reads (tests/test_backends.py holds the two
+    # equal for every tokenizer the suite has); a file it cannot read so is loaded.
+    got = None if via == "tokenizers" else from_json(tokenizer_bytes(sha256))
+    tok = None
+    if got is None:
+        tok = tokenizer_from_bytes(tokenizer_bytes(sha256), path)
+        vocab = tok.get_vocab(with_added_tokens=True)
+        specials = [t.content for t in tok.get_added_tokens_decoder().values() if t.special]
+    else:
+        vocab, specials, json_lead = got
     if not vocab:
         raise TokenizerError(f"{path}: tokenizer has an empty vocabulary")
-    specials = [t.content for t in tok.get_added_tokens_decoder().values() if t.special]
 
     def pick(given, key, candidates, what, required):
         if given is not None:
@@ -184,21 +195,94 @@ def inspect_tokenizer(spec: str, *, eos_token: str | None = None, bos_token: str
     eos = pick(eos_token, "eos_token", EOS_CANDIDATES, "eos", True)
     rule = "--bos" if add_bos else "--no-bos"
     if add_bos is None:
-        lead = _post_processor_bos(tok)
+        lead = _post_processor_bos(tok) if tok is not None else json_lead
         add_bos, rule = lead is not None, "tokenizer"
         if lead is not None and bos_token is None:
-            bos_token = tok.id_to_token(lead)
+            bos_token = next(t for t, i in vocab.items() if i == lead) if tok is None else tok.id_to_token(lead)
     bos = pick(bos_token, "bos_token", BOS_CANDIDATES, "bos", add_bos)
     pad = pick(pad_token, "pad_token", PAD_CANDIDATES, "pad", False) or eos
     info = TokenizerInfo(
         path=path, sha256=sha256, vocab_size=max(vocab.values()) + 1,
         eos_id=vocab[eos], eos_token=eos, pad_id=vocab[pad], pad_token=pad,
         bos_id=vocab[bos] if bos else None, bos_token=bos, add_bos=add_bos, bos_rule=rule,
-        splittable=_splits_exactly(tok), special_tokens=special_tokens, reference_version=reference_version(),
+        splittable=_splits_exactly(tok) if tok is not None else None, special_tokens=special_tokens,
+        reference_version=reference_version(),
     )
     _handed.clear()
-    _handed[sha256] = tok
+    if tok is not None:
+        _handed[sha256] = tok
     return info
+
+
+_MODELS = ("BPE", "WordPiece", "WordLevel", "Unigram")
+
+
+def from_json(data: bytes) -> tuple[dict, list, int | None] | None:
+    """(vocabulary with added tokens, special tokens, the id the post-processor puts before one
+    sequence or None) as tokenizers reads them from a tokenizer.json; None where it cannot be told
+    from the file alone (an unknown model or post-processor): then tokenizers loads it."""
+    try:
+        import orjson
+
+        d = orjson.loads(data)
+    except Exception:  # noqa: BLE001 - not JSON (or no orjson): tokenizers' load says what is wrong
+        return None
+    model = d.get("model") if isinstance(d, dict) else None
+    added = d.get("added_tokens") if isinstance(d, dict) else None
+    if not isinstance(model, dict) or model.get("type") not in _MODELS or not isinstance(added, list):
+        return None
+    v = model.get("vocab")
+    if model["type"] == "Unigram":
+        if not isinstance(v, list):
+            return None
+        vocab = {p[0]: i for i, p in enumerate(v)}
+    elif isinstance(v, dict):
+        vocab = v  # (parsed for this call only: extended in place)
+    else:
+        return None
+    try:
+        for t in added:
+            vocab[t["content"]] = t["id"]
+        specials = [t["content"] for t in sorted(added, key=lambda t: t["id"]) if t.get("special")]
+    except (KeyError, TypeError):
+        return None
+    lead = _template_lead(d.get("post_processor"), {t["id"] for t in added if t.get("special")})
+    return (vocab, specials, lead) if lead is not _UNKNOWN else None
+
+
+_UNKNOWN = object()
+
+
+def _template_lead(pp, special_ids: set) -> int | None | object:
+    """_post_processor_bos from the post-processor's JSON: the one special id a single sequence
+    gets before it, or None; _UNKNOWN for a post-processor this does not read."""
+    if pp is None:
+        return None
+    kind = pp.get("type") if isinstance(pp, dict) else None
+    if kind == "Sequence":
+        leads = [_template_lead(x, special_ids) for x in pp.get("processors") or []]
+        adding = [x for x, p in zip(leads, pp.get("processors") or []) if p.get("type") != "ByteLevel"]
+        if _UNKNOWN in leads or len(adding) > 1:
+            return _UNKNOWN
+        return adding[0] if adding else None
+    if kind == "ByteLevel":
+        return None
+    if kind in ("BertProcessing", "RobertaProcessing"):
+        cls = pp.get("cls")
+        return cls[1] if isinstance(cls, list) and len(cls) == 2 and cls[1] in special_ids else None
+    if kind == "TemplateProcessing":
+        single, toks = pp.get("single"), pp.get("special_tokens") or {}
+        if not isinstance(single, list) or not single:
+            return _UNKNOWN
+        first = single[0]
+        if "Sequence" in first:
+            return None
+        name = (first.get("SpecialToken") or {}).get("id")
+        ids = (toks.get(name) or {}).get("ids")
+        if not isinstance(ids, list) or len(single) < 2 or "Sequence" not in single[1]:
+            return None if isinstance(ids, list) else _UNKNOWN
+        return ids[0] if len(ids) == 1 and ids[0] in special_ids else None
+    return _UNKNOWN
 
 
 def _post_processor_bos(tok) -> int | None:
@@ -222,12 +306,13 @@ _PROBES = [("hello", " world"), ("x = f(1)", " return"), ("3.14", " pi"), ("Übe
 
 
 def _splits_exactly(tok) -> bool:
-    for a, b in _PROBES:
-        whole = tok.encode(a + b, add_special_tokens=False).ids
-        parts = tok.encode(a, add_special_tokens=False).ids + tok.encode(b, add_special_tokens=False).ids
-        if whole != parts:
-            return False
-    return True
+    return splits_exactly(lambda t: tok.encode(t, add_special_tokens=False).ids)
+
+
+def splits_exactly(ids_of) -> bool:
+    """Whether encoding at "non-space | space letter" cuts gives the same ids (ids_of(text): a
+    text's ids, no special tokens added), by _PROBES."""
+    return all(list(ids_of(a + b)) == list(ids_of(a)) + list(ids_of(b)) for a, b in _PROBES)
 
 
 def train_tokenizer(texts: Iterable[str], out_path: str, *, vocab_size: int, min_frequency: int = 2,
