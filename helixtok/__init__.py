@@ -5,7 +5,7 @@ This module is the public API and nothing else; docs/architecture.md maps the fo
 from .version import __version__
 
 __all__ = ["BuildConfig", "ChunkSampler", "MemmapChunkDataset", "MemmapDocumentDataset", "Mixture", "MixtureDataset",
-           "Stage", "TokenBudgetSampler", "build",
+           "Skip", "Stage", "TokenBudgetSampler", "build",
            "collate_varlen", "repack", "__version__"]
 
 
@@ -15,6 +15,10 @@ def __getattr__(name):
         from .pipeline.builder import build
 
         return build
+    if name == "Skip":
+        from .pipeline.sources import Skip
+
+        return Skip
     if name == "repack":
         from .repacking import repack
 

@@ -928,3 +928,87 @@ def test_nested_fields_and_json_arrays_build_the_flat_corpus_bytes(tmp_path, sma
     (tmp_path / "bad.json").write_text('[{"text": "a"}, {"text": ')
     r = CliRunner().invoke(main, ["build", str(tmp_path / "bad.json"), str(tmp_path / "b"), *base])
     assert r.exit_code == 1 and "bad.json: not one valid JSON array" in r.output and "Traceback" not in r.output
+
+
+def test_a_record_hook_maps_and_filters_in_the_workers(tmp_path, small_tok, monkeypatch):
+    """Issue 63.4: --map module:function (transform= in Python) takes each record whole -- a JSON
+    object, a Parquet row with all its columns, a text file as {text, file} -- and returns its text,
+    or None / helixtok.Skip(reason) to leave it out, counted per reason; the bytes equal a build of
+    the kept texts; the function's source is in the plan (changed: refused); what goes wrong is one
+    line naming the record."""
+    import importlib
+    import sys
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from click.testing import CliRunner
+
+    from helixtok.cli import main
+
+    mod = tmp_path / "cleanmod.py"
+    mod.write_text("import helixtok\n\n\ndef keep(rec):\n"
+                   "    if rec.get('lang', 'en') != 'en':\n        return helixtok.Skip('not english')\n"
+                   "    text = rec.get('body') or rec.get('text')\n"
+                   "    return text.upper() if text and 'drop' not in text else None\n")
+    monkeypatch.chdir(tmp_path)
+    rows = [{"body": f"record {i} the quick brown fox " * (i % 4 + 1) + ("drop" if i % 9 == 0 else ""),
+             "lang": "en" if i % 5 else "fr", "id": i} for i in range(90)]
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:60]))
+    pq.write_table(pa.table({"body": [r["body"] for r in rows[60:]], "lang": [r["lang"] for r in rows[60:]]}),
+                   tmp_path / "c" / "b.parquet", row_group_size=7)
+    (tmp_path / "c" / "z.txt").write_text("a plain text file")
+    kept = [r["body"].upper() for r in rows if r["lang"] == "en" and "drop" not in r["body"]] + ["A PLAIN TEXT FILE"]
+    (tmp_path / "ref").mkdir()
+    (tmp_path / "ref" / "a.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in kept))
+    base = ["-t", small_tok, "-L", "16", "-q", "--unit-size", "1KiB"]
+    r = CliRunner().invoke(main, ["build", str(tmp_path / "ref"), str(tmp_path / "want"), *base])
+    assert r.exit_code == 0, r.output
+    r = CliRunner().invoke(main, ["build", str(tmp_path / "c"), str(tmp_path / "got"), *base, "--map", "cleanmod:keep",
+                                  "-j", "2"])
+    assert r.exit_code == 0, r.output
+    a, b = (json.loads((tmp_path / x / "manifest.json").read_text()) for x in ("want", "got"))
+    stream = [b"".join((tmp_path / x / e["path"]).read_bytes() for e in m["splits"]["train"]["shards"])
+              for x, m in (("want", a), ("got", b))]
+    assert stream[0] == stream[1] and b["totals"]["documents"] == len(kept)
+    assert b["skipped"]["map:not_english"]["count"] == sum(r["lang"] != "en" for r in rows)
+    assert b["skipped"]["map:none"]["count"] == sum(r["lang"] == "en" and "drop" in r["body"] for r in rows)
+    assert b["totals"]["skipped_documents"] == 90 - len(kept) + 1 and b["options"]["map"] == "cleanmod:keep"
+    # Python: the same function as transform=, the same bytes.
+    sys.path.insert(0, str(tmp_path))
+    try:
+        from helixtok import build as hbuild
+
+        cm = importlib.import_module("cleanmod")
+        hbuild([str(tmp_path / "c")], str(tmp_path / "py"), small_tok, seq_len=16, unit_bytes=1024, transform=cm.keep)
+        m = json.loads((tmp_path / "py" / "manifest.json").read_text())
+        assert b"".join((tmp_path / "py" / e["path"]).read_bytes() for e in m["splits"]["train"]["shards"]) == stream[0]
+        from helixtok.format.errors import ConfigError
+
+        with pytest.raises(ConfigError, match="a function defined at the top level of a module"):
+            hbuild([str(tmp_path / "c")], str(tmp_path / "lam"), small_tok, transform=lambda r: r["body"])
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop("cleanmod", None)
+    def rewrite(text):  # a new module, as a new process would import it
+        mod.write_text(text)
+        st = os.stat(mod)
+        os.utime(mod, ns=(st.st_atime_ns, st.st_mtime_ns + 5 * 10**9))  # past the old .pyc's stamp
+        sys.modules.pop("cleanmod", None)
+        importlib.invalidate_caches()
+
+    # The function changed: the finished dataset is not this build's.
+    rewrite(mod.read_text().replace("upper()", "lower()"))
+    r = CliRunner().invoke(main, ["build", str(tmp_path / "c"), str(tmp_path / "got"), *base, "--map", "cleanmod:keep"])
+    sys.modules.pop("cleanmod", None)
+    assert r.exit_code == 1 and "transform_sha256" in r.output and "--overwrite" in r.output, r.output
+    # What goes wrong: one line naming the record.
+    rewrite("def keep(rec):\n    return rec['missing']\n\n\ndef num(rec):\n    return 3\n")
+    for fn, line in (("keep", "a.jsonl:1: --map cleanmod:keep raised KeyError: 'missing'"),
+                     ("num", "a.jsonl:1: --map cleanmod:num returned a int"), ("nope", "the module has no 'nope'")):
+        sys.modules.pop("cleanmod", None)
+        r = CliRunner().invoke(main, ["build", str(tmp_path / "c"), str(tmp_path / f"e{fn}"), *base, "--map",
+                                      f"cleanmod:{fn}"])
+        assert r.exit_code == 1 and line in r.output and "Traceback" not in r.output, r.output
+    r = CliRunner().invoke(main, ["build", str(tmp_path / "c"), str(tmp_path / "x"), *base, "--map", "nosuch:f"])
+    assert r.exit_code != 0 and "cannot import 'nosuch'" in r.output

@@ -68,6 +68,10 @@ from .common import console, handle_errors, parse_size, print_summary
 @click.option("--pad-token", default=None, help="Padding token for document and bestfit packing [default: the tokenizer's, else EOS].")
 @click.option("--val-fraction", type=click.FloatRange(0, 1, max_open=True), default=0.0, show_default=True,
               help="Fraction of documents in a 'val' split (by content hash).")
+@click.option("--map", "record_map", default=None, metavar="MODULE:FUNCTION",
+              help="Each record (a JSON object, a Parquet/Arrow row as a dict, a text file as {text, file}) through "
+                   "this function: it returns the document's text, or None / helixtok.Skip(reason) to leave it out "
+                   "(counted). Run in the workers; its source is part of the plan.")
 @click.option("--val-size", type=click.IntRange(min=0), default=0,
               help="Exactly this many documents in the 'val' split: those with the smallest content hashes "
                    "(one more pass over the corpus, reading and hashing; text builds).")
@@ -109,7 +113,7 @@ from .common import console, handle_errors, parse_size, print_summary
 @handle_errors
 def build(corpus, out, tokenizer, seq_len, packing, min_tail_len, text_field, include, exclude, chat, chat_template, loss, truncate,
           chat_kwargs, chat_split, chat_date, bos, eos_token, bos_token,
-          pad_token, val_fraction, val_size, split_seed, shard_size, unit_size, workers, overwrite, strict, quiet, as_json,
+          pad_token, record_map, val_fraction, val_size, split_seed, shard_size, unit_size, workers, overwrite, strict, quiet, as_json,
           stall_timeout, special_tokens, strip, backend, staging, executor, num_tasks, task_index, log_interval):
     """Tokenize CORPUS (files, folders, globs) into fixed-length token shards in OUT.
 
@@ -142,7 +146,7 @@ def build(corpus, out, tokenizer, seq_len, packing, min_tail_len, text_field, in
     cfg = BuildConfig(seq_len=seq_len, packing=packing, min_tail_len=min_tail_len, text_field=text_field, chat=spec,
                       include=include, exclude=exclude,
                       add_bos=bos, eos_token=eos_token, bos_token=bos_token, pad_token=pad_token,
-                      val_fraction=val_fraction, val_size=val_size, split_seed=split_seed, shard_bytes=shard_size,
+                      val_fraction=val_fraction, val_size=val_size, split_seed=split_seed, transform=record_map, shard_bytes=shard_size,
                       unit_bytes=unit_size, workers=workers, strict=strict, backend=backend,
                       stall_seconds=stall_timeout, special_tokens=special_tokens, strip=strip, executor=executor)
     if cfg.ray_address is None:

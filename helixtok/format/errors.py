@@ -88,7 +88,7 @@ def memory_error(e: BaseException, doing: str) -> HelixtokError | None:
 # (python_terms, at the API's edge).  Longest first: --bos must not eat --bos-token.
 _KEYWORDS = {
     "--overwrite": "overwrite=True", "--pack": "packing", "--seq-len": "seq_len", "--min-tail-len": "min_tail_len",
-    "--val-fraction": "val_fraction", "--val-size": "val_size", "--split-seed": "split_seed", "--shard-size": "shard_bytes",
+    "--val-fraction": "val_fraction", "--val-size": "val_size", "--map": "transform", "--split-seed": "split_seed", "--shard-size": "shard_bytes",
     "--unit-size": "unit_bytes", "--workers": "workers", "--backend": "backend",
     "--special-tokens": "special_tokens", "--stall-timeout": "stall_seconds", "--executor": "executor",
     "--text-field": "text_field", "--strict": "strict=True", "--eos-token": "eos_token",

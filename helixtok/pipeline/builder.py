@@ -131,7 +131,8 @@ def _build_local(inputs, out, path, sha, config, overwrite, on_progress, task, r
     config = _pinned_chat_date(config, out, overwrite)
     files, warnings = discover(inputs, exclude=out, include_globs=config.include, exclude_globs=config.exclude)
     units, plan_warn = plan_units(files, unit_bytes=config.unit_bytes, text_field=config.text_field,
-                                  stall=config.stall_seconds, chat=config.chat is not None)
+                                  stall=config.stall_seconds, chat=config.chat is not None,
+                                  any_fields=config.transform is not None)
     warnings.merge(plan_warn)
     if config.strict and warnings.first:
         raise InputError(f"{warnings.first} (--strict)")

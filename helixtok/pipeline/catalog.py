@@ -92,7 +92,7 @@ def build_manifest(config, info, backend_check: dict, files, units, part: dict |
     """A build's manifest.json: its options, tokenizer, inputs, splits and every count, from the
     units' journal entries `results` (in unit order) and what was skipped (`tally`, `warnings`)."""
     totals = split_totals(splits)
-    totals["skipped_documents"] = sum(tally.counts.get(r, 0) for r in DOC_SKIPS)
+    totals["skipped_documents"] = sum(n for r, n in tally.counts.items() if r in DOC_SKIPS or r.startswith("map:"))
     totals["repaired_documents"] = sum(tally.counts.get(r, 0) for r in REPAIRS)
     return {
         "format_version": FORMAT_VERSION,
@@ -104,6 +104,7 @@ def build_manifest(config, info, backend_check: dict, files, units, part: dict |
         "tokenizer": {**info.to_json(), "file": "tokenizer.json", "backend_check": backend_check},
         "options": {"text_field": config.text_field, "val_fraction": config.val_fraction,
                     **({"val_size": config.val_size} if config.val_size else {}),
+                    **({"map": config.transform, "map_sha256": config.transform_sha256} if config.transform else {}),
                     "split_seed": config.split_seed, "shard_bytes": config.shard_bytes,
                     "unit_bytes": config.unit_bytes, "max_piece_chars": config.max_piece_chars,
                     "strip": config.strip},

@@ -74,6 +74,11 @@ class BuildConfig:
     # A chat build: rows of messages rendered with a template (chat.py); True: the template of the
     # tokenizer_config.json beside the tokenizer, --loss assistant (builder resolves it).
     chat: ChatSpec | bool | None = None
+    # --map module:function (or transform=fn): each record (a JSON object, a Parquet/Arrow row as a
+    # dict, a text file as {"text", "file"}) to its document's text, None or Skip(reason) to leave
+    # it out (sources.RecordMap); its source's sha256 is part of the plan.
+    transform: object = None
+    transform_sha256: str = ""
 
     def __post_init__(self) -> None:
         if self.max_piece_chars == -1:
@@ -102,6 +107,12 @@ class BuildConfig:
                 )
         if not 0.0 <= self.val_fraction < 1.0:
             raise ConfigError(f"--val-fraction must be in [0, 1), got {self.val_fraction}")
+        if self.transform is not None:
+            if self.chat is not None:
+                raise ConfigError("--map applies to text builds (a chat build renders each row's conversation)")
+            spec, sha = map_spec(self.transform)
+            object.__setattr__(self, "transform", spec)
+            object.__setattr__(self, "transform_sha256", sha)
         if self.val_size < 0:
             raise ConfigError(f"--val-size must be a number of documents, at least 0, got {self.val_size}")
         if self.val_size and self.val_fraction:
@@ -168,6 +179,72 @@ class BuildConfig:
         if not self.val_size:  # (absent unless given: the plans of builds without it stay as they were)
             d.pop("val_size")
             d.pop("val_cut")
+        if self.transform is None:
+            d.pop("transform")
+            d.pop("transform_sha256")
         if self.packing != "packed":
             d["min_tail_len"] = self.tail_len
         return d
+
+
+# --map / transform=: the function a build's records go through (sources.RecordMap applies it).
+
+
+def map_spec(fn) -> tuple[str, str]:
+    """(module:qualname, sha256 of its module's source file) of a --map / transform= function: what
+    the plan records (a changed module is a changed plan) and each process imports."""
+    import hashlib
+    import inspect
+
+    if isinstance(fn, str):
+        spec = fn
+        fn = load_map(spec)
+    else:
+        spec = f"{getattr(fn, '__module__', None)}:{getattr(fn, '__qualname__', '')}"
+        if "<" in spec or getattr(fn, "__module__", None) is None or _resolve(spec) is not fn:
+            raise ConfigError(f"transform {fn!r}: give a function defined at the top level of a module (importable as "
+                              "module:name), not a lambda, a closure or a method")
+    # The whole module's source: a helper it calls changed is a changed function too.
+    try:
+        with open(inspect.getsourcefile(fn), "rb") as fh:
+            src = fh.read()
+    except (OSError, TypeError):
+        import marshal
+
+        src = marshal.dumps(fn.__code__)
+    return spec, hashlib.sha256(src).hexdigest()
+
+
+def _resolve(spec: str):
+    import importlib
+    import os
+    import sys
+
+    mod, _, name = spec.partition(":")
+    try:
+        m = importlib.import_module(mod)
+    except ModuleNotFoundError as e:
+        if os.getcwd() in sys.path or e.name != mod.split(".")[0]:
+            raise
+        sys.path.append(os.getcwd())  # `--map clean:fn` beside the command, as `python -m` would find it
+        m = importlib.import_module(mod)
+    obj = m
+    for part in name.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def load_map(spec: str):
+    """The function `module:name` names, imported; one line when it is not there."""
+    if spec.count(":") != 1 or not all(spec.split(":")):
+        raise ConfigError(f"--map {spec!r}: give it as module:function (e.g. clean:keep_english)")
+    try:
+        fn = _resolve(spec)
+    except ImportError as e:
+        raise ConfigError(f"--map {spec}: cannot import {spec.split(':')[0]!r} ({e}); run from its folder or put it on "
+                          "PYTHONPATH") from None
+    except AttributeError:
+        raise ConfigError(f"--map {spec}: the module has no {spec.split(':')[1]!r}") from None
+    if not callable(fn):
+        raise ConfigError(f"--map {spec}: not a function")
+    return fn

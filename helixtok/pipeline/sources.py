@@ -127,10 +127,12 @@ class UnitReader:
     """
 
     def __init__(self, unit: Unit, text_field: str, tally: Tally, *, long_bytes: int | None = None,
-                 skip_lines_over: int | None = None, records: bool = False):
+                 skip_lines_over: int | None = None, records: bool = False, whole_rows: bool = False):
         self.unit = unit
         # A chat build's reader: each record whole (a dict), its conversation judged by chat.py.
         self.records = records
+        # A mapped build's reader (--map): records with every column of a Parquet/Arrow row.
+        self.whole_rows = whole_rows
         # A sample's reader: JSON lines longer than this are passed over without being held in
         # memory (one 200 MB line read whole to sample 128 K characters of it ran out of memory).
         self.skip_lines_over = skip_lines_over
@@ -402,8 +404,8 @@ class UnitReader:
                 break
             if i >= u.start:
                 if self.records:
-                    yield from self._rows(b.select([c for c in (self.text_field, "tools") if c in b.schema.names]),
-                                          row)
+                    yield from self._rows(b if self.whole_rows else
+                                          b.select([c for c in (self.text_field, "tools") if c in b.schema.names]), row)
                 else:
                     where = arrow_field(b.schema, self.text_field)
                     yield from self._column(arrow_leaf(b.column(where[0]), where), row)
@@ -418,8 +420,8 @@ class UnitReader:
         row = u.first_line
         for rg in range(u.start, u.stop):
             meta = pf.metadata.row_group(rg)
-            if self.records:  # the conversations and, when there, their tools
-                cols = [c for c in (self.text_field, "tools") if c in pf.schema_arrow.names]
+            if self.records:  # the conversations and, when there, their tools (--map: the whole row)
+                cols = None if self.whole_rows else [c for c in (self.text_field, "tools") if c in pf.schema_arrow.names]
                 yield from self._rows(pf.read_row_group(rg, columns=cols), row)
             else:
                 where = arrow_field(pf.schema_arrow, self.text_field)
@@ -427,3 +429,41 @@ class UnitReader:
                 yield from self._column(arrow_leaf(table.column(0), where), row)
             row += meta.num_rows
             self.consumed += meta.total_byte_size
+
+
+# --------------------------------------------------------------------------- a record hook (--map)
+
+
+class Skip:
+    """What a --map function returns to leave a record out, with why: counted in the manifest's
+    `skipped` as "map:<reason>" (returning None counts as "map:none")."""
+
+    def __init__(self, reason: str = "none"):
+        self.reason = re.sub(r"[^A-Za-z0-9_.-]+", "_", str(reason))[:64] or "none"
+
+
+class RecordMap:
+    """A build's --map in a tokenizing process: each record to its text, or a counted skip."""
+
+    def __init__(self, spec: str, sha: str):
+        from .config import load_map, map_spec
+
+        self.fn = load_map(spec)
+        if map_spec(self.fn)[1] != sha:
+            raise InputError(f"--map {spec}: its source changed since the build was planned; rerun the command "
+                             "(--overwrite if it is meant to change the data)")
+        self.spec = spec
+
+    def __call__(self, record, where: str, tally: Tally) -> str | None:
+        try:
+            got = self.fn(record)
+        except Exception as e:  # noqa: BLE001 - the user's function, said with the record it failed on
+            raise InputError(f"{where}: --map {self.spec} raised {type(e).__name__}: {str(e)[:200]}; fix the function "
+                             "(or return None / helixtok.Skip(reason) to leave such a record out)") from None
+        if isinstance(got, str):
+            return got
+        if got is None or isinstance(got, Skip):
+            tally.count(f"map:{got.reason if got is not None else 'none'}", where)
+            return None
+        raise InputError(f"{where}: --map {self.spec} returned a {type(got).__name__}; it returns the document's text "
+                         "(a str), None or helixtok.Skip(reason)")

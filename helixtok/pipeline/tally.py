@@ -28,6 +28,14 @@ class Tally:
         if len(ex) < MAX_EXAMPLES:
             ex.append(where)
 
+    def count(self, reason: str, where: str) -> None:
+        """A record left out on purpose (a --map skip): counted, never an error under --strict."""
+        strict, self.strict = self.strict, False
+        try:
+            self.add(reason, where)
+        finally:
+            self.strict = strict
+
     def merge(self, other: "Tally") -> None:
         self.first = self.first or other.first
         for reason, n in other.counts.items():

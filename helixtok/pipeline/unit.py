@@ -44,6 +44,7 @@ class Worker:
     offsets: dict = dataclasses.field(default_factory=dict)  # join.known_offsets' cache
     chat_encoder: object = None  # chat.ChatEncoder of a chat build
     chat_encoder_info: TokenizerInfo | None = None
+    mapper: object = None  # sources.RecordMap of a --map build
 
 
 # Per thread, not per process: two builds without workers in two threads of one program must never
@@ -114,6 +115,15 @@ def end_worker() -> None:
 # tokens that train.
 CHAT_COUNTS = ("conversations", "turn_samples", "truncated", "truncated_turns", "dropped_too_long", "no_trainable",
                "trainable_tokens")
+
+
+def _record_map(w: Worker):
+    """This process's --map function, imported once (and checked to be the one the plan names)."""
+    from .sources import RecordMap
+
+    if getattr(w, "mapper", None) is None:
+        w.mapper = RecordMap(w.config.transform, w.config.transform_sha256)
+    return w.mapper
 
 
 def _chat_encoder(w: Worker, info: TokenizerInfo):
@@ -265,8 +275,10 @@ def _run_unit(unit: Unit, info: TokenizerInfo, where: tuple[int, int] | None) ->
     tokens = {s: 0 for s in splits}
     text_bytes = {s: 0 for s in splits}  # UTF-8 bytes of the documents as tokenized
     tally = Tally(strict=cfg.strict)
-    reader = UnitReader(unit, cfg.text_field, tally, long_bytes=None if cfg.chat else cfg.long_doc_bytes,
-                        records=cfg.chat is not None)
+    mapped = cfg.transform is not None
+    reader = UnitReader(unit, cfg.text_field, tally, long_bytes=None if cfg.chat or mapped else cfg.long_doc_bytes,
+                        records=cfg.chat is not None or mapped, whole_rows=mapped)
+    mapper = _record_map(w) if mapped else None
     batch = {s: [] for s in splits}
     batch_src = {s: [] for s in splits}  # each batched document's source (UnitReader.source)
     sources: dict[str, list[int]] = {}  # source -> [documents, tokens, text bytes]
@@ -308,6 +320,11 @@ def _run_unit(unit: Unit, info: TokenizerInfo, where: tuple[int, int] | None) ->
     def read_all() -> None:
         nonlocal last_consumed, chars
         for text in reader:
+            if mapper is not None:  # the record (a text file's: its text and name) to its text, or skipped
+                text = mapper(text if isinstance(text, dict) else {"text": text, "file": reader.where()},
+                              reader.where(), tally)
+                if text is None:
+                    continue
             if isinstance(text, LongText):  # read, hashed and encoded in pieces: memory stays flat
                 pieces, s = kept_long(text, cfg)
                 s = splits[s]

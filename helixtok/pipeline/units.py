@@ -73,8 +73,11 @@ class Unit:
 
 
 def plan_units(files: list[InputFile], *, unit_bytes: int, text_field: str, stall: float = 600.0,
-               chat: bool = False) -> tuple[list[Unit], Tally]:
-    """The work units of `files`; chat: the field holds conversations (a list), not text."""
+               chat: bool = False, any_fields: bool = False) -> tuple[list[Unit], Tally]:
+    """The work units of `files`; chat: the field holds conversations (a list), not text; any_fields:
+    records are handed whole to a --map function (no text field is looked for)."""
+    if any_fields:
+        text_field = None
     units: list[Unit] = []
     warnings = Tally()
     # A compressed file is split into ranges when it is large in absolute terms and relative
@@ -222,13 +225,14 @@ def json_array_file(f: InputFile) -> bool:
     return head.lstrip(b"\xef\xbb\xbf \t\r\n").startswith(b"[")
 
 
-def _check_jsonl_head(f: InputFile, text_field: str) -> None:
+def _check_jsonl_head(f: InputFile, text_field: str | None) -> None:
     """Fail fast when the first record lacks the text field: that is a wrong --text-field, not bad
     data.  A file named .json* (C4 and Dolma name JSON Lines so) whose first line is not one JSON
-    object holds a single JSON document: refused, with how to convert it."""
+    object holds a single JSON document: refused, with how to convert it.  text_field None: any
+    record will do (a --map build)."""
     first = None
     named_json = re.search(r"\.json(\.gz|\.zst|\.zstd)?$", f.path.lower()) is not None
-    last = text_field.rsplit(".", 1)[-1]  # a dotted path's last key: on that line, somewhere
+    last = (text_field or "").rsplit(".", 1)[-1]  # a dotted path's last key: on that line, somewhere
     key = re.compile(rb'"' + re.escape(json.dumps(last)[1:-1].encode()) + rb'"\s*:')
     try:
         with open_input(f.path) as raw:
@@ -261,7 +265,7 @@ def _check_jsonl_head(f: InputFile, text_field: str) -> None:
                          f"{src} > {stem}.jsonl")
     if first is None or first[1] is None:  # bad JSON is reported, with its line, by the reader
         return
-    if first and isinstance(first[1], dict) and not field_value(first[1], text_field)[0]:
+    if text_field is not None and first and isinstance(first[1], dict) and not field_value(first[1], text_field)[0]:
         keys = ", ".join(sorted(first[1])[:10]) or "none"
         chats = [k for k, v in first[1].items() if isinstance(v, list) and v and isinstance(v[0], dict) and "role" in v[0]]
         raise InputError(f"{f.path}:{first[0]}: record has no field {text_field!r} (fields: {keys}); "
@@ -269,9 +273,11 @@ def _check_jsonl_head(f: InputFile, text_field: str) -> None:
                          + (f"; {chats[0]!r} holds chat messages: build conversations with --chat" if chats else ""))
 
 
-def _check_text_column(path: str, schema, text_field: str, chat: bool = False) -> None:
+def _check_text_column(path: str, schema, text_field: str | None, chat: bool = False) -> None:
     import pyarrow as pa
 
+    if text_field is None:  # a --map build: the rows go to its function whole
+        return
     where = arrow_field(schema, text_field) if not chat else [text_field] if text_field in schema.names else None
     if where is None:
         raise InputError(f"{path}: no column {text_field!r} (columns: {', '.join(schema.names)}); "
