@@ -380,7 +380,11 @@ def test_show_cuts_chunks_at_documents_and_names_each_documents_line(tmp_path, s
             assert h.endswith(f": a.jsonl:{line} ---"), h  # (names relative to the corpus's common root)
             assert ("starts" in h) == (starts[d] >= chunk * 32)
     r = CliRunner().invoke(main, ["show", str(out), "1"])
-    assert r.exit_code == 0 and "a.jsonl (work unit 0; --corpus for the line)" in r.output
+    # Issue 56.4: the build recorded where each document was read: the line without --corpus.
+    heads = [ln for ln in r.output.splitlines() if ln.startswith("--- document")]
+    assert r.exit_code == 0 and heads and all(re.search(r": a\.jsonl:\d+ ---$", h) for h in heads), r.output
+    assert heads == [ln for ln in CliRunner().invoke(main, ["show", str(out), "1", "--corpus", str(c)]).output.splitlines()
+                     if ln.startswith("--- document")]
     raw = CliRunner().invoke(main, ["show", str(out), "1", "--raw"]).output.splitlines()
     texts_shown = r.output.splitlines()
     assert [ln for ln in texts_shown if ln.startswith("---")] == [ln for ln in raw if ln.startswith("---")]
@@ -494,12 +498,17 @@ def test_show_of_a_bestfit_chunk_marks_each_document_and_the_padding(dev_bestfit
     i = next(i for i in range(v.num_chunks) if v.valid(i) < m["seq_len"] and len(v.chunk_starts(i)) > 1)
     r = CliRunner().invoke(main, ["show", dev_bestfit, str(i), "--raw"])
     assert r.exit_code == 0, r.output
-    marks = [line for line in r.output.splitlines() if line.startswith("--- a document")]
+    # Each item: the document it lies in, whether it starts it, and where that document was read.
+    marks = [line for line in r.output.splitlines() if line.startswith("--- document")]
     ids = [line for line in r.output.splitlines()[1:] if line and not line.startswith("---")]
     cuts = v.chunk_starts(i).tolist()
     assert len(marks) == len(cuts) == len(ids)
-    assert [int(x.split(", ")[1].split()[0].replace(",", "")) for x in marks] == \
-        [b - a for a, b in zip(cuts, cuts[1:] + [v.valid(i)])]
+    assert [len(x.split()) for x in ids] == [b - a for a, b in zip(cuts, cuts[1:] + [v.valid(i)])]
+    lay = v.pieces()
+    for mark, (g, _) in zip(marks, zip(*lay.pieces(i))):
+        d = v.starts_before(g + 1) - 1
+        assert mark == (f"--- document {d:,} {'starts' if v.starts_before(g) == d else 'continues'}: "
+                        f"{v.document_source(d)} ---")
     assert f"--- {512 - v.valid(i):,} pad" in r.output
 
 

@@ -113,3 +113,57 @@ def test_a_document_packed_build_has_no_document_view(dev_document):
         MemmapDocumentDataset(dev_document)
     r = CliRunner().invoke(main, ["stats", dev_document, "--max-tokens", 4096])
     assert r.exit_code != 0 and "keeps no document boundaries past whole chunks" in r.output
+
+
+def _text_at(corpus, where: str) -> str:
+    """The text a source names, read without helixtok: `file:line` of JSON lines (.gz too), `file row N`
+    of Parquet, a text file."""
+    import gzip
+
+    import pyarrow.parquet as pq
+
+    if " row " in where:
+        name, row = where.rsplit(" row ", 1)
+        return pq.read_table(corpus / name, columns=["text"]).column(0)[int(row)].as_py()
+    if where.endswith(".txt"):
+        return (corpus / where).read_text(encoding="utf-8")
+    name, line = where.rsplit(":", 1)
+    with (gzip.open(corpus / name, "rt", encoding="utf-8") if name.endswith(".gz") else open(corpus / name)) as fh:
+        for k, x in enumerate(fh, 1):
+            if k == int(line):
+                return json.loads(x)["text"]
+
+
+@pytest.mark.parametrize("which", ["packed", "bestfit"])
+def test_each_document_says_where_it_was_read(which, dev_packed, dev_bestfit, dev_corpus, tokenizer_path):
+    """Issue 56.4: the build records each document's source (.src beside .docs, the manifest's
+    unit_sources): for every 3rd document of the split, the text at the `file:line` / `file row N` /
+    file it names, tokenized by tokenizers, is the document's ids; `show` prints it without the
+    corpus, for packed and bestfit chunks alike."""
+    from tokenizers import Tokenizer
+
+    from helixtok.inspect.show import chunk_segments, document_source
+
+    out = dev_packed if which == "packed" else dev_bestfit
+    tok = Tokenizer.from_file(tokenizer_path)
+    ds = MemmapDocumentDataset(out, sources=True)
+    kinds = set()
+    for i in range(0, len(ds), 3):
+        x = ds[i]
+        where = x["source"]
+        kinds.add(where.rsplit(".", 1)[-1].split(" ")[0].split(":")[0])
+        assert x["input_ids"].tolist() == tok.encode(_text_at(dev_corpus, where)).ids + [ds.eos_id], (i, where)
+    assert kinds >= {"txt", "gz", "jsonl", "parquet"}
+    m = json.load(open(f"{out}/manifest.json"))
+    segs = [s for s in chunk_segments(out, m, "train", 7) if s.document is not None]
+    assert segs and all(document_source(out, m, "train", s.document) == ds.source(s.document) for s in segs)
+    # A dataset written before sources were kept: None, and the view still reads.
+    import shutil
+
+    old = tmp = f"{out}-old"
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(out, old)
+    del m["unit_sources"]
+    json.dump(m, open(f"{old}/manifest.json", "w"))
+    assert MemmapDocumentDataset(old).source(0) is None and len(MemmapDocumentDataset(old)) == len(ds)
+    shutil.rmtree(old)

@@ -75,7 +75,7 @@ def test_three_tasks_merged_equal_a_single_build(tmp_path, txt_corpus, tokenizer
     assert np.array_equal(single_rows, merged_rows)
     assert t1 == t2 and ms["splits"] == {k: {**v, "shards": [{**e, "path": e["path"].split("/")[-1],
                                                               **{x: {**e[x], "path": e[x]["path"].split("/")[-1]}
-                                                                 for x in ("docs", "valid") if x in e}}
+                                                                 for x in ("docs", "valid", "src") if x in e}}
                                                              for e in v["shards"]]}
                                          for k, v in mm["splits"].items()}
     if packing == "packed":
@@ -211,7 +211,7 @@ def _relative(m: dict) -> dict:
     """A manifest's splits with every shard named as in its own folder (a merge names part-NNNNN/…)."""
     def base(e):
         return {**e, "path": os.path.basename(e["path"]),
-                **{x: {**e[x], "path": os.path.basename(e[x]["path"])} for x in ("docs", "valid") if x in e}}
+                **{x: {**e[x], "path": os.path.basename(e[x]["path"])} for x in ("docs", "valid", "src") if x in e}}
     return {k: {**v, "shards": [base(e) for e in v["shards"]]} for k, v in m["splits"].items()}
 
 
@@ -253,11 +253,12 @@ def test_any_partitioning_merged_is_the_single_build(tmp_path_factory, mixed_sma
             build([corpus], p, tokenizer_path, cfg, task=(k, n))
     mm = merge(parts, str(root))
     assert _relative(mm) == _relative(ms)
-    for k in ("totals", "sources", "unit_documents", "skipped"):
-        assert mm[k] == ms[k], k
+    for k in ("totals", "sources", "unit_documents", "unit_sources", "skipped"):
+        assert mm.get(k) == ms.get(k), k
+    assert ("unit_sources" in ms) == (packing != "document")
     for sp in ms["splits"].values():
         for e in sp["shards"]:
-            for x in (e, *(e[s] for s in ("docs", "valid") if s in e)):
+            for x in (e, *(e[s] for s in ("docs", "valid", "src") if s in e)):
                 owner = next(p for p in parts if os.path.exists(os.path.join(p, x["path"])))
                 assert open(os.path.join(owner, x["path"]), "rb").read() == open(os.path.join(single, x["path"]),
                                                                                  "rb").read()

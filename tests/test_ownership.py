@@ -174,7 +174,8 @@ def test_overwrite_never_deletes_what_helixtok_did_not_write(tmp_path, small_cor
     assert (out / "tokenizer.json").exists() and (out / "manifest.json").exists()
     m = build([str(small_corpus)], str(out), small_tok, BuildConfig(seq_len=8, workers=1), overwrite=True)
     assert m["seq_len"] == 8 and sorted(os.listdir(out)) == ["build-plan.json", "manifest.json", "tokenizer.json",
-                                                             "train-000000-0000.bin", "train-000000-0000.docs"]
+                                                             "train-000000-0000.bin", "train-000000-0000.docs",
+                                                             "train-000000-0000.src"]
 
 
 def test_kill_during_overwrite_leaves_the_rest_known_as_helixtoks(tmp_path, small_corpus, small_tok, monkeypatch):

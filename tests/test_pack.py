@@ -155,18 +155,20 @@ def _pack_unit(tmp, packing, docs, L, cap, min_tail, feed):
         batch = docs[i: i + n]
         i += len(batch)
         if long and len(batch) == 1:
-            out.start_long()
+            out.start_long(i - 1)  # (where it was read: here its number, .src must keep it with its start)
             d = np.array(batch[0], np.uint16)
             for a in range(0, len(d), 3):  # any grouping of the ids
                 out.write_long(d[a: a + 3])
             out.end_long(len(d))
         elif batch:
-            out.add(np.array([t for d in batch for t in d], np.uint16), np.array([len(d) for d in batch], np.int64))
+            out.add(np.array([t for d in batch for t in d], np.uint16), np.array([len(d) for d in batch], np.int64),
+                    src=np.arange(i - len(batch), i))
     if i < len(docs):
         rest = docs[i:]
-        out.add(np.array([t for d in rest for t in d], np.uint16), np.array([len(d) for d in rest], np.int64))
+        out.add(np.array([t for d in rest for t in d], np.uint16), np.array([len(d) for d in rest], np.int64),
+                src=np.arange(i, len(docs)))
     entries = out.close()
-    got = {"bin": [], "docs": [], "valid": []}
+    got = {"bin": [], "docs": [], "valid": [], "src": []}
     base = 0
     for e in entries:
         assert e["num_tokens"] % (1 if packing == "packed" else L) == 0 and e["num_tokens"] <= cap
@@ -176,6 +178,9 @@ def _pack_unit(tmp, packing, docs, L, cap, min_tail, feed):
             assert e["docs"]["count"] * 8 == e["docs"]["bytes"]
         if "valid" in e:
             got["valid"] += np.fromfile(tmp / e["valid"]["state"], dtype="<u4").tolist()
+        if "src" in e:
+            got["src"] += np.fromfile(tmp / e["src"]["state"], dtype="<u4").tolist()
+            assert e["src"]["bytes"] == e["docs"]["count"] * 4
         assert hashlib.sha256((tmp / e["state"]).read_bytes()).hexdigest() == e["sha256"]
         base += e["num_tokens"]
     for f in tmp.iterdir():
@@ -198,6 +203,7 @@ def test_packed_and_document_units_store_the_rule_in_any_feed(tmp_path_factory, 
     stream = [t for d in docs for t in d]
     got, _ = _pack_unit(tmp, "packed", docs, L, shard_chunks * L, 0, feed)
     assert got["bin"] == stream
+    assert got["src"] == list(range(len(docs)))  # each document's place, beside its start, across shards
     assert got["docs"] == np.cumsum([0] + [len(d) for d in docs[:-1]]).tolist()[:len(docs)]
     min_tail = max(1, min(L, int(tail_frac * L)))
     got, c = _pack_unit(tmp, "document", docs, L, shard_chunks * L, min_tail, feed)

@@ -272,7 +272,7 @@ def test_ray_build_to_object_storage_without_a_shared_folder(tmp_path, dev_corpu
             assert filecmp.cmp(os.path.join(local, n), tmp_path / "back" / folder / n, shallow=False), n
     ml = json.load(open(os.path.join(local, "manifest.json")))
     assert m["totals"] == ml["totals"] and len(os.listdir(tmp_path / "back" / folder)) == \
-        len([n for n in os.listdir(local) if n.endswith((".bin", ".docs", ".valid", ".items", ".chunks", "tokenizer.json"))])
+        len([n for n in os.listdir(local) if n.endswith((".bin", ".docs", ".src", ".valid", ".items", ".chunks", "tokenizer.json"))])
     print(f"ray: built into s3:// by the tasks themselves ({folder}); pulled back, the local build's bytes")
 
 

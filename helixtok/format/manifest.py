@@ -190,12 +190,17 @@ def with_paths(s: dict, move) -> dict:
 
 # The sidecars each packing stores beside a shard (docs/format.md); bestfit also has a split index.
 SIDES = {"packed": ("docs",), "document": ("valid",), "bestfit": ("docs",)}
-SIDE_NAMES = ("docs", "valid", "mask")  # mask: a chat build's, one byte a token (1: it trains)
+# mask: a chat build's, one byte a token (1: it trains); src: where each document was read (packed,
+# bestfit; a manifest with `unit_sources` has it, one written before it had not).
+SIDE_NAMES = ("docs", "valid", "mask", "src")
 
 
 def sides_of(m: dict) -> tuple[str, ...]:
-    """The sidecars beside each shard of manifest m: its packing's, and a chat build's mask."""
-    return SIDES[m["packing"]] + (("mask",) if m.get("chat") else ())
+    """The sidecars beside each shard of manifest m: its packing's, where each document was read
+    (with `unit_sources`), and a chat build's mask."""
+    src = ("src",) if m.get("unit_sources") is not None and m["packing"] != "document" and \
+        m.get("format_version", 0) >= 5 else ()
+    return SIDES[m["packing"]] + src + (("mask",) if m.get("chat") else ())
 INDEX_FILES = ("items", "chunks")  # a bestfit split's index (bestfit.py)
 
 
@@ -265,7 +270,7 @@ def schema_problems(m: dict) -> list[str]:
                      "the shard's bytes", we)
             else:
                 need(e, "sha256", lambda v: isinstance(v, str) and len(v) == 64, "a sha256 hex digest", we)
-            for side in SIDES.get(m.get("packing"), ()):
+            for side in sides_of(m) if m.get("packing") in SIDES else ():
                 if need(e, side, lambda v: isinstance(v, dict), "an object", we):
                     need(e[side], "path", inside, "a relative path inside the dataset", f"{we}{side}.")
                     need(e[side], "sha256", lambda v: isinstance(v, str) and len(v) == 64, "a sha256 hex digest",
@@ -325,3 +330,44 @@ def check_small_file(path: str, data, sha: str | None) -> None:
     if sha is not None and hashlib.sha256(data).hexdigest() != sha:
         raise DatasetError(f"{path}: its sha256 is not the manifest's (damaged or changed since the build); "
                            "copy the dataset again or rebuild it (helixtok verify says more)")
+
+
+class DocumentSources:
+    """Where each document of a split was read (docs/format.md, "Where documents came from"): its work
+    unit from `unit_documents`, what the unit read from `unit_sources`, and its place in the unit from
+    its .src entry.  None for a dataset written without them."""
+
+    def __init__(self, m: dict, split: str):
+        import bisect
+
+        self._bisect = bisect.bisect_right
+        units, counts = m.get("unit_sources"), (m.get("unit_documents") or {}).get(split)
+        self.known = units is not None and counts is not None and len(units) == len(counts)
+        self.units, self.ends, first, lines = units or [], [], [], {}
+        at = 0
+        for n in counts or []:
+            at += n
+            self.ends.append(at)
+        for e in self.units:  # a line range whose first line the plan did not know follows the ranges before it
+            if e[0] == "line":
+                first.append(e[2] or lines.get(e[1], 0) + 1)
+                lines[e[1]] = (e[2] or lines.get(e[1], 0) + 1) - 1 + e[3]
+            else:
+                first.append(None)
+        self.first = first
+
+    def __call__(self, doc: int, k: int) -> str | None:
+        """Document `doc` of the split (in stream order), whose .src entry is k."""
+        if not self.known:
+            return None
+        u = self._bisect(self.ends, doc)
+        if u >= len(self.units):
+            return None
+        e = self.units[u]
+        if e[0] == "file":
+            return e[1][k] if k < len(e[1]) else None
+        if e[0] == "element":
+            return f"{e[1]} element {k + 1}"
+        if e[0] == "row":
+            return f"{e[1]} row {e[2] + k}"
+        return f"{e[1]}:{self.first[u] + k}"

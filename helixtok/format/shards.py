@@ -16,6 +16,7 @@ from . import limits
 VALID_DTYPE = np.dtype("<u4")  # per-chunk count of real (non-pad) tokens: document packing
 DOCS_DTYPE = np.dtype("<u8")  # token offsets within the shard where a document (or piece) starts
 MASK_DTYPE = np.dtype("u1")  # per token of a chat build: 1 where it trains, 0 elsewhere (padding too)
+SRC_DTYPE = np.dtype("<u4")  # per document (as .docs): where in its work unit it was read (docs/format.md)
 
 
 def _tmp_of(final: str) -> str:
@@ -216,9 +217,10 @@ class ShardFiles:
         return f"{self.stem}.{k:04d}.{ext}", f"{self.final}-{k:04d}.{ext}"
 
     def write(self, ids: np.ndarray, starts: np.ndarray | None = None, valid: np.ndarray | None = None,
-              mask: np.ndarray | None = None) -> None:
+              mask: np.ndarray | None = None, src: np.ndarray | None = None) -> None:
         """ids: the next tokens; starts: sorted offsets (from ids[0]) where documents start;
-        valid: per chunk, when ids are whole chunks; mask: per token (a chat build's: 1 trains)."""
+        valid: per chunk, when ids are whole chunks; mask: per token (a chat build's: 1 trains);
+        src: per document start, where it was read (its .src entry)."""
         done, n, L = 0, len(ids), self.seq_len
         while done < n:
             if self._open is None:
@@ -232,6 +234,8 @@ class ShardFiles:
                 a, b = np.searchsorted(starts, [done, done + take])
                 self._open["docs"].write((starts[a:b] - done + self._in).astype(DOCS_DTYPE))
                 self._docs += int(b - a)
+                if "src" in self._open:  # (a writer that keeps sources gives one per document start)
+                    self._open["src"].write(np.asarray(src[a:b], dtype=SRC_DTYPE))
             if mask is not None and "mask" in self._open:
                 self._open["mask"].write(mask[done: done + take].astype(MASK_DTYPE, copy=False))
             if valid is not None and "valid" in self._open:

@@ -55,8 +55,16 @@ def chunk_segments(out: str, m: dict, split: str, index: int) -> list[Segment]:
     # Packed: documents are numbered by their starts (the first id may continue an earlier one);
     # a bestfit chunk's pieces are not numbered (pieces of long documents start too).
     doc = view.starts_before(lo) - (not cuts or cuts[0] != 0) if m["packing"] == "packed" else -1
+    # A bestfit chunk's items are numbered by the document each lies in, where builds say where
+    # documents were read (an item is a document, or a seq_len piece of one).
+    lay = view.pieces() if m["packing"] == "bestfit" and m.get("unit_sources") is not None else None
+    items = [g for g, _ in zip(*lay.pieces(index))] if lay is not None else []
     segs = []
-    for a, b in zip(bounds, bounds[1:]):
+    for j, (a, b) in enumerate(zip(bounds, bounds[1:])):
+        if lay is not None and j < len(items):
+            d = view.starts_before(items[j] + 1) - 1
+            segs.append(Segment(ids[a:b], d, view.starts_before(items[j]) == d, mask=mask and mask[a:b]))
+            continue
         known = m["packing"] == "packed" and doc >= 0
         segs.append(Segment(ids[a:b], doc if known else None, a in cuts, mask=mask and mask[a:b]))
         doc += 1
@@ -67,6 +75,10 @@ def chunk_segments(out: str, m: dict, split: str, index: int) -> list[Segment]:
 def document_source(out: str, m: dict, split: str, doc: int, corpus: str | None = None) -> str:
     """Where document `doc` of `split` came from: its work unit's file(s), and with `corpus` (the
     folder or files the build read) the exact file:line or file row N, read again."""
+    if m.get("unit_sources") is not None and m["packing"] != "document":  # recorded by the build: exact
+        got = SplitView(out, m, split).document_source(doc)
+        if got is not None:
+            return got
     counts = (m.get("unit_documents") or {}).get(split)
     if counts is None:
         return "unknown (built by an older helixtok)"

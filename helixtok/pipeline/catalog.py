@@ -116,7 +116,23 @@ def build_manifest(config, info, backend_check: dict, files, units, part: dict |
         "sources": sum_sources(r["sources"] for r in results),
         # Documents per work unit and split, in unit order: where a document came from (inspect/show.py).
         "unit_documents": {sp: [r["documents"].get(sp, 0) for r in results] for sp in splits},
+        # And what each unit read, for its documents' .src entries (format/manifest.py: document_source).
+        **({"unit_sources": [unit_source(u, r) for u, r in zip(units, results)]} if config.packing != "document"
+           else {}),
         "skipped": tally.to_json(),
         "warnings": warnings.to_json(),
         **({"chat": {**config.chat.to_json(), "template_file": CHAT_TEMPLATE}} if config.chat else {}),
     }
+
+
+def unit_source(u, r: dict) -> list:
+    """What work unit `u` (its journal entry `r`) read, as a .src entry is resolved against it: ["file",
+    [its files]], ["element", file], ["row", file, first row], or ["line", file, its first line (0: the
+    lines of the units before it in the file tell), its lines]."""
+    if u.kind == "text":
+        return ["file", list(u.names)]
+    if u.array:
+        return ["element", u.names[0]]
+    if u.kind in ("parquet", "arrow"):
+        return ["row", u.names[0], u.first_line]
+    return ["line", u.names[0], u.first_line, r.get("lines", 0)]

@@ -21,7 +21,7 @@ import numpy as np
 
 from ..format import limits
 from ..format.errors import HelixtokError
-from ..format.shards import DOCS_DTYPE, MASK_DTYPE, VALID_DTYPE, HashedFile, start_writeback
+from ..format.shards import DOCS_DTYPE, MASK_DTYPE, SRC_DTYPE, VALID_DTYPE, HashedFile, start_writeback
 from .journal import done_path, piece_name, placed_path, read_entry, shard_stem, state_files, write_entry
 
 # Text bytes per token, to size shard groups before anything is tokenized: English with a 32k-128k
@@ -202,15 +202,19 @@ def close_group(g: int, results: list[dict], placements: list[dict], state: str,
     opener = opener or _unit_file(state)
     item = np.dtype(dtype).itemsize
     L, cap = config.seq_len, piece_tokens(config, item)
-    sides = PACKERS[config.packing].sides + (("mask",) if config.chat else ())
+    # .src only where the units wrote one (a repack of a dataset written before sources has none).
+    has_src = any("src" in e for r in results for es in r["shards"].values() for e in es)
+    sides = tuple(x for x in PACKERS[config.packing].sides + (("mask",) if config.chat else ()) if x != "src" or has_src)
     splits = ("train", "val") if config.has_val else ("train",)
     out = {}
     for s in splits:
-        pos, starts, valid = 0, [], []
+        pos, starts, valid, srcs = 0, [], [], []
         for r in results:
             for e in r["shards"].get(s, []):
                 if "docs" in e:
                     starts.append(_whole(opener, e["docs"], DOCS_DTYPE).astype(np.int64) + pos)
+                if "src" in e:
+                    srcs.append(_whole(opener, e["src"], SRC_DTYPE))
                 if "valid" in e:
                     valid.append(_whole(opener, e["valid"], VALID_DTYPE))
                 pos += e["num_tokens"]
@@ -219,6 +223,7 @@ def close_group(g: int, results: list[dict], placements: list[dict], state: str,
                        for e in r["shards"].get(s, []) if "mask" in e)
         starts_all = np.concatenate(starts) if starts else np.empty(0, np.int64)
         valid_all = np.concatenate(valid) if valid else np.empty(0, VALID_DTYPE)
+        src_all = np.concatenate(srcs) if srcs else np.empty(0, SRC_DTYPE)  # one per document start
         by_piece: dict[int, list] = {}
         for p in placements:
             for k, off, n, sha in p["segments"].get(s, []):
@@ -249,9 +254,9 @@ def close_group(g: int, results: list[dict], placements: list[dict], state: str,
                 stem = f"g{g:06d}.{run}.{s}.{k:04d}.{side}"
                 f = HashedFile(os.path.join(state, stem))
                 try:
-                    if side == "docs":
+                    if side in ("docs", "src"):
                         a, b = np.searchsorted(starts_all, [lo, hi])
-                        f.write((starts_all[a:b] - lo).astype(DOCS_DTYPE))
+                        f.write((starts_all[a:b] - lo).astype(DOCS_DTYPE) if side == "docs" else src_all[a:b])
                     elif side == "mask":
                         for part in masks.take(hi - lo):
                             f.write(np.frombuffer(part, MASK_DTYPE))

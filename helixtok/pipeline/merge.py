@@ -347,6 +347,8 @@ def _merge_locked(parts: list[str], ms: list[dict], out: str, tokenizer: bytes, 
               "splits": splits, "totals": totals, "sources": sum_sources(m.get("sources") or {} for m in ms),
               "unit_documents": {sp: [n for m in ms for n in (m.get("unit_documents") or {}).get(sp, [])]
                                  for sp in splits},
+              **({"unit_sources": [e for m in ms for e in m["unit_sources"]]}
+                 if all("unit_sources" in m for m in ms) else {}),
               "skipped": skipped.to_json(),
               "warnings": warnings.to_json()}
     for name, data in copies.items():

@@ -77,12 +77,13 @@ class _Out:
     sides: tuple[str, ...] = ()
 
     def __init__(self, stem: str, final: str, dtype, seq_len: int, cap: int, min_tail: int, pad_id: int,
-                 hold: int = 0, chat: bool = False):
+                 hold: int = 0, chat: bool = False, sources: bool = True):
         self.L, self.dtype, self.min_tail, self.pad_id = seq_len, np.dtype(dtype), min_tail, pad_id
         # Not fsynced: a unit's output is placed into its group's shards, which are; a resume
         # re-hashes it (a file a crash tore is tokenized again), and it may never reach the disk.
         # hold: its ids kept in memory up to that many bytes (placed from there: unit.py).
-        sides = self.sides + (("mask",) if chat else ())
+        # sources False: no .src (a repack of a dataset written before it had them).
+        sides = tuple(x for x in self.sides if sources or x != "src") + (("mask",) if chat else ())
         self.files = ShardFiles(stem, final, self.dtype, seq_len, cap, sides, durable=False, hold=hold)
         self.counts = PackCounts()
 
@@ -94,18 +95,21 @@ class _Out:
 
 
 class PackedOut(_Out):
-    """packed: the unit's token stream as it is, with its document starts."""
+    """packed: the unit's token stream as it is, with its document starts and where each was read."""
 
-    sides = ("docs",)
+    sides = ("docs", "src")
 
-    def add(self, ids: np.ndarray, lens: np.ndarray, mask: np.ndarray | None = None) -> None:
-        self.files.write(ids, starts=np.concatenate(([0], np.cumsum(lens[:-1]))) if len(lens) else None, mask=mask)
+    def add(self, ids: np.ndarray, lens: np.ndarray, mask: np.ndarray | None = None,
+            src: np.ndarray | None = None) -> None:
+        self.files.write(ids, starts=np.concatenate(([0], np.cumsum(lens[:-1]))) if len(lens) else None, mask=mask,
+                         src=src)
 
-    def start_long(self) -> None:
-        self._first = True
+    def start_long(self, src: int = 0) -> None:
+        self._first, self._src = True, src
 
     def write_long(self, ids: np.ndarray) -> None:
-        self.files.write(ids, starts=np.zeros(1, np.int64) if self._first else None)
+        self.files.write(ids, starts=np.zeros(1, np.int64) if self._first else None,
+                         src=np.array([self._src], np.uint32) if self._first else None)
         self._first = False
 
     def end_long(self, n: int) -> None:
@@ -117,7 +121,8 @@ class DocumentOut(_Out):
 
     sides = ("valid",)
 
-    def add(self, ids: np.ndarray, lens: np.ndarray, mask: np.ndarray | None = None) -> None:
+    def add(self, ids: np.ndarray, lens: np.ndarray, mask: np.ndarray | None = None,
+            src: np.ndarray | None = None) -> None:
         chunks, valid, c = document_chunks(ids, lens, self.L, self.min_tail, self.pad_id)
         self.counts.add(c)
         # A chat mask is chunked as its ids are: padding never trains.
@@ -126,7 +131,7 @@ class DocumentOut(_Out):
 
     # A document read in pieces: its full chunks are written as they come; the last seq_len
     # tokens or fewer wait for its end (whether it is kept depends on its length).
-    def start_long(self) -> None:
+    def start_long(self, src: int = 0) -> None:
         self._carry = np.empty(0, self.dtype)
 
     def write_long(self, ids: np.ndarray) -> None:

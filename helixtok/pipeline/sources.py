@@ -142,10 +142,20 @@ class UnitReader:
         self.consumed = 0
         self.lines = 0  # lines of a .jsonl unit read so far (all of them once it is read through)
         self._loc: tuple = ("", None, "")
+        self._file = 0  # a text unit: which of its files was read last
 
     def source(self) -> str:
         """The source of the document last yielded: source_of its file."""
         return source_of(self._loc[0])
+
+    def offset(self) -> int:
+        """The record last yielded, as its place in this unit: a text unit's file (0, 1, ...), a
+        JSON lines unit's line or an array's element (0-based from the unit's first), a Parquet or
+        Arrow unit's row from its first.  What a document's `.src` entry holds (docs/format.md)."""
+        name, n, sep = self._loc
+        if n is None:
+            return self._file
+        return n - self.unit.first_line if sep == " row " else n - 1
 
     def where(self) -> str:
         """Location of the document last yielded: file, file:line, or file row N."""
@@ -168,7 +178,7 @@ class UnitReader:
             yield from self._jsonl()
 
     def _text(self) -> Iterator[str]:
-        for path, name in zip(self.unit.files, self.unit.names):
+        for self._file, (path, name) in enumerate(zip(self.unit.files, self.unit.names)):
             with open_input(path) as fh:
                 size = size_of(fh)
                 data = None if self.long_bytes is not None and size > self.long_bytes else fh.read()

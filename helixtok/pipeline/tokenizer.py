@@ -165,6 +165,7 @@ def inspect_tokenizer(spec: str, *, eos_token: str | None = None, bos_token: str
     # From the file's JSON, without loading it into tokenizers (~0.5-1 s of a core for a 100k
     # vocabulary): what it says is what tokenizers reads (tests/test_backends.py holds the two
     # equal for every tokenizer the suite has); a file it cannot read so is loaded.
+    reference_library()  # (the reference every backend is checked against: refused here, before OUT is touched)
     got = None if via == "tokenizers" else from_json(tokenizer_bytes(sha256))
     tok = None
     if got is None:

@@ -281,6 +281,7 @@ def _run_unit(unit: Unit, info: TokenizerInfo, where: tuple[int, int] | None) ->
     mapper = _record_map(w) if mapped else None
     batch = {s: [] for s in splits}
     batch_src = {s: [] for s in splits}  # each batched document's source (UnitReader.source)
+    batch_off = {s: [] for s in splits}  # and its place in the unit (UnitReader.offset: its .src entry)
     sources: dict[str, list[int]] = {}  # source -> [documents, tokens, text bytes]
     chars = 0
     last_consumed = 0
@@ -298,7 +299,8 @@ def _run_unit(unit: Unit, info: TokenizerInfo, where: tuple[int, int] | None) ->
             if not batch[s]:
                 continue
             ids, lens = enc.encode(batch[s])
-            outs[s].add(ids, lens)
+            outs[s].add(ids, lens, src=np.array(batch_off[s], np.uint32))
+            batch_off[s].clear()
             # Counted once encoded: the libraries have (mostly) cached each text's UTF-8 by then.
             sizes = list(map(utf8_len, batch[s]))
             text_bytes[s] += sum(sizes)
@@ -347,7 +349,7 @@ def _run_unit(unit: Unit, info: TokenizerInfo, where: tuple[int, int] | None) ->
                     told[1] += len(ids)
                     _bump(counters, 0, 0, len(ids))
 
-                outs[s].start_long()
+                outs[s].start_long(reader.offset())
                 n = enc.encode_stream(counted(pieces()), write)
                 outs[s].end_long(n)
                 docs[s] += 1
@@ -363,6 +365,7 @@ def _run_unit(unit: Unit, info: TokenizerInfo, where: tuple[int, int] | None) ->
                 continue
             batch[splits[s]].append(text)
             batch_src[splits[s]].append(reader.source())
+            batch_off[splits[s]].append(reader.offset())
             chars += len(text)
             if chars >= cfg.batch_chars:
                 flush()
@@ -374,7 +377,7 @@ def _run_unit(unit: Unit, info: TokenizerInfo, where: tuple[int, int] | None) ->
         """Chat rows: each rendered with the template and tokenized once (chat.py), its mask beside."""
         nonlocal chars, last_consumed
         enc_chat = _chat_encoder(w, info)
-        pend = {s: ([], [], [], []) for s in splits}  # ids, masks, sources, text bytes
+        pend = {s: ([], [], [], [], []) for s in splits}  # ids, masks, sources, text bytes, places in the unit
 
         def add_sample(got) -> None:
             nonlocal chars
@@ -399,24 +402,25 @@ def _run_unit(unit: Unit, info: TokenizerInfo, where: tuple[int, int] | None) ->
             pend[s][1].append(got.mask)
             pend[s][2].append(reader.source())
             pend[s][3].append(nb)
+            pend[s][4].append(reader.offset())
             chars += len(got.text)
 
         def flush_chats() -> None:
             nonlocal chars, last_consumed
             ntok = ndoc = 0
             for s in splits:
-                ids, masks, srcs, nbytes = pend[s]
+                ids, masks, srcs, nbytes, offs = pend[s]
                 if not ids:
                     continue
                 lens = np.fromiter(map(len, ids), np.int64, len(ids))
-                outs[s].add(np.concatenate(ids), lens, mask=np.concatenate(masks))
+                outs[s].add(np.concatenate(ids), lens, mask=np.concatenate(masks), src=np.array(offs, np.uint32))
                 for src, n, b in zip(srcs, lens.tolist(), nbytes):
                     count(src, 1, n, b)
                 docs[s] += len(ids)
                 tokens[s] += int(lens.sum())
                 ntok += int(lens.sum())
                 ndoc += len(ids)
-                ids.clear(), masks.clear(), srcs.clear(), nbytes.clear()
+                ids.clear(), masks.clear(), srcs.clear(), nbytes.clear(), offs.clear()
             _bump(counters, reader.consumed - last_consumed, ndoc, ntok)
             last_consumed = reader.consumed
             chars = 0

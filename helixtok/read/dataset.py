@@ -21,7 +21,7 @@ from ..format.errors import DatasetError
 from ..format.manifest import (DTYPES, INDEX_FILES, MANIFEST, SIDES, check_small_file, load_manifest, read_seq_len,
                                shard_tokens, sides_of, split_entry, split_files)
 from ..format.objstore import READ_STALL_SECONDS, filesystem, is_url, redact, stall_bound
-from ..format.shards import DOCS_DTYPE, MASK_DTYPE, VALID_DTYPE
+from ..format.shards import DOCS_DTYPE, MASK_DTYPE, SRC_DTYPE, VALID_DTYPE
 from .blockcache import DEFAULT_BLOCK_BYTES, BlockArray, BlockCache, parse_limit, plan_blocks
 from .layout import Pieces, bestfit_pieces, shuffled_documents
 from .sizes import parse_bytes
@@ -245,7 +245,8 @@ class MemmapChunkDataset(Dataset):
                 raise DatasetError(f"{p}: missing or not {want} bytes as the manifest says; copy it again or rebuild")
         size_of = {"valid": lambda n, e: n // self.seq_len * VALID_DTYPE.itemsize,
                    "docs": lambda n, e: e["docs"]["count"] * DOCS_DTYPE.itemsize,
-                   "mask": lambda n, e: n * MASK_DTYPE.itemsize}
+                   "mask": lambda n, e: n * MASK_DTYPE.itemsize,
+                   "src": lambda n, e: e["docs"]["count"] * SRC_DTYPE.itemsize}
         for p, n, e in self._shards:
             if not os.path.isfile(p):
                 raise DatasetError(f"{p}: shard missing; copy it again or rebuild")
@@ -337,7 +338,7 @@ class MemmapChunkDataset(Dataset):
                 data = self._read_whole(e[x]["path"])  # (from a URL: checked by its sha256 on the way)
                 if not self.remote:
                     check_small_file(os.path.join(self.path, e[x]["path"]), data, e[x].get("sha256"))
-                raw = np.frombuffer(data, dtype={"docs": DOCS_DTYPE, "valid": VALID_DTYPE, "mask": MASK_DTYPE}[x])
+                raw = np.frombuffer(data, dtype={"docs": DOCS_DTYPE, "valid": VALID_DTYPE, "mask": MASK_DTYPE, "src": SRC_DTYPE}[x])
                 side[x] = raw.astype(np.int64) if x == "docs" else raw
             maps.append((ids, side))
         self._maps = maps

@@ -27,11 +27,12 @@ class MemmapDocumentDataset(MemmapChunkDataset):
     or in object storage (path a URL, with cache_dir: read through the node-local block cache as
     MemmapChunkDataset reads it).  Batch them with TokenBudgetSampler and collate_varlen."""
 
-    def __init__(self, path: str, split: str = "train", *, max_len: int | None = None, **kw):
+    def __init__(self, path: str, split: str = "train", *, max_len: int | None = None, sources: bool = False, **kw):
         for k in ("shifted", "position_ids", "document_masking", "repack", "seq_len", "fields"):
             if k in kw:
                 raise ConfigError(f"MemmapDocumentDataset takes no {k}=: items are whole documents (see max_len)")
         super().__init__(path, split, **kw)
+        self.sources = sources  # items say where their document was read ("source": file:line, ...)
         if self.packing == "document":
             raise DatasetError(f"{self.path}: packed with --pack document, whose chunks keep no boundary between a "
                                "document that fills whole chunks and the next; build (or helixtok repack) it packed "
@@ -40,7 +41,7 @@ class MemmapDocumentDataset(MemmapChunkDataset):
         self._n = len(self._item_spans()[0])
 
     def _sides(self) -> tuple[str, ...]:
-        return ("docs",) + (("mask",) if self.chat else ())
+        return ("docs",) + (("src",) if "src" in self._all_sides else ()) + (("mask",) if self.chat else ())
 
     def _item_spans(self) -> tuple[np.ndarray, np.ndarray]:
         """(stream position, tokens) of every item, from the .docs sidecars (once per process)."""
@@ -50,11 +51,29 @@ class MemmapDocumentDataset(MemmapChunkDataset):
             pos = np.concatenate(starts) if starts else np.empty(0, np.int64)
             end = int(self._starts[-1])
             self._spans = document_items(pos, np.diff(np.append(pos, end)), self.max_len)
+            self._docs_of = np.searchsorted(pos, self._spans[0], side="right") - 1  # each item's document
         return self._spans
+
+    def source(self, i: int) -> str | None:
+        """Where item i's document was read: `file:line`, `file row N`, `file element N` or the text
+        file (docs/format.md); None for a dataset written before builds recorded it."""
+        from ..format.manifest import DocumentSources
+
+        self._item_spans()
+        if self.__dict__.get("_where") is None:
+            maps = self._maps or self._open()
+            src = [side["src"] for _, side in maps if "src" in side]
+            self._src = np.concatenate(src) if src and len(src) == len(maps) else None
+            self._where = DocumentSources(self.manifest, self.split)
+        if self._src is None:
+            return None
+        d = int(self._docs_of[int(i)])
+        return self._where(d, int(self._src[d]))
 
     def __getstate__(self):
         d = super().__getstate__()
-        d.pop("_spans", None)  # 16 bytes an item: each DataLoader worker reads the sidecars itself
+        for k in ("_spans", "_docs_of", "_src", "_where"):  # each DataLoader worker reads the sidecars itself
+            d.pop(k, None)
         return d
 
     def __len__(self) -> int:
@@ -77,7 +96,10 @@ class MemmapDocumentDataset(MemmapChunkDataset):
             m = np.empty(n, np.uint8)
             self._copy(g, n, m, self._arrays("mask"))
             labels[m == 0] = IGNORE_INDEX
-        return {"input_ids": torch.from_numpy(ids), "labels": torch.from_numpy(labels)}
+        item = {"input_ids": torch.from_numpy(ids), "labels": torch.from_numpy(labels)}
+        if self.sources:
+            item["source"] = self.source(i)
+        return item
 
     def __getitems__(self, indices) -> list[dict]:
         return [self[i] for i in indices]

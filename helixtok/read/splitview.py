@@ -10,7 +10,7 @@ import numpy as np
 from ..format.bestfit import CHUNK_DTYPE, ITEM_DTYPE, Index, load_index
 from ..format.errors import ConfigError, DatasetError
 from ..format.manifest import DTYPES, check_small_file, shard_tokens, split_entry
-from ..format.shards import DOCS_DTYPE, MASK_DTYPE, VALID_DTYPE
+from ..format.shards import DOCS_DTYPE, MASK_DTYPE, SRC_DTYPE, VALID_DTYPE
 from .layout import Pieces, bestfit_pieces
 
 
@@ -23,7 +23,7 @@ class SplitView:
     def __init__(self, root, m: dict, split: str = "train"):
         self.folder = root if not isinstance(root, (str, os.PathLike)) else None
         self.root, self.m = (root.root if self.folder else os.fspath(root)), m
-        self.s = split_entry(m, split, root)
+        self.s, self.split = split_entry(m, split, root), split
         self.L = int(m["seq_len"])
         self.dtype = np.dtype(DTYPES[m["dtype"]])
         self.shards = self.s["shards"]
@@ -81,13 +81,15 @@ class SplitView:
             return int(e["docs"]["count"]) * DOCS_DTYPE.itemsize
         if side == "mask":
             return n * MASK_DTYPE.itemsize
+        if side == "src":
+            return int(e["docs"]["count"]) * SRC_DTYPE.itemsize
         return n // self.L * VALID_DTYPE.itemsize
 
     def _map(self, k: int, side: str = "bin") -> np.ndarray:
         if (k, side) not in self._maps:
             e = self.shards[k]
             path = os.path.join(self.root, e["path"] if side == "bin" else e[side]["path"])
-            dtype = {"bin": self.dtype, "docs": DOCS_DTYPE, "valid": VALID_DTYPE, "mask": MASK_DTYPE}[side]
+            dtype = {"bin": self.dtype, "docs": DOCS_DTYPE, "valid": VALID_DTYPE, "mask": MASK_DTYPE, "src": SRC_DTYPE}[side]
             # A file of another size (truncated, a link to /dev/zero, a wrong num_tokens) is named,
             # never read past or short.
             size = os.path.getsize(path) if os.path.isfile(path) else None
@@ -168,6 +170,21 @@ class SplitView:
         k = bisect.bisect_right(self._starts, pos) - 1
         before = sum(int(e["docs"]["count"]) for e in self.shards[:k])
         return before + (int(np.searchsorted(self._map(k, "docs"), pos - self._starts[k])) if k < len(self.shards) else 0)
+
+    def document_source(self, doc: int) -> str | None:
+        """Where document `doc` of the split (in stream order) was read, from its .src entry and the
+        manifest (format.manifest.DocumentSources); None for a dataset written without them."""
+        from ..format.manifest import DocumentSources
+
+        if self.__dict__.get("_sources") is None:
+            self._sources = DocumentSources(self.m, self.split)
+            self._doc_ends = np.cumsum([int(e["docs"]["count"]) for e in self.shards]) if self._sources.known else None
+        if not self._sources.known or not all("src" in e for e in self.shards):
+            return None
+        k = int(np.searchsorted(self._doc_ends, doc, side="right"))
+        if k >= len(self.shards):
+            return None
+        return self._sources(doc, int(self._map(k, "src")[doc - (int(self._doc_ends[k - 1]) if k else 0)]))
 
     def valid(self, i: int) -> int:
         """Real tokens at the start of chunk i (the rest is padding); seq_len for packed data."""

@@ -10,6 +10,7 @@ import shutil
 
 import numpy as np
 
+from ..format.shards import SRC_DTYPE
 from ..pipeline.config import BuildConfig
 from ..pipeline.join import join_group, piece_tokens
 from ..pipeline.journal import piece_name
@@ -44,7 +45,7 @@ def link_group(src: Source, g: int, state: str, run: str) -> dict:
             k = int(SHARD_NAME.fullmatch(e["path"]).group(3))
             e = {**e, "state": piece_name(g, s, k)}
             _link(src.file(e["path"]), os.path.join(state, e["state"]))
-            for side in ("docs", "mask"):
+            for side in ("docs", "src", "mask"):
                 if side in e:
                     e[side] = {**e[side], "state": f"g{g:06d}.{run}.{s}.{k:04d}.{side}"}
                     _link(src.file(e[side]["path"]), os.path.join(state, e[side]["state"]))
@@ -71,6 +72,7 @@ def pack_group(src: Source, config: BuildConfig, g: int, state: str, run: str, p
     (its entry, the pad and drop counts per split)."""
     a, b = src.groups[g]
     L, chat = config.seq_len, config.chat is not None
+    keep_src = src.manifest.get("unit_sources") is not None  # (a dataset written before sources has none)
     results = [{"index": u, "shards": {}} for u in range(a, b)]
     counts = {s: PackCounts() for s in src.manifest["splits"]}
     for s in src.manifest["splits"]:
@@ -82,6 +84,7 @@ def pack_group(src: Source, config: BuildConfig, g: int, state: str, run: str, p
             starts.append(src.docs(e) + at)
             at += e["num_tokens"]
         bounds = np.append(np.concatenate(starts) if starts else np.empty(0, np.int64), at)
+        places = np.concatenate([src.whole(e["src"], SRC_DTYPE) for e in pieces]) if keep_src and pieces else None
         per_unit = src.manifest["unit_documents"][s][a:b]
         if sum(per_unit) != len(bounds) - 1:
             raise _damaged(src, f"shard group {g} of {s} holds {len(bounds) - 1:,} documents where its work units "
@@ -91,12 +94,13 @@ def pack_group(src: Source, config: BuildConfig, g: int, state: str, run: str, p
         for r, nd in zip(results, per_unit):
             out = PACKERS[config.packing](os.path.join(state, f"u{r['index']:06d}.{run}.{s}"),
                                           f"u{r['index']:06d}-{s}", src.dtype, L, UNIT_FILE_TOKENS // L * L,
-                                          config.tail_len, pad_id, chat=chat)
+                                          config.tail_len, pad_id, chat=chat, sources=keep_src)
             try:
                 for x, y in _batches(bounds, d, d + nd):
                     lens = np.diff(bounds[x: y + 1])
                     lo, hi = int(bounds[x]), int(bounds[y])
-                    out.add(stream.take(lo, hi), lens, mask=mstream.take(lo, hi) if chat else None)
+                    out.add(stream.take(lo, hi), lens, mask=mstream.take(lo, hi) if chat else None,
+                            src=places[x:y] if places is not None else None)
                 r["shards"][s] = out.close()
             except BaseException:
                 out.abort()

@@ -153,6 +153,8 @@ def _write(src: Source, config, whole: bytes, new: str, overwrite: bool) -> Repa
                 "splits": splits, "totals": totals,
                 "repacked_from": {"manifest_sha256": src.manifest_sha256, "seq_len": m["seq_len"],
                                   "packing": m["packing"]}}
+    if config.packing == "document":  # its rows keep no document starts, nor where each was read
+        manifest.pop("unit_sources", None)
     # The tokenizer (checked: the very bytes the manifest names), the template and the new plan.
     with open(src.file(m["tokenizer"]["file"]), "rb") as fh:
         tok = fh.read()

@@ -124,7 +124,7 @@ def open_source(path: str) -> Source:
             x = SHARD_NAME.fullmatch(e["path"])
             if x is None or int(x.group(2)) >= len(groups):
                 raise DatasetError(f"{path}: shard {e['path']!r} is not one of its plan's shard groups; rebuild it")
-            for f in (e, *(e[k] for k in ("docs", "mask") if k in e)):
+            for f in (e, *(e[k] for k in ("docs", "src", "mask") if k in e)):
                 p = src.file(f["path"])
                 if not os.path.isfile(p) or os.path.getsize(p) != f["bytes"]:
                     raise DatasetError(f"{p}: missing or not the {f['bytes']:,} bytes its manifest lists; the dataset "
