@@ -300,8 +300,9 @@ def test_a_format_1_dataset_still_reads_alike(dev_packed, tmp_path):
     assert r.exit_code == 0, r.output
     stats = [json.loads(CliRunner().invoke(main, ["stats", d, "-b", "8", "--json"]).output) for d in (old, dev_packed)]
     assert stats[0] == stats[1]
-    assert CliRunner().invoke(main, ["show", old, "5", "--raw"]).output == \
-        CliRunner().invoke(main, ["show", dev_packed, "5", "--raw"]).output
+    def shown(d):  # (a format 1 dataset has no record of where each document was read: its heads name the unit)
+        return [re.sub(r": .* ---$", "", ln) for ln in CliRunner().invoke(main, ["show", d, "5", "--raw"]).output.splitlines()]
+    assert shown(old) == shown(dev_packed)
     with pytest.raises(DatasetError, match="format_version 1 .*rebuild the part"):
         merge([old], str(tmp_path / "m"))
 
