@@ -384,7 +384,9 @@ def test_val_size_takes_the_n_smallest_hashes_whatever_the_partitioning(tmp_path
     assert merged["splits"]["val"]["num_tokens"] == single["splits"]["val"]["num_tokens"]
     # What cannot be: one line each.
     for args, line in ((["--val-size", "300"], "--val-size 300 leaves no document to train on: the corpus has 300"),
-                       (["--val-size", "3", "--val-fraction", "0.1"], "give --val-fraction or --val-size, not both")):
+                       (["--val-size", "3", "--val-fraction", "0.1"], "give --val-fraction or --val-size, not both"),
+                       (["--val-size", "3", "--text-field", "body"], "a.jsonl:1: record has no field 'body' "
+                                                                      "(fields: text)")):
         r = CliRunner().invoke(main, ["build", str(tmp_path / "c"), str(tmp_path / "x"), "-t", small_tok, "-L", "4",
                                       *args])
         assert r.exit_code != 0 and line in r.output and "Traceback" not in r.output, r.output

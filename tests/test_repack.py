@@ -243,6 +243,8 @@ def test_what_a_repack_cannot_do_is_one_line(text, tmp_path):
     # The command's summary, and --json.
     r = cli(src, tmp_path / "h", "-L", "100", "--pack", "bestfit")
     assert r.exit_code == 0 and "shard groups linked, 0 written anew; nothing tokenized" in r.output
+    r = cli(src, tmp_path / "h", "-L", "100", "--pack", "bestfit")
+    assert r.exit_code == 0 and r.output.startswith(f"up to date: {tmp_path / 'h'} (") and "nothing rewritten" in r.output
     r = cli(src, tmp_path / "h", "-L", "100", "--pack", "bestfit", "--json")
     j = json.loads(r.output)
     assert j["up_to_date"] is True and j["seq_len"] == 100 and j["packing"] == "bestfit"

@@ -97,7 +97,11 @@ def repack(out, new, seq_len, packing, min_tail_len, overwrite, as_json):
 
     m = run_repack(out, new, seq_len=seq_len, packing=packing, min_tail_len=min_tail_len, overwrite=overwrite)
     up = bool(getattr(m, "up_to_date", False))
-    if not as_json and not up:
+    if up and not as_json:  # NEW already holds this very dataset
+        click.echo(f"up to date: {new} ({m['totals']['chunks']:,} chunks of {m['seq_len']}, {m['packing']}; "
+                   "nothing rewritten)")
+        return
+    if not as_json:
         click.echo(f"repacked {out} into {new}: {m.linked} shard group{'s' if m.linked != 1 else ''} linked, "
                         f"{m.packed} written anew; nothing tokenized")
     print_summary(m, new, as_json, console(), up_to_date=up)

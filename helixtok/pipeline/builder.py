@@ -211,6 +211,8 @@ def _val_cut(units, config: BuildConfig) -> int:
     else:
         parts = [smallest_split_hashes(u, config, n + 1) for u in units]
     best = heapq.nsmallest(n + 1, heapq.merge(*parts))  # one more: a document must be left to train on
+    if not best:  # no document at all: the build says what was read instead (a wrong --text-field, ...)
+        return 0
     if len(best) <= n:
         raise InputError(f"--val-size {n:,} leaves no document to train on: the corpus has {len(best):,}; give a "
                          "smaller --val-size")
