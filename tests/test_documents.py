@@ -87,6 +87,7 @@ def test_token_budget_batches_cover_each_rank_resume_and_stats_counts_them(dev_p
         if k == 4:
             state = dl.state_dict()
             break
+    del dl  # its workers stop now, not when the collector finds it (10 s of waiting at the module's end)
     got += [b["input_ids"] for b in loader(state)]
     assert len(got) == len(want) and all((x == y).all() for x, y in zip(got, want))
     # A document longer than the budget is said, with the fix.
