@@ -11,9 +11,12 @@ import os
 import secrets
 import shutil
 
+import numpy as np
+
 from ..format.errors import ConfigError, DatasetError, HelixtokError
 from ..format.manifest import FORMAT_VERSION, MANIFEST
 from ..format.planid import PLAN_FILE, encode_plan
+from ..format.shards import DOCS_DTYPE
 from ..pipeline.builder import Built
 from ..pipeline.catalog import CHAT_TEMPLATE, bestfit_index, chat_counts, join_split, published, split_totals
 from ..pipeline.journal import state_files
@@ -122,9 +125,6 @@ def _write(src: Source, config, whole: bytes, new: str, overwrite: bool) -> Repa
                     pads[s][k] += getattr(c, k)
 
     def docs_of(x: dict):
-        import numpy as np
-
-        from ..format.shards import DOCS_DTYPE
         with open(os.path.join(state, x["state"]), "rb") as fh:  # linked or written here: checked as read
             data = fh.read()
         if hashlib.sha256(data).hexdigest() != x["sha256"]:
