@@ -53,8 +53,10 @@ say() { echo "+ $*" >&2; }
 cd "$W"
 start=$(date +%s)
 # The example as a user runs it; one CPU and 1 GiB a task on this small node instead of its 32 and 16G.
-say sbatch --array=0-1 -c 1 --mem=1G scripts/slurm_build.sbatch CORPUS "$W/out" TOKENIZER
-job=$(sbatch --parsable --array=0-1 -c 1 --mem=1G "$REPO/scripts/slurm_build.sbatch" "$CORPUS" "$W/out" "$TOK")
+# --shard-size 4MiB: shards of a few MB, so that a corpus of ~10 MB gives both tasks shards of their own.
+say sbatch --array=0-1 -c 1 --mem=1G scripts/slurm_build.sbatch 2 CORPUS "$W/out" TOKENIZER --shard-size 4MiB
+job=$(sbatch --parsable --array=0-1 -c 1 --mem=1G "$REPO/scripts/slurm_build.sbatch" 2 "$CORPUS" "$W/out" "$TOK" \
+    --shard-size 4MiB)
 say sbatch --dependency=afterok:"$job" --wrap "helixtok merge out/part-* out"
 merge=$(sbatch --parsable --dependency=afterok:"$job" -c 1 --mem=1G -o merge-%j.log \
     --wrap "helixtok merge $W/out/part-00000 $W/out/part-00001 $W/out")
@@ -67,6 +69,12 @@ sleep 2
 wait_for "$job"
 echo "===== helixtok-${job}_0.log after the requeue" >&2
 cat "helixtok-${job}_0.log" >&2
+# One index submitted alone (a failed task resubmitted): N is an argument, so it is still task 1 of 2.
+say sbatch --array=1 -c 1 --mem=1G scripts/slurm_build.sbatch 2 CORPUS "$W/out" TOKENIZER --shard-size 4MiB
+again=$(sbatch --parsable --array=1 -c 1 --mem=1G -o again-%A_%a.log "$REPO/scripts/slurm_build.sbatch" 2 "$CORPUS" \
+    "$W/out" "$TOK" --shard-size 4MiB)
+wait_for "$again"
+for f in again-*.log; do echo "===== $f" >&2; cat "$f" >&2; done
 say helixtok verify out
 helixtok verify "$W/out" >&2
 echo "slurm_localhost: done in $(( $(date +%s) - start )) s; everything is in $W" >&2

@@ -384,3 +384,31 @@ def test_the_same_merge_again_is_up_to_date_and_a_changed_part_is_not(tmp_path, 
     write_json_atomic(os.path.join(parts[1], "manifest.json"), {**m1, "helixtok_version": "0.3.1"})
     with pytest.raises(ConfigError, match=r"already holds a dataset; pass overwrite=True to replace it"):
         merge(parts, str(root))
+
+
+def test_the_slurm_script_takes_the_task_count_and_passes_build_options(tmp_path):
+    """Issue 63.13: scripts/slurm_build.sbatch takes N as an argument (a task resubmitted alone,
+    `--array=3`, is still task 3 of N; it took N from the array's size, refusing it with a hint that
+    replaced a good part) and passes the options after the tokenizer to every task; a task index
+    outside N says to requeue."""
+    import subprocess
+
+    from helixtok.pipeline.merge import task_from_env
+
+    script = os.path.join(os.path.dirname(__file__), "..", "scripts", "slurm_build.sbatch")
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    (bin_ / "srun").write_text('#!/bin/sh\necho "$@"\n')  # what the step would run, said
+    (bin_ / "srun").chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_}:{os.environ['PATH']}", "SLURM_CPUS_PER_TASK": "8",
+           "SLURM_ARRAY_TASK_ID": "3", "SLURM_ARRAY_TASK_COUNT": "1"}
+    r = subprocess.run(["bash", script, "16", "c/", "out/", "tok.json", "-L", "4096", "--shard-size", "256MiB"],
+                       capture_output=True, text=True, env=env)
+    assert r.returncode == 0 and r.stdout.split() == ["helixtok", "build", "c/", "out/", "--tokenizer", "tok.json",
+                                                      "--workers", "8", "--num-tasks", "16", "-L", "4096",
+                                                      "--shard-size", "256MiB"]
+    r = subprocess.run(["bash", script, "c/", "out/", "tok.json"], capture_output=True, text=True, env=env)
+    assert r.returncode == 2 and "usage: sbatch --array=0-<N-1>" in r.stderr
+    assert task_from_env(16, None, {"SLURM_ARRAY_TASK_ID": "3"}) == (3, 16)
+    with pytest.raises(ConfigError, match=r"task index 5 outside \[0, 2\) of --num-tasks 2: .*scontrol requeue"):
+        task_from_env(2, None, {"SLURM_ARRAY_TASK_ID": "5"})

@@ -44,8 +44,9 @@ def task_from_env(num_tasks: int | None, task_index: int | None, env=os.environ)
             raise ConfigError("--num-tasks given without --task-index, and neither $SLURM_ARRAY_TASK_ID nor "
                               "$JOB_COMPLETION_INDEX is set")
     if not 0 <= task_index < num_tasks:
-        raise ConfigError(f"task index {task_index} outside [0, {num_tasks}) (Slurm arrays must start at 0: "
-                          f"--array=0-{num_tasks - 1})")
+        raise ConfigError(f"task index {task_index} outside [0, {num_tasks}) of --num-tasks {num_tasks}: Slurm arrays "
+                          f"start at 0 (--array=0-{num_tasks - 1}); to run one task again, requeue it (scontrol "
+                          "requeue JOBID_INDEX) or submit its index alone with the same --num-tasks")
     return task_index, num_tasks
 
 
