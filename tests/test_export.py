@@ -84,6 +84,24 @@ def test_helixlm_export_refuses_what_the_store_cannot_hold(tmp_path, helix_build
     assert (tmp_path / "s2" / "mine.txt").read_text() == "keep"
     r = CliRunner().invoke(main, ["export", "helixlm", str(tmp_path / "nothing"), str(tmp_path / "s3")])
     assert r.exit_code == 1 and "Traceback" not in r.output
+    # A BOS the tokenizer's own rule added (Llama 3's) is said as that, with the fix (issue 63.11:
+    # the line said "with --bos", an option the build was never given).
+    from tokenizers import processors
+
+    from helixtok.pipeline.builder import build
+
+    tok = Tokenizer.from_file(small_tok)
+    tok.post_processor = processors.TemplateProcessing(single="<pad> $A", special_tokens=[("<pad>", tok.token_to_id("<pad>"))])
+    tok.save(str(tmp_path / "bos.json"))
+    (tmp_path / "bc").mkdir()
+    (tmp_path / "bc" / "a.txt").write_text("the quick brown fox jumps over the lazy dog " * 30)
+    for flag, said in ((None, "(the tokenizer's own rule: rebuild with --no-bos)"), (True, "(--bos)")):
+        out = tmp_path / f"b{flag}"
+        build([str(tmp_path / "bc")], str(out), str(tmp_path / "bos.json"), seq_len=16, add_bos=flag, bos_token="<pad>",
+              workers=1)
+        with pytest.raises(ConfigError, match="this build is uint16 with a BOS before each document " + said.replace(
+                "(", r"\(").replace(")", r"\)")):
+            export_helixlm(str(out), str(tmp_path / f"s{flag}"))
 
 
 # megatron-core runs in one child process for the module: importing it costs ~130 MB that pytest

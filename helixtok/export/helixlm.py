@@ -48,8 +48,11 @@ def export_helixlm(src: str, dest: str, *, split: str = "train") -> dict:
         raise ConfigError(f"{src}: HelixLM's store is a packed stream; this build is {m['packing']}-packed "
                           "(rebuild with --pack packed)")
     if m["dtype"] != "uint16" or m["tokenizer"].get("add_bos"):
-        raise ConfigError(f"{src}: HelixLM's store holds uint16 ids with no BOS; this build is {m['dtype']}"
-                          f"{' with --bos' if m['tokenizer'].get('add_bos') else ''}")
+        bos = ""
+        if m["tokenizer"].get("add_bos"):  # --bos, or the tokenizer's own rule (Llama 3's): say which, and the fix
+            bos = (" with a BOS before each document (--bos)" if m["tokenizer"].get("bos_rule") == "--bos" else
+                   " with a BOS before each document (the tokenizer's own rule: rebuild with --no-bos)")
+        raise ConfigError(f"{src}: HelixLM's store holds uint16 ids with no BOS; this build is {m['dtype']}{bos}")
     if os.path.exists(dest) and (not os.path.isdir(dest) or os.listdir(dest)):
         raise ConfigError(f"{dest}: exists and is not an empty folder; give a new path")
     os.makedirs(dest, exist_ok=True)
