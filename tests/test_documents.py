@@ -158,6 +158,8 @@ def test_each_document_says_where_it_was_read(which, dev_packed, dev_bestfit, de
     m = json.load(open(f"{out}/manifest.json"))
     segs = [s for s in chunk_segments(out, m, "train", 7) if s.document is not None]
     assert segs and all(document_source(out, m, "train", s.document) == ds.source(s.document) for s in segs)
+    r = CliRunner().invoke(main, ["info", out, "--json"])
+    assert r.exit_code == 0 and json.loads(r.output)["document_sources"] == "recorded"
     # A dataset written before sources were kept: None, and the view still reads.
     import shutil
 
@@ -167,4 +169,5 @@ def test_each_document_says_where_it_was_read(which, dev_packed, dev_bestfit, de
     del m["unit_sources"]
     json.dump(m, open(f"{old}/manifest.json", "w"))
     assert MemmapDocumentDataset(old).source(0) is None and len(MemmapDocumentDataset(old)) == len(ds)
+    assert json.loads(CliRunner().invoke(main, ["info", old, "--json"]).output)["document_sources"].startswith("unknown")
     shutil.rmtree(old)

@@ -100,6 +100,9 @@ def summarize(m: dict, folder: str) -> dict:
         "sources": {k: {**v, "token_share": _share(v["tokens"], t["tokens"])} for k, v in (m.get("sources") or {}).items()},
         "alerts": alerts(m),
         **({"chat": c} if (c := chat_counts(m)) else {}),
+        # Where each document was read (docs/format.md `.src`): what `show` and the document view can say.
+        "document_sources": "recorded" if m.get("unit_sources") is not None and m["packing"] != "document" else
+        "not kept (document packing)" if m["packing"] == "document" else "unknown (written before they were kept)",
     }
 
 
