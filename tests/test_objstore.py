@@ -270,6 +270,10 @@ def test_publish_to_s3_manifest_last_then_stats_verify_and_pull(s3, dev_packed, 
     r = runner.invoke(main, ["pull", url, str(dest)])
     assert r.exit_code == 0, r.output
     assert runner.invoke(main, ["verify", str(dest)]).exit_code == 0
+    # DEST is laid out as the pushed dataset (issue 63.10): its files where the build put them, no data-… folder.
+    assert sorted(os.listdir(dest)) == sorted(n for n in os.listdir(dev_packed) if n != "build-plan.json")
+    assert json.loads((dest / "manifest.json").read_text())["splits"] == json.loads(
+        open(os.path.join(dev_packed, "manifest.json")).read())["splits"]
     a, c = MemmapChunkDataset(str(dest)), MemmapChunkDataset(dev_packed)
     assert len(a) == len(c) and all((a[i]["input_ids"] == c[i]["input_ids"]).all() for i in (0, len(a) // 2, len(a) - 1))
     with pytest.raises(DatasetError, match="pull"):

@@ -175,9 +175,14 @@ def publish_uploaded(local: str, url: str, *, overwrite: bool, stall: float = 60
 
 def _prefixed(m: dict, folder: str) -> dict:
     """The manifest with every file path moved under `folder` (as a merged manifest's are under parts)."""
+    return _moved(m, lambda p: f"{folder}/{p}")
+
+
+def _moved(m: dict, move) -> dict:
+    """The manifest with every file path p named move(p)."""
     r = json.loads(json.dumps(m))
-    r["tokenizer"]["file"] = f"{folder}/{m['tokenizer']['file']}"
-    r["splits"] = {k: with_paths(s, lambda p: f"{folder}/{p}") for k, s in r["splits"].items()}
+    r["tokenizer"]["file"] = move(m["tokenizer"]["file"])
+    r["splits"] = {k: with_paths(s, move) for k, s in r["splits"].items()}
     return r
 
 
@@ -204,13 +209,19 @@ def pull(url: str, dest: str) -> dict:
     if bad:
         raise DatasetError(f"{redact(url)}: manifest names {bad[0]!r}, outside the dataset; refusing to copy it")
     fs, root = watched_filesystem(url)
+    # DEST laid out as the pushed dataset was (as `helixtok build` lays it out): the upload's
+    # data-<digest>/ folder, under which push put every file, is left out.
+    tops = {p.split("/")[0] for p in want}
+    folder = tops.pop() if len(tops) == 1 and all("/" in p for p in want) and next(iter(tops)).startswith("data-") \
+        else None
+    here = (lambda p: p[len(folder) + 1:]) if folder else (lambda p: p)
     os.makedirs(dest, exist_ok=True)
     with OutLock(dest):
         if os.path.isfile(os.path.join(dest, MANIFEST)):
             raise ConfigError(f"{dest}: already holds a dataset; pull into an empty or new folder")
-        _refuse_others(dest, {p.split("/")[0] for p in want})
+        _refuse_others(dest, {here(p).split("/")[0] for p in want})
         for p in want:
-            target = os.path.join(dest, *p.split("/"))
+            target = os.path.join(dest, *here(p).split("/"))
             if os.path.isfile(target) and file_matches(target, want[p]):
                 continue  # a rerun after an interrupted pull keeps what already arrived intact
             os.makedirs(os.path.dirname(target), exist_ok=True)
@@ -228,6 +239,8 @@ def pull(url: str, dest: str) -> dict:
                                    "(changed or corrupt at the source); nothing was published")
             os.replace(tmp, target)
             fsync_dir(os.path.dirname(target))
+        if folder:
+            m = _moved(m, here)
         write_json_atomic(os.path.join(dest, MANIFEST), m)
     return m
 
