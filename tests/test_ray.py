@@ -265,15 +265,18 @@ def test_ray_build_to_object_storage_without_a_shared_folder(tmp_path, dev_corpu
         log.close()
     import json
 
+    # Pulled back, laid out as the local build (pull leaves the upload's data-<plan digest>/ folder out).
     m = json.load(open(tmp_path / "back" / "manifest.json"))
-    (folder,) = {e["path"].split("/")[0] for s in m["splits"].values() for e in s["shards"]}
+    assert all("/" not in e["path"] for s in m["splits"].values() for e in s["shards"])
+    kinds = (".bin", ".docs", ".src", ".valid", ".items", ".chunks", "tokenizer.json")
     for n in os.listdir(local):
-        if n.endswith((".bin", ".docs", ".valid", ".items", ".chunks", "tokenizer.json")):
-            assert filecmp.cmp(os.path.join(local, n), tmp_path / "back" / folder / n, shallow=False), n
+        if n.endswith(kinds):
+            assert filecmp.cmp(os.path.join(local, n), tmp_path / "back" / n, shallow=False), n
     ml = json.load(open(os.path.join(local, "manifest.json")))
-    assert m["totals"] == ml["totals"] and len(os.listdir(tmp_path / "back" / folder)) == \
-        len([n for n in os.listdir(local) if n.endswith((".bin", ".docs", ".src", ".valid", ".items", ".chunks", "tokenizer.json"))])
-    print(f"ray: built into s3:// by the tasks themselves ({folder}); pulled back, the local build's bytes")
+    assert m["totals"] == ml["totals"] and m["splits"] == ml["splits"]
+    assert sorted(n for n in os.listdir(tmp_path / "back") if n != "manifest.json") == \
+        sorted(n for n in os.listdir(local) if n.endswith(kinds))
+    print("ray: built into s3:// by the tasks themselves; pulled back, the local build's bytes")
 
 
 def test_without_ray_installed_one_line_and_nothing_written(tmp_path, small_corpus, small_tok, monkeypatch):
