@@ -798,3 +798,19 @@ def test_a_tokenizer_config_passed_for_the_tokenizer_and_an_export_into_a_new_fo
     r = CliRunner().invoke(main, ["export", "llmc", str(tmp_path / "o"), str(tmp_path / "new" / "sub" / "train.bin")])
     assert r.exit_code == 0, r.output
     assert (tmp_path / "new" / "sub" / "train.bin").stat().st_size > 1024
+
+
+def test_a_text_build_imports_nothing_heavy_it_does_not_use(tmp_path, small_tok):
+    """Issue 58.4: `helixtok build` of text files with -j 1 loads no torch, pyarrow, fsspec, ray,
+    jinja2, transformers or datasets in its process (measured: `python -X importtime -m helixtok
+    build ...`: numpy, tokenizers' and fastokens' modules, rich and orjson are what it imports)."""
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "a.txt").write_text("hello world " * 200)
+    code = ("import sys\nfrom helixtok.cli.entry import main\n"
+            "try:\n    main()\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
+            "heavy = ('torch', 'pyarrow', 'fsspec', 'ray', 'jinja2', 'transformers', 'datasets', 's3fs')\n"
+            "print(sorted(m for m in heavy if m in sys.modules))\n")
+    r = subprocess.run([sys.executable, "-c", code, "build", str(tmp_path / "c"), str(tmp_path / "out"), "-t", small_tok,
+                        "-L", "16", "-j", "1", "-q"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().splitlines()[-1] == "[]", r.stdout
