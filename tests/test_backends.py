@@ -684,7 +684,6 @@ def test_the_tokenizer_read_from_its_json_is_what_tokenizers_loads(tmp_path, sha
     from helixtok.pipeline.encode import Encoder
     from helixtok.pipeline.tokenizer import _splits_exactly, from_json, inspect_tokenizer, tokenizer_from_bytes
 
-    T = "TemplateProcessing"
     toks = {**shapes, "small": small_tok, "qwen (published)": str(QWEN / "tokenizer.json"),
             "llama-style chat": str(llama_style_tokenizer(tmp_path / "ll", dev_docs[:50]) / "tokenizer.json"),
             "bert": _post_processed(tmp_path, "bert", lambda p, t: p.BertProcessing(("[SEP]", 2), ("[CLS]", 1)),

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
 from click.testing import CliRunner
 from torch.utils.data import DataLoader

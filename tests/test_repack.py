@@ -19,7 +19,7 @@ import pytest
 from click.testing import CliRunner
 
 from helixtok.cli import main
-from helixtok.format.errors import ConfigError, DatasetError
+from helixtok.format.errors import ConfigError
 from helixtok.pipeline.builder import UpToDate, build
 from helixtok.pipeline.config import BuildConfig
 from helixtok import repack
