@@ -975,6 +975,12 @@ def test_a_record_hook_maps_and_filters_in_the_workers(tmp_path, small_tok, monk
     assert b["skipped"]["map:not_english"]["count"] == sum(r["lang"] != "en" for r in rows)
     assert b["skipped"]["map:none"]["count"] == sum(r["lang"] == "en" and "drop" in r["body"] for r in rows)
     assert b["totals"]["skipped_documents"] == 90 - len(kept) + 1 and b["options"]["map"] == "cleanmod:keep"
+    # --val-size counts the mapped documents (its first pass goes through the function too).
+    r = CliRunner().invoke(main, ["build", str(tmp_path / "c"), str(tmp_path / "vs"), *base, "--map", "cleanmod:keep",
+                                  "--val-size", "5", "--json"])
+    assert r.exit_code == 0, r.output
+    vs = json.loads((tmp_path / "vs" / "manifest.json").read_text())["splits"]
+    assert vs["val"]["documents"] == 5 and vs["train"]["documents"] == len(kept) - 5
     # Python: the same function as transform=, the same bytes.
     sys.path.insert(0, str(tmp_path))
     try:

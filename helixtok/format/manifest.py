@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 import os
@@ -338,9 +339,6 @@ class DocumentSources:
     its .src entry.  None for a dataset written without them."""
 
     def __init__(self, m: dict, split: str):
-        import bisect
-
-        self._bisect = bisect.bisect_right
         units, counts = m.get("unit_sources"), (m.get("unit_documents") or {}).get(split)
         self.known = units is not None and counts is not None and len(units) == len(counts)
         self.units, self.ends, first, lines = units or [], [], [], {}
@@ -360,7 +358,7 @@ class DocumentSources:
         """Document `doc` of the split (in stream order), whose .src entry is k."""
         if not self.known:
             return None
-        u = self._bisect(self.ends, doc)
+        u = bisect.bisect_right(self.ends, doc)
         if u >= len(self.units):
             return None
         e = self.units[u]

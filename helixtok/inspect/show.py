@@ -107,7 +107,7 @@ def _locate(corpus: str, plan: dict, u: int, split: str, nth: int) -> str | None
     from ..pipeline.config import BuildConfig
     from ..pipeline.discover import discover
     from ..pipeline.longdoc import LongText
-    from ..pipeline.sources import LineRefs, UnitReader
+    from ..pipeline.sources import LineRefs, RecordMap, UnitReader
     from ..pipeline.tally import Tally
     from ..pipeline.unit import kept, kept_long
     from ..pipeline.units import plan_units
@@ -125,7 +125,7 @@ def _locate(corpus: str, plan: dict, u: int, split: str, nth: int) -> str | None
             for _ in r:
                 pass
             refs.record(v.index, r.lines)
-    reader = UnitReader(units[u], cfg.text_field, Tally(), long_bytes=cfg.long_doc_bytes)
+    reader = UnitReader(units[u], cfg.text_field, Tally(), long_bytes=cfg.long_doc_bytes, mapper=RecordMap.of(cfg))
     for text in reader:
         s = (kept_long if isinstance(text, LongText) else kept)(text, cfg)[1]
         if s == want:

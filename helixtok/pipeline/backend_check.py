@@ -8,7 +8,7 @@ from ..format.errors import InputError, TokenizerError
 from .backends import Stopped
 from .config import BuildConfig
 from .longdoc import LongText
-from .sources import StaleRange, UnitReader
+from .sources import RecordMap, StaleRange, UnitReader
 from .tally import Tally
 from .tokenizer import TokenizerInfo
 from .units import Unit
@@ -30,22 +30,12 @@ def sample_texts(units: list[Unit], config: BuildConfig, tok=None) -> list[str]:
 
         chat = ChatEncoder(config.chat, tok, config.seq_len, "uint32")
     sample: list[str] = []
-    mapper = None
-    if config.transform is not None:  # the texts a --map build tokenizes: its function's
-        from .sources import RecordMap
-
-        mapper = RecordMap(config.transform, config.transform_sha256)
+    mapper = RecordMap.of(config)  # a --map build tokenizes what its function gives
     for u in picked:
         got, texts = 0, []
         try:
-            for row in UnitReader(u, config.text_field, Tally(), long_bytes=config.long_doc_bytes if mapper is None
-                                  else None, skip_lines_over=SAMPLE_LINE_BYTES, records=chat is not None or
-                                  mapper is not None, whole_rows=mapper is not None):
-                if mapper is not None:
-                    row = mapper(row if isinstance(row, dict) else {"text": row, "file": u.names[0]}, u.names[0],
-                                 Tally())
-                    if row is None:
-                        continue
+            for row in UnitReader(u, config.text_field, Tally(), long_bytes=config.long_doc_bytes,
+                                  skip_lines_over=SAMPLE_LINE_BYTES, records=chat is not None, mapper=mapper):
                 new = [p[:head] for p in chat.pieces(row)] if chat is not None else \
                     [row.head(head) if isinstance(row, LongText) else row[:head]]
                 texts += new

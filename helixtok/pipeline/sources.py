@@ -127,12 +127,16 @@ class UnitReader:
     """
 
     def __init__(self, unit: Unit, text_field: str, tally: Tally, *, long_bytes: int | None = None,
-                 skip_lines_over: int | None = None, records: bool = False, whole_rows: bool = False):
+                 skip_lines_over: int | None = None, records: bool = False, mapper: "RecordMap | None" = None):
         self.unit = unit
         # A chat build's reader: each record whole (a dict), its conversation judged by chat.py.
-        self.records = records
-        # A mapped build's reader (--map): records with every column of a Parquet/Arrow row.
-        self.whole_rows = whole_rows
+        self.records = records or mapper is not None
+        # A --map build's: its documents are what the function makes of each record, read whole
+        # (every column of a Parquet/Arrow row), so no document is read in pieces.
+        self.mapper = mapper
+        self.whole_rows = mapper is not None
+        if mapper is not None:
+            long_bytes = None
         # A sample's reader: JSON lines longer than this are passed over without being held in
         # memory (one 200 MB line read whole to sample 128 K characters of it ran out of memory).
         self.skip_lines_over = skip_lines_over
@@ -165,6 +169,16 @@ class UnitReader:
         return f"{name}:{line_ref(self.unit, n)}" if sep == ":" else f"{name}{sep}{n}"
 
     def __iter__(self) -> Iterator[str | LongText]:
+        if self.mapper is None:
+            yield from self._documents()
+            return
+        for rec in self._documents():  # the record (a text file's: its text and name) to its text, or skipped
+            got = self.mapper(rec if isinstance(rec, dict) else {"text": rec, "file": self.where()}, self.where(),
+                              self.tally)
+            if got is not None:
+                yield got
+
+    def _documents(self) -> Iterator[str | LongText]:
         kind = self.unit.kind
         if kind == "text":
             yield from self._text()
@@ -454,6 +468,11 @@ class Skip:
 
 class RecordMap:
     """A build's --map in a tokenizing process: each record to its text, or a counted skip."""
+
+    @classmethod
+    def of(cls, cfg) -> "RecordMap | None":
+        """The --map of BuildConfig `cfg`, or None."""
+        return cls(cfg.transform, cfg.transform_sha256) if cfg.transform is not None else None
 
     def __init__(self, spec: str, sha: str):
         from .config import load_map, map_spec

@@ -24,7 +24,7 @@ from .join import known_offsets, place_unit
 from .journal import done_path, write_entry
 from .longdoc import LongText, stripped, utf8_len
 from .pack import PACKERS
-from .sources import StaleRange, UnitReader
+from .sources import RecordMap, StaleRange, UnitReader
 from .tally import Tally
 from .tokenizer import TokenizerInfo, hold_bytes, load_held, tokenizer_bytes
 from .units import Unit
@@ -44,7 +44,6 @@ class Worker:
     offsets: dict = dataclasses.field(default_factory=dict)  # join.known_offsets' cache
     chat_encoder: object = None  # chat.ChatEncoder of a chat build
     chat_encoder_info: TokenizerInfo | None = None
-    mapper: object = None  # sources.RecordMap of a --map build
 
 
 # Per thread, not per process: two builds without workers in two threads of one program must never
@@ -115,15 +114,6 @@ def end_worker() -> None:
 # tokens that train.
 CHAT_COUNTS = ("conversations", "turn_samples", "truncated", "truncated_turns", "dropped_too_long", "no_trainable",
                "trainable_tokens")
-
-
-def _record_map(w: Worker):
-    """This process's --map function, imported once (and checked to be the one the plan names)."""
-    from .sources import RecordMap
-
-    if getattr(w, "mapper", None) is None:
-        w.mapper = RecordMap(w.config.transform, w.config.transform_sha256)
-    return w.mapper
 
 
 def _chat_encoder(w: Worker, info: TokenizerInfo):
@@ -203,13 +193,14 @@ def smallest_split_hashes(unit: Unit, cfg: BuildConfig, n: int) -> list[int]:
     first pass: read and hashed, nothing tokenized)."""
     import heapq
 
+    plain = dataclasses.replace(cfg, val_size=0, val_fraction=0.0)  # kept() as the build keeps, unsplit
+
     def hashes():
-        for text in UnitReader(unit, cfg.text_field, Tally(), long_bytes=cfg.long_doc_bytes):
+        for text in UnitReader(unit, cfg.text_field, Tally(), long_bytes=cfg.long_doc_bytes, mapper=RecordMap.of(cfg)):
             if isinstance(text, LongText):
-                pieces = (lambda: stripped(text.pieces())) if cfg.strip else text.pieces
-                yield split_hash(pieces(), cfg.split_seed)
+                yield split_hash(kept_long(text, plain)[0](), cfg.split_seed)
                 continue
-            text, s = kept(text, dataclasses.replace(cfg, val_size=0, val_fraction=0.0))
+            text, s = kept(text, plain)
             if s is not None:
                 yield split_hash((text,), cfg.split_seed)
     return heapq.nsmallest(n, hashes())
@@ -275,10 +266,8 @@ def _run_unit(unit: Unit, info: TokenizerInfo, where: tuple[int, int] | None) ->
     tokens = {s: 0 for s in splits}
     text_bytes = {s: 0 for s in splits}  # UTF-8 bytes of the documents as tokenized
     tally = Tally(strict=cfg.strict)
-    mapped = cfg.transform is not None
-    reader = UnitReader(unit, cfg.text_field, tally, long_bytes=None if cfg.chat or mapped else cfg.long_doc_bytes,
-                        records=cfg.chat is not None or mapped, whole_rows=mapped)
-    mapper = _record_map(w) if mapped else None
+    reader = UnitReader(unit, cfg.text_field, tally, long_bytes=None if cfg.chat else cfg.long_doc_bytes,
+                        records=cfg.chat is not None, mapper=RecordMap.of(cfg))
     batch = {s: [] for s in splits}
     batch_src = {s: [] for s in splits}  # each batched document's source (UnitReader.source)
     batch_off = {s: [] for s in splits}  # and its place in the unit (UnitReader.offset: its .src entry)
@@ -322,11 +311,6 @@ def _run_unit(unit: Unit, info: TokenizerInfo, where: tuple[int, int] | None) ->
     def read_all() -> None:
         nonlocal last_consumed, chars
         for text in reader:
-            if mapper is not None:  # the record (a text file's: its text and name) to its text, or skipped
-                text = mapper(text if isinstance(text, dict) else {"text": text, "file": reader.where()},
-                              reader.where(), tally)
-                if text is None:
-                    continue
             if isinstance(text, LongText):  # read, hashed and encoded in pieces: memory stays flat
                 pieces, s = kept_long(text, cfg)
                 s = splits[s]
