@@ -70,7 +70,10 @@ def write_form(root: Path, form: str, docs: list[str]) -> str:
 
 
 def data_files(out: str) -> dict[str, bytes]:
-    """Every file a dataset's data is in (shards and sidecars), by name."""
+    """Every file a dataset's data is in (shards and sidecars), by name.  Not `.src`: it names each
+    document's place in its work unit, which the form and the unit cuts decide (a .txt file vs a
+    JSON line vs a Parquet row); the resumes below compare it file for file, and test_documents.py
+    checks that every place it names holds the document's text."""
     return {n: Path(out, n).read_bytes() for n in sorted(os.listdir(out)) if n.rsplit(".", 1)[-1] in
             ("bin", "docs", "valid", "idx", "mask")}
 
