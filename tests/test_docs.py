@@ -287,8 +287,16 @@ def test_scripts_import_only_what_helixtok_has():
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "helixtok":
                 module = importlib.import_module(node.module)
-                missing += [f"{path.name}: {node.module}.{a.name}" for a in node.names if not hasattr(module, a.name)]
+                missing += [f"{path.name}: {node.module}.{a.name}" for a in node.names
+                            if not hasattr(module, a.name) and not _submodule(f"{node.module}.{a.name}")]
     assert missing == []
+
+
+def _submodule(name: str) -> bool:
+    """`from helixtok.pipeline import builder` names a module, which is an attribute only once imported."""
+    import importlib.util
+
+    return importlib.util.find_spec(name) is not None
 
 
 def test_docs_name_files_and_keys_that_exist():
