@@ -507,8 +507,9 @@ def test_show_of_a_bestfit_chunk_marks_each_document_and_the_padding(dev_bestfit
     lay = v.pieces()
     for mark, (g, _) in zip(marks, zip(*lay.pieces(i))):
         d = v.starts_before(g + 1) - 1
+        kept = v.document_fields(d)  # (its record's "id", where it has one)
         assert mark == (f"--- document {d:,} {'starts' if v.starts_before(g) == d else 'continues'}: "
-                        f"{v.document_source(d)} ---")
+                        f"{v.document_source(d)}{f' {json.dumps(kept)}' if kept else ''} ---")
     assert f"--- {512 - v.valid(i):,} pad" in r.output
 
 

@@ -461,16 +461,27 @@ except HelixtokError as e:
 """
 
 
-def test_the_document_view_streams_the_local_items(remote, tmp_path):
+def test_the_document_view_streams_the_local_items(remote, tmp_path, dev_corpus, tokenizer_path):
     """Issue 56.3: MemmapDocumentDataset over a URL (through the block cache): the local items, exactly."""
     from helixtok import MemmapDocumentDataset
 
     (sets, _) = remote
     for packing in ("packed", "bestfit"):
         local, url = sets[packing]
-        a = MemmapDocumentDataset(local, max_len=300)
-        b = MemmapDocumentDataset(url, max_len=300, cache_dir=str(tmp_path / packing), block_bytes=BLOCK)
+        a = MemmapDocumentDataset(local, max_len=300, sources=True)
+        b = MemmapDocumentDataset(url, max_len=300, cache_dir=str(tmp_path / packing), block_bytes=BLOCK, sources=True)
         assert len(a) == len(b) > 50
         for i in range(len(a)):
             x, y = a[i], b[i]
             assert all(np.array_equal(x[k], y[k]) for k in ("input_ids", "labels")), i
+            assert (x["source"], x.get("fields")) == (y["source"], y.get("fields")), i
+    # Kept fields (a record's "id"), read from the bucket by byte range: the local ones.
+    local = str(tmp_path / "ids")
+    build(str(dev_corpus / "jsonl" / "plain.jsonl"), local, tokenizer_path,
+          BuildConfig(seq_len=256, workers=1, unit_bytes=16 << 10))
+    upload(local, "s3://helix-stream/ids", overwrite=False)
+    a = MemmapDocumentDataset(local, sources=True)
+    b = MemmapDocumentDataset("s3://helix-stream/ids", cache_dir=str(tmp_path / "ids-cache"), sources=True)
+    assert len(a) == len(b) > 20
+    assert [a[i]["fields"] for i in range(len(a))] == [b[i]["fields"] for i in range(len(b))] == \
+        [{"id": i} for i in range(len(a))]

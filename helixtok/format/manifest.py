@@ -110,6 +110,8 @@ def manifest_files(m: dict) -> dict[str, dict]:
     for s in m["splits"].values():
         for x in split_files(s):
             files[x["path"]] = x
+    for x in (m.get("fields") or {}).get("files", ()):
+        files[x["path"]] = x
     return files
 
 
@@ -247,6 +249,21 @@ def schema_problems(m: dict) -> list[str]:
     if need(m, "totals", lambda v: isinstance(v, dict), "an object", ""):
         for k in ("documents", "tokens", "chunks"):
             need(m["totals"], k, _int, "a non-negative integer", "totals.")
+    if "fields" in m and need(m, "fields", lambda v: isinstance(v, dict), "an object", ""):
+        f = m["fields"]
+        need(f, "names", lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v), "a list of names",
+             "fields.")
+        if need(f, "files", lambda v: isinstance(v, list), "a list", "fields."):
+            for i, x in enumerate(f["files"]):
+                need(x, "path", inside, "a relative path inside the dataset", f"fields.files[{i}].")
+                need(x, "bytes", _int, "a non-negative integer", f"fields.files[{i}].")
+                need(x, "sha256", lambda v: isinstance(v, str) and len(v) == 64, "a sha256 hex digest",
+                     f"fields.files[{i}].")
+            n = len(f["files"])
+            need(f, "units", lambda v: isinstance(v, list) and all(
+                u is None or (isinstance(u, list) and len(u) == 4 and _int(u[0]) and u[0] < n and _int(u[1])
+                              and _int(u[2]) and isinstance(u[3], str) and len(u[3]) == 64) for u in v),
+                 "a list of null or [file, offset, bytes, sha256]", "fields.")
     if not need(m, "splits", lambda v: isinstance(v, dict) and v, "a non-empty object", ""):
         return out
     for name, s in m["splits"].items():

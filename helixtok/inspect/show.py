@@ -74,11 +74,14 @@ def chunk_segments(out: str, m: dict, split: str, index: int) -> list[Segment]:
 
 def document_source(out: str, m: dict, split: str, doc: int, corpus: str | None = None) -> str:
     """Where document `doc` of `split` came from: its work unit's file(s), and with `corpus` (the
-    folder or files the build read) the exact file:line or file row N, read again."""
+    folder or files the build read) the exact file:line or file row N, read again; then the fields
+    of its record the build kept (--keep-fields), as JSON."""
     if m.get("unit_sources") is not None and m["packing"] != "document":  # recorded by the build: exact
-        got = SplitView(out, m, split).document_source(doc)
+        view = SplitView(out, m, split)
+        got = view.document_source(doc)
         if got is not None:
-            return got
+            kept = view.document_fields(doc)
+            return got + (f" {json.dumps(kept, ensure_ascii=False)}" if kept else "")
     counts = (m.get("unit_documents") or {}).get(split)
     if counts is None:
         return "unknown (built by an older helixtok)"

@@ -103,6 +103,9 @@ def summarize(m: dict, folder: str) -> dict:
         # Where each document was read (docs/format.md `.src`): what `show` and the document view can say.
         "document_sources": "recorded" if m.get("unit_sources") is not None and m["packing"] != "document" else
         "not kept (document packing)" if m["packing"] == "document" else "unknown (written before they were kept)",
+        # The records' fields kept beside them (--keep-fields), and how many bytes they take.
+        "document_fields": {"names": (m.get("fields") or {}).get("names", []),
+                            "bytes": sum(x["bytes"] for x in (m.get("fields") or {}).get("files", ()))},
     }
 
 

@@ -81,6 +81,11 @@ def verify(out: str, *, sample: int = 0, seed: int = 0) -> VerifyReport:
             problems.append(f"{f}: missing (the chat template the data was built with)")
         elif sha256_stream(d.open(f)) != chat["template_sha256"]:
             problems.append(f"{f}: sha256 differs from the manifest's chat.template_sha256 (replaced or modified)")
+    for x in (m.get("fields") or {}).get("files", ()):  # the records' kept fields (format/fields.py)
+        if d.size(x["path"]) != x["bytes"]:
+            problems.append(f"{x['path']}: missing or not {x['bytes']} bytes (the documents' kept fields)")
+        elif sha256_stream(d.open(x["path"])) != x["sha256"]:
+            problems.append(f"{x['path']}: sha256 differs from the manifest's (replaced or modified)")
     for split, s in m["splits"].items():
         stream = sum(shard_tokens(e, L) for e in s["shards"])
         if m["packing"] != "bestfit" and (stream // L != s["num_chunks"] or

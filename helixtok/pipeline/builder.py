@@ -28,6 +28,7 @@ from typing import Callable
 import numpy as np
 
 from ..format.errors import ConfigError, DatasetError, HelixtokError, InputError, from_cli, python_terms, resource_error
+from ..format.fields import FIELDS_FILE, write_fields
 from ..format.manifest import FORMAT_VERSION, MANIFEST, write_json_atomic
 from ..format.objstore import current, is_url
 from ..format.planid import PLAN_FILE, encode_plan, plan_folder, whole_plan
@@ -552,13 +553,15 @@ def _publish(run: Run, info, backend_check: dict, trusted: dict, results: list[d
         extra.append((CHAT_TEMPLATE,) * 2)
     with open(os.path.join(state, PLAN_FILE), "wb") as fh:
         fh.write(run.whole)
+    fields = write_fields(state, config.keep_fields, [r.get("fields") for r in results])
     manifest = build_manifest(config, info, backend_check, run.files, units, run.part, splits, results, tally,
-                              run.warnings)
+                              run.warnings, fields)
     if run.part is not None:  # merge checks the part's build-plan.json by it
         manifest["plan_sha256"] = hashlib.sha256(run.whole).hexdigest()
     # The units' shards (unless uploaded), the tokenizer and the plan move into OUT; the manifest last.
     moves = [] if run.remote is not None else [(n, p) for j in joined for n, p, _ in state_files(j)]
     moves += [(x["path"],) * 2 for i in indexes.values() for x in i.entry.values()]
+    extra += [(FIELDS_FILE,) * 2] if fields else []
     publish(run.out, moves + [("tokenizer.json",) * 2, (PLAN_FILE,) * 2, *extra], manifest)
     built = Built(manifest)
     built.reused_units, built.units = len(trusted), len(units)

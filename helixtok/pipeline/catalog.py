@@ -88,7 +88,7 @@ def published(e: dict) -> dict:
 
 
 def build_manifest(config, info, backend_check: dict, files, units, part: dict | None, splits: dict,
-                   results: list[dict], tally, warnings) -> dict:
+                   results: list[dict], tally, warnings, fields: dict | None = None) -> dict:
     """A build's manifest.json: its options, tokenizer, inputs, splits and every count, from the
     units' journal entries `results` (in unit order) and what was skipped (`tally`, `warnings`)."""
     totals = split_totals(splits)
@@ -119,6 +119,8 @@ def build_manifest(config, info, backend_check: dict, files, units, part: dict |
         # And what each unit read, for its documents' .src entries (format/manifest.py: document_source).
         **({"unit_sources": [unit_source(u, r) for u, r in zip(units, results)]} if config.packing != "document"
            else {}),
+        # The records' --keep-fields, a line per unit in fields.jsonl (format/fields.py).
+        **({"fields": fields} if fields else {}),
         "skipped": tally.to_json(),
         "warnings": warnings.to_json(),
         **({"chat": {**config.chat.to_json(), "template_file": CHAT_TEMPLATE}} if config.chat else {}),

@@ -79,6 +79,9 @@ class BuildConfig:
     # it out (sources.RecordMap); its source's sha256 is part of the plan.
     transform: object = None
     transform_sha256: str = ""
+    # --keep-fields: small fields of each record stored beside its document's source (docs/format.md,
+    # "Kept fields"); None: ("id",) where sources are kept (packed, bestfit), () for document packing.
+    keep_fields: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.max_piece_chars == -1:
@@ -113,6 +116,15 @@ class BuildConfig:
             spec, sha = map_spec(self.transform)
             object.__setattr__(self, "transform", spec)
             object.__setattr__(self, "transform_sha256", sha)
+        if self.keep_fields is None:
+            object.__setattr__(self, "keep_fields", ("id",) if self.packing != "document" else ())
+        else:
+            names = (self.keep_fields,) if isinstance(self.keep_fields, str) else tuple(self.keep_fields)
+            names = tuple(n.strip() for part in names for n in part.split(",") if n.strip())
+            if names and self.packing == "document":
+                raise ConfigError("--keep-fields applies to --pack packed and bestfit (a document-packed build keeps "
+                                  "no document sources); give --keep-fields '' or another packing")
+            object.__setattr__(self, "keep_fields", tuple(dict.fromkeys(names)))
         if self.val_size < 0:
             raise ConfigError(f"--val-size must be a number of documents, at least 0, got {self.val_size}")
         if self.val_size and self.val_fraction:

@@ -12,6 +12,7 @@ import numpy as np
 
 from ..format.bestfit import build_index, doc_spans, index_files, write_index
 from ..format.errors import ConfigError, DatasetError, HelixtokError, from_cli, python_terms
+from ..format.fields import merged_fields
 from ..format.manifest import (MANIFEST, MERGEABLE, check_small_file, load_manifest, split_files, sum_sources,
                                with_paths, write_json_atomic)
 from ..format.planid import PLAN_FILE, describe_change
@@ -303,8 +304,8 @@ def _merge_locked(parts: list[str], ms: list[dict], out: str, tokenizer: bytes, 
 
     pieces: dict[str, list[dict]] = {}
     shards: dict[str, list[dict]] = {}
-    for p, m in zip(parts, ms):
-        rel = os.path.relpath(os.path.abspath(p), os.path.abspath(out))
+    rels = [os.path.relpath(os.path.abspath(p), os.path.abspath(out)) for p in parts]
+    for rel, m in zip(rels, ms):
         for name, s in m["splits"].items():
             pieces.setdefault(name, []).append(s)
             shards.setdefault(name, []).extend(with_paths(s, lambda q: os.path.normpath(os.path.join(rel, q)))["shards"])
@@ -350,6 +351,9 @@ def _merge_locked(parts: list[str], ms: list[dict], out: str, tokenizer: bytes, 
                                  for sp in splits},
               **({"unit_sources": [e for m in ms for e in m["unit_sources"]]}
                  if all("unit_sources" in m for m in ms) else {}),
+              **({"fields": fields} if (fields := merged_fields(
+                  [m.get("fields") for m in ms], [len(m.get("unit_sources") or ()) for m in ms],
+                  lambda i, q: os.path.normpath(os.path.join(rels[i], q)))) else {}),
               "skipped": skipped.to_json(),
               "warnings": warnings.to_json()}
     for name, data in copies.items():

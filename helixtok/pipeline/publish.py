@@ -19,6 +19,7 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 
 from ..format.errors import ConfigError, DatasetError
+from ..format.fields import moved_fields
 from ..format.manifest import (MANIFEST, SIDE_NAMES, Digest, file_matches, load_manifest, manifest_files, with_paths,
                                write_json_atomic)
 from ..format.objstore import redact, reports_storage_errors, watched_filesystem
@@ -159,7 +160,8 @@ def publish_uploaded(local: str, url: str, *, overwrite: bool, stall: float = 60
                     raise DatasetError(f"{redact(url)}: {folder}/{x['path']} is missing or has another size than its "
                                        "task uploaded; rerun the same command")
     # What the driver wrote itself goes beside the tasks' shards: the tokenizer and any bestfit index.
-    for p in [m["tokenizer"]["file"], *(x["path"] for s in m["splits"].values() for x in (s.get("index") or {}).values())]:
+    for p in [m["tokenizer"]["file"], *(x["path"] for s in m["splits"].values() for x in (s.get("index") or {}).values()),
+              *(x["path"] for x in (m.get("fields") or {}).get("files", ()))]:
         fs.put_file(os.path.join(local, p), posixpath.join(root, folder, p))
     remote = _prefixed(m, folder)
     fs.pipe_file(posixpath.join(root, MANIFEST), (json.dumps(remote, indent=2) + "\n").encode())
@@ -183,6 +185,8 @@ def _moved(m: dict, move) -> dict:
     r = json.loads(json.dumps(m))
     r["tokenizer"]["file"] = move(m["tokenizer"]["file"])
     r["splits"] = {k: with_paths(s, move) for k, s in r["splits"].items()}
+    if r.get("fields"):
+        r["fields"] = moved_fields(r["fields"], move)
     return r
 
 

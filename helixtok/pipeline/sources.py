@@ -24,9 +24,9 @@ from .units import Unit, arrow_batches, arrow_field, arrow_leaf, field_value, pa
 # --------------------------------------------------------------------------- reading
 
 
-def _fast_text(line: bytes, field: str) -> str | None:
-    """The text of a well-formed record by orjson (several times faster than json), or None
-    for every other line, which then takes the exact stdlib path with its counted warnings.
+def _fast_text(line: bytes, field: str) -> tuple[str | None, dict | None]:
+    """The text of a well-formed record by orjson (several times faster than json), and the record;
+    (None, None) for every other line, which then takes the exact stdlib path with its counted warnings.
 
     Where orjson returns a record it equals json's: it refuses what json would repair (invalid
     UTF-8, lone surrogate escapes) or read otherwise (NaN, huge numbers), and those fall back.
@@ -34,9 +34,35 @@ def _fast_text(line: bytes, field: str) -> str | None:
     try:
         obj = orjson.loads(line)
     except orjson.JSONDecodeError:
-        return None
+        return None, None
     text = (obj.get(field) if "." not in field else field_value(obj, field)[1]) if type(obj) is dict else None
-    return text if type(text) is str else None
+    return (text, obj) if type(text) is str else (None, None)
+
+
+FIELD_BYTES = 1024  # a kept field's value (--keep-fields) at most this long as JSON; a longer one is not kept
+
+
+def pick_fields(obj: dict, names: tuple[str, ...], where: str, tally: Tally) -> dict | None:
+    """The --keep-fields of a record that has them (a dotted name reaches into nested objects, as
+    --text-field does), as JSON values; None when it has none.  A value longer than FIELD_BYTES as
+    JSON is left out, counted as `field_too_long` (the fields are for ids and labels, not text)."""
+    out = None
+    for n in names:
+        found, v = field_value(obj, n)
+        if not found or v is None:
+            continue
+        try:  # as JSON (a Parquet timestamp or decimal: its str), the same in every process and journal
+            text = json.dumps(v, ensure_ascii=False, default=str)
+        except (TypeError, ValueError, RecursionError):
+            text = None
+        size = FIELD_BYTES + 1 if text is None else len(text.encode())
+        if size > FIELD_BYTES:
+            tally.add("field_too_long", f"{where} ({n}: {size:,} bytes as JSON, over {FIELD_BYTES:,})")
+            continue
+        if out is None:
+            out = {}
+        out[n] = v if type(v) in (str, int, bool) else json.loads(text)
+    return out
 
 
 _LINE_REF = re.compile("\x00L(\\d+):(\\d+)\x00")
@@ -127,8 +153,12 @@ class UnitReader:
     """
 
     def __init__(self, unit: Unit, text_field: str, tally: Tally, *, long_bytes: int | None = None,
-                 skip_lines_over: int | None = None, records: bool = False, mapper: "RecordMap | None" = None):
+                 skip_lines_over: int | None = None, records: bool = False, mapper: "RecordMap | None" = None,
+                 keep: tuple[str, ...] = ()):
         self.unit = unit
+        # --keep-fields: the fields of the record last yielded (`kept`: a dict, or None without any).
+        self.keep = tuple(keep)
+        self.kept: dict | None = None
         # A chat build's reader: each record whole (a dict), its conversation judged by chat.py.
         self.records = records or mapper is not None
         # A --map build's: its documents are what the function makes of each record, read whole
@@ -317,9 +347,12 @@ class UnitReader:
                     if not line or line.isspace():  # isspace, not strip: no copy of every line
                         continue
                     if fast_field is not None and not self.records and (self.long_bytes is None or len(line) <= self.long_bytes):
-                        text = _fast_text(line, fast_field)
+                        text, obj = _fast_text(line, fast_field)
                         if text is not None:
                             line = None
+                            if self.keep:
+                                self.kept = pick_fields(obj, self.keep, at(), self.tally)
+                            obj = None
                             self._loc = (name, n, ":")
                             yield text
                             continue
@@ -378,6 +411,8 @@ class UnitReader:
         if not isinstance(obj, dict):
             self.tally.add("not_an_object", where)
             return None
+        if self.keep:
+            self.kept = pick_fields(obj, self.keep, where, self.tally)
         if self.records:
             return obj
         found, text = field_value(obj, self.text_field)
@@ -400,14 +435,18 @@ class UnitReader:
         parsed = parse_long_line(line, where, self.tally)
         return None if parsed is None else self._field(parsed[0], where, parsed[1])
 
-    def _column(self, column, row: int) -> Iterator[str]:
-        """The texts of one Arrow column chunk; nulls are counted, with their row."""
+    def _column(self, column, row: int, table=None) -> Iterator[str]:
+        """The texts of one Arrow column chunk; nulls are counted, with their row.  `table`: the
+        --keep-fields columns beside it."""
         name = self.unit.names[0]
-        for text in column.to_pylist():
+        extra = table.to_pylist() if table is not None and table.num_columns else None
+        for i, text in enumerate(column.to_pylist()):
             if text is None:
                 self.tally.add("null_text", f"{name} row {row}")
             else:
                 self._loc = (name, row, " row ")
+                if self.keep:
+                    self.kept = pick_fields(extra[i], self.keep, f"{name} row {row}", self.tally) if extra else None
                 yield text
             row += 1
 
@@ -416,8 +455,14 @@ class UnitReader:
         name = self.unit.names[0]
         for rec in table.to_pylist():
             self._loc = (name, row, " row ")
+            if self.keep:
+                self.kept = pick_fields(rec, self.keep, f"{name} row {row}", self.tally)
             yield rec
             row += 1
+
+    def _kept_columns(self, names: list[str]) -> list[str]:
+        """The columns of a Parquet/Arrow schema that --keep-fields reaches (a dotted name: its first part)."""
+        return [c for c in dict.fromkeys(k.split(".")[0] if k not in names else k for k in self.keep) if c in names]
 
     def _arrow(self) -> Iterator[str]:
         u = self.unit
@@ -428,11 +473,13 @@ class UnitReader:
                 break
             if i >= u.start:
                 if self.records:
-                    yield from self._rows(b if self.whole_rows else
-                                          b.select([c for c in (self.text_field, "tools") if c in b.schema.names]), row)
+                    yield from self._rows(b if self.whole_rows else b.select(
+                        [c for c in dict.fromkeys((self.text_field, "tools", *self._kept_columns(b.schema.names)))
+                         if c in b.schema.names]), row)
                 else:
                     where = arrow_field(b.schema, self.text_field)
-                    yield from self._column(arrow_leaf(b.column(where[0]), where), row)
+                    yield from self._column(arrow_leaf(b.column(where[0]), where), row,
+                                            b.select(self._kept_columns(b.schema.names)) if self.keep else None)
                 row += b.num_rows
                 self.consumed += b.nbytes
 
@@ -444,13 +491,16 @@ class UnitReader:
         row = u.first_line
         for rg in range(u.start, u.stop):
             meta = pf.metadata.row_group(rg)
+            names = pf.schema_arrow.names
             if self.records:  # the conversations and, when there, their tools (--map: the whole row)
-                cols = None if self.whole_rows else [c for c in (self.text_field, "tools") if c in pf.schema_arrow.names]
+                cols = None if self.whole_rows else [c for c in dict.fromkeys(
+                    (self.text_field, "tools", *self._kept_columns(names))) if c in names]
                 yield from self._rows(pf.read_row_group(rg, columns=cols), row)
             else:
                 where = arrow_field(pf.schema_arrow, self.text_field)
                 table = pf.read_row_group(rg, columns=[".".join(where)])
-                yield from self._column(arrow_leaf(table.column(0), where), row)
+                kept = pf.read_row_group(rg, columns=self._kept_columns(names)) if self.keep else None
+                yield from self._column(arrow_leaf(table.column(0), where), row, kept)
             row += meta.num_rows
             self.consumed += meta.total_byte_size
 

@@ -267,7 +267,12 @@ def _run_unit(unit: Unit, info: TokenizerInfo, where: tuple[int, int] | None) ->
     text_bytes = {s: 0 for s in splits}  # UTF-8 bytes of the documents as tokenized
     tally = Tally(strict=cfg.strict)
     reader = UnitReader(unit, cfg.text_field, tally, long_bytes=None if cfg.chat else cfg.long_doc_bytes,
-                        records=cfg.chat is not None, mapper=RecordMap.of(cfg))
+                        records=cfg.chat is not None, mapper=RecordMap.of(cfg), keep=cfg.keep_fields)
+    fields: dict[str, dict] = {}  # --keep-fields: a document's place in the unit -> its record's fields
+
+    def keep_fields() -> None:  # of the document last read, once it is kept
+        if reader.kept:
+            fields[str(reader.offset())] = reader.kept
     batch = {s: [] for s in splits}
     batch_src = {s: [] for s in splits}  # each batched document's source (UnitReader.source)
     batch_off = {s: [] for s in splits}  # and its place in the unit (UnitReader.offset: its .src entry)
@@ -334,6 +339,7 @@ def _run_unit(unit: Unit, info: TokenizerInfo, where: tuple[int, int] | None) ->
                     _bump(counters, 0, 0, len(ids))
 
                 outs[s].start_long(reader.offset())
+                keep_fields()
                 n = enc.encode_stream(counted(pieces()), write)
                 outs[s].end_long(n)
                 docs[s] += 1
@@ -350,6 +356,7 @@ def _run_unit(unit: Unit, info: TokenizerInfo, where: tuple[int, int] | None) ->
             batch[splits[s]].append(text)
             batch_src[splits[s]].append(reader.source())
             batch_off[splits[s]].append(reader.offset())
+            keep_fields()
             chars += len(text)
             if chars >= cfg.batch_chars:
                 flush()
@@ -387,6 +394,7 @@ def _run_unit(unit: Unit, info: TokenizerInfo, where: tuple[int, int] | None) ->
             pend[s][2].append(reader.source())
             pend[s][3].append(nb)
             pend[s][4].append(reader.offset())
+            keep_fields()
             chars += len(got.text)
 
         def flush_chats() -> None:
@@ -441,6 +449,8 @@ def _run_unit(unit: Unit, info: TokenizerInfo, where: tuple[int, int] | None) ->
               "sources": {k: dict(zip(SOURCE_COUNTS, v)) for k, v in sources.items()}}
     if chat is not None:
         result["chat"] = chat
+    if fields:
+        result["fields"] = fields
     write_entry(done_path(state, unit.index), result)
     return {**result, "placed": placed} if placed else result
 

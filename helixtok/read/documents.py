@@ -3,6 +3,8 @@ max_len), for runtime packers, and the token-budget batches a varlen attention s
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from . import require_torch
@@ -11,6 +13,7 @@ require_torch()
 import torch  # noqa: E402
 
 from ..format.errors import ConfigError, DatasetError  # noqa: E402
+from ..format.objstore import filesystem  # noqa: E402
 from .budget import budget_batches, document_items  # noqa: E402
 from .dataset import IGNORE_INDEX, MemmapChunkDataset  # noqa: E402
 from .sampler import ChunkSampler  # noqa: E402
@@ -32,7 +35,9 @@ class MemmapDocumentDataset(MemmapChunkDataset):
             if k in kw:
                 raise ConfigError(f"MemmapDocumentDataset takes no {k}=: items are whole documents (see max_len)")
         super().__init__(path, split, **kw)
-        self.sources = sources  # items say where their document was read ("source": file:line, ...)
+        # Items say where their document was read ("source": file:line, ...) and, where the build kept
+        # them, its record's fields ("fields": {"id": ...}).
+        self.sources = sources
         if self.packing == "document":
             raise DatasetError(f"{self.path}: packed with --pack document, whose chunks keep no boundary between a "
                                "document that fills whole chunks and the next; build (or helixtok repack) it packed "
@@ -70,9 +75,30 @@ class MemmapDocumentDataset(MemmapChunkDataset):
         d = int(self._docs_of[int(i)])
         return self._where(d, int(self._src[d]))
 
+    def kept_fields(self, i: int) -> dict | None:
+        """The fields of item i's record that the build kept (--keep-fields; by default its "id"),
+        or None: none kept, the record had none, or a dataset written before builds kept them."""
+        from ..format.fields import DocumentFields
+
+        self.source(i)  # (the .src entries)
+        if self.__dict__.get("_kept") is None:
+            self._kept = DocumentFields(self.manifest, self.split, self._read_range)
+        if self._src is None or not self._kept.known:
+            return None
+        d = int(self._docs_of[int(i)])
+        return self._kept(d, int(self._src[d]))
+
+    def _read_range(self, rel: str, offset: int, n: int) -> bytes:
+        if self.remote:
+            root = filesystem(self.path)[1].rstrip("/")
+            return self._cache.fs.cat_file(f"{root}/{rel}", start=offset, end=offset + n)
+        with open(os.path.join(self.path, rel), "rb") as fh:
+            fh.seek(offset)
+            return fh.read(n)
+
     def __getstate__(self):
         d = super().__getstate__()
-        for k in ("_spans", "_docs_of", "_src", "_where"):  # each DataLoader worker reads the sidecars itself
+        for k in ("_spans", "_docs_of", "_src", "_where", "_kept"):  # each DataLoader worker reads the sidecars itself
             d.pop(k, None)
         return d
 
@@ -99,6 +125,8 @@ class MemmapDocumentDataset(MemmapChunkDataset):
         item = {"input_ids": torch.from_numpy(ids), "labels": torch.from_numpy(labels)}
         if self.sources:
             item["source"] = self.source(i)
+            if self.manifest.get("fields"):
+                item["fields"] = self.kept_fields(i) or {}
         return item
 
     def __getitems__(self, indices) -> list[dict]:

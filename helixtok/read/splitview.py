@@ -178,13 +178,33 @@ class SplitView:
 
         if self.__dict__.get("_sources") is None:
             self._sources = DocumentSources(self.m, self.split)
-            self._doc_ends = np.cumsum([int(e["docs"]["count"]) for e in self.shards]) if self._sources.known else None
-        if not self._sources.known or not all("src" in e for e in self.shards):
+        k = self._place(doc) if self._sources.known else None
+        return None if k is None else self._sources(doc, k)
+
+    def document_fields(self, doc: int) -> dict | None:
+        """The --keep-fields its record had (format/fields.py), or None (none kept, or none there)."""
+        from ..format.fields import DocumentFields
+
+        if self.__dict__.get("_fields") is None:
+            self._fields = DocumentFields(self.m, self.split, self._read_range)
+        k = self._place(doc) if self._fields.known else None
+        return None if k is None else self._fields(doc, k)
+
+    def _place(self, doc: int) -> int | None:
+        """Document `doc`'s .src entry: its place in its work unit; None without .src sidecars."""
+        if self.__dict__.get("_doc_ends") is None:
+            self._doc_ends = np.cumsum([int(e["docs"]["count"]) for e in self.shards])
+        if not all("src" in e for e in self.shards):
             return None
         k = int(np.searchsorted(self._doc_ends, doc, side="right"))
         if k >= len(self.shards):
             return None
-        return self._sources(doc, int(self._map(k, "src")[doc - (int(self._doc_ends[k - 1]) if k else 0)]))
+        return int(self._map(k, "src")[doc - (int(self._doc_ends[k - 1]) if k else 0)])
+
+    def _read_range(self, path: str, offset: int, n: int) -> bytes:
+        with (self.folder.open(path) if self.folder is not None else open(os.path.join(self.root, path), "rb")) as fh:
+            fh.seek(offset)
+            return fh.read(n)
 
     def valid(self, i: int) -> int:
         """Real tokens at the start of chunk i (the rest is padding); seq_len for packed data."""

@@ -44,17 +44,17 @@ def link_group(src: Source, g: int, state: str, run: str) -> dict:
         for e in src.pieces(s).get(g, []):
             k = int(SHARD_NAME.fullmatch(e["path"]).group(3))
             e = {**e, "state": piece_name(g, s, k)}
-            _link(src.file(e["path"]), os.path.join(state, e["state"]))
+            link(src.file(e["path"]), os.path.join(state, e["state"]))
             for side in ("docs", "src", "mask"):
                 if side in e:
                     e[side] = {**e[side], "state": f"g{g:06d}.{run}.{s}.{k:04d}.{side}"}
-                    _link(src.file(e[side]["path"]), os.path.join(state, e[side]["state"]))
+                    link(src.file(e[side]["path"]), os.path.join(state, e[side]["state"]))
             entries.append(e)
         out[s] = entries
     return {"group": g, "run": run, "shards": out}
 
 
-def _link(a: str, b: str) -> None:
+def link(a: str, b: str) -> None:
     """b becomes a hard link to a (neither is ever written in place again), or a copy where the
     file system cannot link (another device, no hard links)."""
     try:

@@ -24,7 +24,7 @@ from ..pipeline.outdir import (STATE, OutLock, check_out_path, publish, refuse_f
                                remove_owned, unpublish)
 from ..pipeline.resume import up_to_date
 from ..version import __version__
-from .groups import link_group, linkable, pack_group
+from .groups import link, link_group, linkable, pack_group
 from .source import Source, open_source, plan_config, target
 
 
@@ -155,6 +155,7 @@ def _write(src: Source, config, whole: bytes, new: str, overwrite: bool) -> Repa
                                   "packing": m["packing"]}}
     if config.packing == "document":  # its rows keep no document starts, nor where each was read
         manifest.pop("unit_sources", None)
+        manifest.pop("fields", None)
     # The tokenizer (checked: the very bytes the manifest names), the template and the new plan.
     with open(src.file(m["tokenizer"]["file"]), "rb") as fh:
         tok = fh.read()
@@ -169,6 +170,11 @@ def _write(src: Source, config, whole: bytes, new: str, overwrite: bool) -> Repa
     if config.chat:
         shutil.copyfile(src.file(m["chat"]["template_file"]), os.path.join(state, CHAT_TEMPLATE))
         extra.append((CHAT_TEMPLATE, m["chat"]["template_file"]))
+    for x in (manifest.get("fields") or {}).get("files", ()):  # the records' kept fields: the same file
+        with contextlib.suppress(FileNotFoundError):  # (a resumed repack's)
+            os.remove(os.path.join(state, x["path"]))
+        link(src.file(x["path"]), os.path.join(state, x["path"]))
+        extra.append((x["path"],) * 2)
     moves = [(n, p) for j in joined for n, p, _ in state_files(j)]
     moves += [(x["path"],) * 2 for i in indexes.values() for x in i.entry.values()]
     publish(new, moves + extra, json.loads(json.dumps(manifest)))

@@ -159,8 +159,10 @@ def target(src: Source, seq_len: int | None, packing: str | None, min_tail_len: 
     """The options of the dataset asked for: the source's, with these (a None keeps the source's
     sequence length and packing; --min-tail-len is the new packing's default unless given)."""
     old = src.config
-    new = dataclasses.replace(old, seq_len=old.seq_len if seq_len is None else seq_len,
-                              packing=old.packing if packing is None else packing, min_tail_len=min_tail_len)
+    packing = old.packing if packing is None else packing
+    # Document packing keeps no sources, so no fields (the source's, linked, serve the other packings).
+    new = dataclasses.replace(old, seq_len=old.seq_len if seq_len is None else seq_len, packing=packing,
+                              min_tail_len=min_tail_len, keep_fields=() if packing == "document" else old.keep_fields)
     if new.chat is not None:
         _check_chat(src, new)
     return new

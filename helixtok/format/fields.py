@@ -1,0 +1,99 @@
+"""Kept fields (--keep-fields): each record's small fields in a JSON lines file, a line per work unit, found through the manifest."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+
+from .errors import DatasetError
+
+FIELDS_FILE = "fields.jsonl"
+
+
+def unit_line(fields: dict[str, dict]) -> bytes:
+    """A work unit's line: {"<place in the unit>": {field: value}} in place order, compact, each record's
+    fields in --keep-fields' order (docs/format.md, "Kept fields"): the same fields give the same bytes."""
+    ordered = {k: fields[k] for k in sorted(fields, key=int)}
+    return json.dumps(ordered, ensure_ascii=False, sort_keys=False, separators=(",", ":"),
+                      default=str).encode() + b"\n"
+
+
+def write_fields(folder: str, names: tuple[str, ...], per_unit: list[dict | None]) -> dict | None:
+    """FIELDS_FILE in `folder` from each unit's kept fields (None or {} where it kept none), and the
+    manifest's "fields" entry for it; None when no unit kept any (no file)."""
+    if not names or not any(per_unit):
+        return None
+    units, at = [], 0
+    h = hashlib.sha256()
+    with open(os.path.join(folder, FIELDS_FILE), "wb") as fh:
+        for f in per_unit:
+            if not f:
+                units.append(None)
+                continue
+            line = unit_line(f)
+            fh.write(line)
+            h.update(line)
+            units.append([0, at, len(line), hashlib.sha256(line).hexdigest()])
+            at += len(line)
+        fh.flush()
+        os.fsync(fh.fileno())
+    return {"names": list(names), "files": [{"path": FIELDS_FILE, "bytes": at, "sha256": h.hexdigest()}],
+            "units": units}
+
+
+def merged_fields(entries: list[dict | None], units_per_part: list[int], move) -> dict | None:
+    """The "fields" entry of a merge of parts (their entries, None where a part kept none; their
+    unit counts; move(part index, path) -> the path from the merged folder)."""
+    if not any(entries):
+        return None
+    files, units, names = [], [], []
+    for i, (e, n) in enumerate(zip(entries, units_per_part)):
+        if not e:
+            units += [None] * n
+            continue
+        base = len(files)
+        files += [{**x, "path": move(i, x["path"])} for x in e["files"]]
+        units += [None if u is None else [u[0] + base, *u[1:]] for u in e["units"]]
+        names += [n for n in e["names"] if n not in names]
+    return {"names": names, "files": files, "units": units}
+
+
+def moved_fields(entry: dict, move) -> dict:
+    """The entry with each file path p named move(p)."""
+    return {**entry, "files": [{**x, "path": move(x["path"])} for x in entry["files"]]}
+
+
+class DocumentFields:
+    """A split's documents' kept fields: document `doc` (its unit from `unit_documents`) at place k
+    (its .src entry) -> its fields, or None.  `read(path, offset, length)` reads a dataset file's bytes
+    (local or in object storage); a unit's line is read once and checked against its sha256."""
+
+    def __init__(self, m: dict, split: str, read):
+        e = m.get("fields")
+        counts = (m.get("unit_documents") or {}).get(split)
+        self.known = isinstance(e, dict) and counts is not None and len(e.get("units", ())) == len(counts)
+        self.names = list(e["names"]) if isinstance(e, dict) else []
+        self._e, self._read, self._lines = e, read, {}
+        self.ends, at = [], 0
+        for n in counts or []:
+            at += n
+            self.ends.append(at)
+
+    def __call__(self, doc: int, k: int) -> dict | None:
+        if not self.known:
+            return None
+        import bisect
+
+        u = bisect.bisect_right(self.ends, doc)
+        if u >= len(self._e["units"]) or self._e["units"][u] is None:
+            return None
+        if u not in self._lines:
+            f, off, n, sha = self._e["units"][u]
+            path = self._e["files"][f]["path"]
+            data = self._read(path, off, n)
+            if len(data) != n or hashlib.sha256(data).hexdigest() != sha:
+                raise DatasetError(f"{path}: bytes {off}-{off + n} are not what the manifest says (damaged or changed "
+                                   "since the build); copy the dataset again or rebuild it (helixtok verify says more)")
+            self._lines = {u: json.loads(data)}  # one unit at a time: memory stays flat over a long walk
+        return self._lines[u].get(str(k))
