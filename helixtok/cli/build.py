@@ -48,9 +48,11 @@ from .common import console, handle_errors, parse_size, print_summary
 @click.option("--chat-template", type=click.Path(dir_okay=False), default=None,
               help="--chat: a .jinja template [default: chat_template of the tokenizer_config.json beside the "
                    "tokenizer].")
-@click.option("--loss", type=click.Choice(["assistant", "all", "last"]), default="assistant", show_default=True,
-              help="--chat: which tokens train: the template's {% generation %} spans (assistant), every token, or "
-                   "the last assistant turn.")
+@click.option("--loss", type=click.Choice(["assistant", "all", "last", "completion"]), default="assistant",
+              show_default=True,
+              help="--chat: which tokens train: the template's {% generation %} spans (assistant), every token, "
+                   "the last assistant turn, or the completion of TRL's prompt/completion rows (completion: any "
+                   "template; such rows train their completion under assistant and last too).")
 @click.option("--truncate", type=click.Choice(["tokens", "turns"]), is_flag=False, flag_value="tokens", default=None,
               help="--chat: a conversation longer than --seq-len is cut to its first --seq-len tokens (--truncate, "
                    "--truncate tokens), or loses its earliest user/assistant exchanges until it fits, the system "

@@ -70,7 +70,7 @@ def build(corpus, out: str, tokenizer: str, config: BuildConfig | None = None, *
     (see merge.py).  Holds an exclusive lock on `out` throughout: a second build into it fails at
     once.  An `out` URL is built in a local staging folder first, then uploaded, its manifest
     last (publish.py).  Several threads of one program may build at once (into different folders).
-    A chat build: chat=True, with chat_template="x.jinja", loss="assistant"|"last"|"all",
+    A chat build: chat=True, with chat_template="x.jinja", loss="assistant"|"last"|"all"|"completion",
     truncate=True|"turns", chat_kwargs={...}, chat_date="YYYY-MM-DD" as the command line's options.
 
     Example: helixtok.build("corpus/", "out/", "tokenizer.json", seq_len=2048, val_fraction=0.01)

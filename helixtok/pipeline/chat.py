@@ -26,7 +26,9 @@ class RenderBound(Exception):
     """A conversation's rendering ran past its time or size bound (limits.RENDER_SECONDS,
     RENDER_CHARS): a hostile template or row is skipped (counted), never a hang or a heap's worth."""
 
-LOSSES = ("assistant", "all", "last")
+# completion: prompt/completion rows' completion trains (TRL's completion_only_loss), any template;
+# a prompt/completion row trains its completion under assistant and last too.
+LOSSES = ("assistant", "all", "last", "completion")
 GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 _COMMENT = re.compile(r"\{#.*?#\}", re.S)  # a comment naming the tag is not a span
 # Markers around special-token strings found in a conversation's own strings (noncharacters:
@@ -143,10 +145,11 @@ def load_spec(tokenizer: str, template_file: str | None, loss: str, truncate: bo
         where = cfg_path
     if loss not in LOSSES:
         raise ConfigError(f"--loss {loss}: give one of {', '.join(LOSSES)}")
-    if loss != "all" and not GENERATION_TAG.search(_COMMENT.sub("", template)):
+    if loss not in ("all", "completion") and not GENERATION_TAG.search(_COMMENT.sub("", template)):
         raise ConfigError(f"{where}: the template has no {{% generation %}} span, so which tokens are the assistant's "
                           "is unknown; pass --chat-template with a training template that marks them (TRL ships "
-                          "patched ones: trl/chat_templates/*_training.jinja), or --loss all")
+                          "patched ones: trl/chat_templates/*_training.jinja), --loss completion for prompt/completion "
+                          "rows, or --loss all")
     strings = tuple(sorted((k, s) for k, v in config.items() if k.endswith("_token") and (s := _token_string(v))))
     compile_template(template, where)  # a syntax error is said now, once, not per worker
     return ChatSpec(template=template, loss=loss, truncate=truncate, field=field_name, token_strings=strings,
@@ -312,6 +315,23 @@ def _plain(value, strings: list):
     return value
 
 
+def prompt_completion(record, field_name: str) -> tuple | str | None:
+    """A TRL prompt/completion row (a record without the messages field that has "prompt" and
+    "completion"): ("text", prompt, completion) for strings, ("messages", the prompt's row, the whole
+    row) for message lists (each a record with the messages field, its tools and kwargs kept), why
+    it cannot be read, or None for any other row."""
+    if not isinstance(record, dict) or field_name in record or "prompt" not in record or "completion" not in record:
+        return None
+    p, c = record["prompt"], record["completion"]
+    if isinstance(p, str) and isinstance(c, str):
+        return "text", p, c
+    p, c = (x.tolist() if hasattr(x, "tolist") else x for x in (p, c))
+    if isinstance(p, (list, tuple)) and isinstance(c, (list, tuple)) and c:
+        rest = {k: v for k, v in record.items() if k not in ("prompt", "completion")}
+        return "messages", {**rest, field_name: list(p)}, {**rest, field_name: [*p, *c]}
+    return "'prompt' and 'completion' are neither both text nor both lists of messages"
+
+
 def conversation(record, field_name: str, strings: list | None = None) -> tuple[list, list | None] | str:
     """(messages, tools) of a row as the template gets them, or why it is not a conversation;
     the strings among their values appended to `strings`."""
@@ -322,7 +342,7 @@ def conversation(record, field_name: str, strings: list | None = None) -> tuple[
     if not isinstance(record, dict):
         return "not a JSON object"
     if field_name not in record:
-        return f"no {field_name!r} field (--text-field names the messages' field)"
+        return f"no {field_name!r} field ({_row_form(record)})"
     msgs = record.get(field_name)
     if isinstance(msgs, np.ndarray):
         msgs = msgs.tolist()
@@ -350,9 +370,22 @@ def conversation(record, field_name: str, strings: list | None = None) -> tuple[
     return out, tools or None
 
 
-def render(compiled, messages: list, tools, variables: dict) -> tuple[str, list[tuple[int, int]]]:
-    """The rendered conversation and its generation spans (character ranges), add_generation_prompt=False;
-    `variables`: the tokenizer's *_token strings and the template kwargs, as transformers passes them."""
+def _row_form(record: dict) -> str:
+    """What a row that is not a conversation looks like, and what to pass for it."""
+    if isinstance(record.get("text"), str):
+        return "a text row ('text'): build it without --chat"
+    if isinstance(record.get("conversations"), (list, tuple)):
+        return "ShareGPT 'conversations' rows (from/value): write them as 'messages' (role/content)"
+    if "prompt" in record:
+        return "a 'prompt' without a 'completion'"
+    return "--text-field names the messages' field"
+
+
+def render(compiled, messages: list, tools, variables: dict, generation_prompt: bool = False
+           ) -> tuple[str, list[tuple[int, int]]]:
+    """The rendered conversation and its generation spans (character ranges), with add_generation_prompt
+    as given (a prompt/completion row's prompt alone: True); `variables`: the tokenizer's *_token
+    strings and the template kwargs, as transformers passes them."""
     blocks: list[str] = []
     spans: list[tuple[int, int]] = []
     pos = [0]
@@ -360,8 +393,8 @@ def render(compiled, messages: list, tools, variables: dict) -> tuple[str, list[
     env.recording = (pos, spans)
     env.deadline = deadline = time.monotonic() + limits.RENDER_SECONDS
     try:
-        for b in compiled.generate(messages=messages, tools=tools, documents=None, add_generation_prompt=False,
-                                   **variables):
+        for b in compiled.generate(messages=messages, tools=tools, documents=None,
+                                   add_generation_prompt=generation_prompt, **variables):
             blocks.append(b)
             pos[0] += len(b)
             if pos[0] > limits.RENDER_CHARS:
@@ -538,7 +571,7 @@ class ChatEncoder:
         """A row's samples: the conversation (encode()), or with --chat-split turns one per assistant
         message, rendered up to it with only its span trained (a turn marked "train": false gives
         none); every sample's split is the whole conversation's (none leaks into the other)."""
-        if not self.spec.split_turns:
+        if not self.spec.split_turns or prompt_completion(record, self.spec.field) is not None:
             got = self.encode(record)
             return got if isinstance(got, str) else [got]
         whole = self.rendered(record)
@@ -580,7 +613,9 @@ class ChatEncoder:
         rendered by the template itself (found by bisection: fewer exchanges never render longer),
         keeping at least its last exchange; None when even that does not fit.  `text`: the whole
         conversation's rendering (its split is the whole conversation's)."""
-        msgs = record[self.spec.field]
+        msgs = record.get(self.spec.field)
+        if not isinstance(msgs, (list, tuple)):  # (a prompt/completion row: never cut by turns)
+            return None
         starts = [i for i, m in enumerate(msgs) if isinstance(m, dict) and m.get("role") == "user"]
         if len(starts) < 2:
             return None
@@ -598,11 +633,14 @@ class ChatEncoder:
         d, (ids, mask, _) = best
         return Encoded(ids.astype(self.dtype), mask, text, dropped_turns=d)
 
-    def _encoded(self, record, last_only: bool = False) -> tuple | str:
+    def _encoded(self, record, last_only: bool = False, generation_prompt: bool = False) -> tuple | str:
         """(ids, mask, rendered text) of a row, whatever their length, or why it is not a conversation."""
         import numpy as np
 
-        got = self.rendered(record)
+        pc = prompt_completion(record, self.spec.field) if not generation_prompt else None
+        if pc is not None:
+            return self._prompt_completion(pc)
+        got = self.rendered(record, generation_prompt)
         if isinstance(got, str):
             return got
         text, spans, ranges = got
@@ -620,16 +658,58 @@ class ChatEncoder:
             mask = loss_mask(offsets, spans, self.spec.loss)
         return ids, mask, text
 
+    def _prompt_completion(self, pc) -> tuple | str:
+        """A prompt/completion row as TRL's SFTTrainer tokenizes it: the prompt alone (conversational:
+        rendered with the generation prompt; text: tokenized with the tokenizer's own special tokens)
+        and prompt + completion (text: the EOS string appended unless it ends with it), the mask 1 from
+        where the two first differ (trl.data_utils.common_prefix_length) to the end; --loss all: 1 everywhere."""
+        import numpy as np
+
+        if isinstance(pc, str):
+            return pc
+        if pc[0] == "text":
+            _, prompt, completion = pc
+            eos = dict(self.spec.token_strings).get("eos_token")
+            if eos and not completion.endswith(eos):
+                completion += eos
+            text = prompt + completion
+            if SURROGATE.search(text):
+                return "holds a lone surrogate (an unpaired \\ud800-\\udfff escape), which is not text"
+            a = np.asarray(self.tok.encode(prompt).ids, np.int64)
+            ids = np.asarray(self.tok.encode(text).ids, np.int64)
+        else:
+            _, prompt_row, whole_row = pc
+            got = self._encoded(prompt_row, generation_prompt=True)
+            if isinstance(got, str):
+                return got
+            a = got[0]
+            got = self._encoded(whole_row)
+            if isinstance(got, str):
+                return got
+            ids, _, text = got
+        n = min(len(a), len(ids))
+        differ = np.flatnonzero(a[:n] != ids[:n])
+        start = int(differ[0]) if len(differ) else n
+        mask = np.ones(len(ids), np.uint8)
+        if self.spec.loss != "all":
+            mask[:start] = 0
+        return ids, mask, text
+
     def pieces(self, record) -> list[str]:
         """The text a row's ids are made from, between the template's special tokens (what the
         backend check samples: the pieces a chat build hands its backend)."""
+        pc = prompt_completion(record, self.spec.field)
+        if pc is not None and not isinstance(pc, str):
+            if pc[0] == "text":  # (tokenized by tokenizers itself: nothing of it goes to the backend)
+                return []
+            record = pc[2]
         got = self.rendered(record)
         if isinstance(got, str):
             return []
         text, _, ranges = got
         return [text[a:b] for a, b, special in self._split(text, ranges) if not special]
 
-    def rendered(self, record) -> tuple[str, list, list] | str:
+    def rendered(self, record, generation_prompt: bool = False) -> tuple[str, list, list] | str:
         """(rendered text, generation spans, ranges of the conversation's own special-token
         strings) of a row, or why it is not a conversation."""
         import jinja2
@@ -661,7 +741,8 @@ class ChatEncoder:
             messages, tools = _mark(messages, self.special), _mark(tools, self.special)
             row = _mark(row, self.special)
         try:
-            text, spans = render(self.compiled, messages, tools, {**self.variables, **row} if row else self.variables)
+            text, spans = render(self.compiled, messages, tools, {**self.variables, **row} if row else self.variables,
+                                 generation_prompt)
         except RenderBound as e:
             return f"the template's rendering was stopped: {e}"
         except jinja2.TemplateError as e:

@@ -146,6 +146,11 @@ class StaleRange(Exception):
         self.unit = unit
 
 
+# A chat row's columns besides its messages: tools, per-row template kwargs, and a TRL
+# prompt/completion row's two (chat.py reads them; a Parquet/Arrow unit reads no other column).
+ROW_COLUMNS = ("tools", "chat_template_kwargs", "prompt", "completion")
+
+
 class UnitReader:
     """Iterate the documents of a unit; `consumed` tracks input bytes read (for progress).
 
@@ -474,7 +479,7 @@ class UnitReader:
             if i >= u.start:
                 if self.records:
                     yield from self._rows(b if self.whole_rows else b.select(
-                        [c for c in dict.fromkeys((self.text_field, "tools", *self._kept_columns(b.schema.names)))
+                        [c for c in dict.fromkeys((self.text_field, *ROW_COLUMNS, *self._kept_columns(b.schema.names)))
                          if c in b.schema.names]), row)
                 else:
                     where = arrow_field(b.schema, self.text_field)
@@ -494,7 +499,7 @@ class UnitReader:
             names = pf.schema_arrow.names
             if self.records:  # the conversations and, when there, their tools (--map: the whole row)
                 cols = None if self.whole_rows else [c for c in dict.fromkeys(
-                    (self.text_field, "tools", *self._kept_columns(names))) if c in names]
+                    (self.text_field, *ROW_COLUMNS, *self._kept_columns(names))) if c in names]
                 yield from self._rows(pf.read_row_group(rg, columns=cols), row)
             else:
                 where = arrow_field(pf.schema_arrow, self.text_field)

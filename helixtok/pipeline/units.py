@@ -89,7 +89,7 @@ def plan_units(files: list[InputFile], *, unit_bytes: int, text_field: str, stal
     arrays = {f.path for f in files if f.kind in ("jsonl", "jsonl.gz", "jsonl.zst") and json_array_file(f)}
     big = [f for f in files if f.kind in ("jsonl.gz", "jsonl.zst") and f.size >= split_at and f.path not in arrays]
     for f in big:  # a wrong --text-field fails before any long pass starts
-        _check_jsonl_head(f, text_field)
+        _check_jsonl_head(f, text_field, chat)
     halt = threading.Event()  # ends the passes early when planning fails or is interrupted
 
     def ranges_of(f: InputFile) -> list[dict]:
@@ -126,14 +126,14 @@ def plan_units(files: list[InputFile], *, unit_bytes: int, text_field: str, stal
                 if f.size == 0:
                     warnings.add("empty_file", f.name)
                     continue
-                _check_jsonl_head(f, text_field)
+                _check_jsonl_head(f, text_field, chat)
                 for start, stop in _line_aligned_cuts(f.path, f.size, unit_bytes):
                     units.append(Unit(len(units), "jsonl", (f.path,), (f.name,), start, stop, 0, stop - start))
             elif f.path in passes:
                 for kw in passes[f.path].result():
                     units.append(Unit(len(units), f.kind, (f.path,), (f.name,), **kw))
             elif f.kind in ("jsonl.gz", "jsonl.zst"):
-                _check_jsonl_head(f, text_field)
+                _check_jsonl_head(f, text_field, chat)
                 units.append(Unit(len(units), f.kind, (f.path,), (f.name,), est_bytes=f.size * 4))
             elif f.kind == "parquet":
                 for start, stop, row, nbytes in _row_group_cuts(f, unit_bytes, text_field, chat):
@@ -225,7 +225,7 @@ def json_array_file(f: InputFile) -> bool:
     return head.lstrip(b"\xef\xbb\xbf \t\r\n").startswith(b"[")
 
 
-def _check_jsonl_head(f: InputFile, text_field: str | None) -> None:
+def _check_jsonl_head(f: InputFile, text_field: str | None, chat: bool = False) -> None:
     """Fail fast when the first record lacks the text field: that is a wrong --text-field, not bad
     data.  A file named .json* (C4 and Dolma name JSON Lines so) whose first line is not one JSON
     object holds a single JSON document: refused, with how to convert it.  text_field None: any
@@ -266,11 +266,15 @@ def _check_jsonl_head(f: InputFile, text_field: str | None) -> None:
     if first is None or first[1] is None:  # bad JSON is reported, with its line, by the reader
         return
     if text_field is not None and first and isinstance(first[1], dict) and not field_value(first[1], text_field)[0]:
+        trl = "prompt" in first[1] and "completion" in first[1]  # TRL's prompt/completion form
+        if chat and trl:
+            return  # (a chat build reads it as TRL does: chat.prompt_completion)
         keys = ", ".join(sorted(first[1])[:10]) or "none"
         chats = [k for k, v in first[1].items() if isinstance(v, list) and v and isinstance(v[0], dict) and "role" in v[0]]
         raise InputError(f"{f.path}:{first[0]}: record has no field {text_field!r} (fields: {keys}); "
                          "pass --text-field with the name of the text field"
-                         + (f"; {chats[0]!r} holds chat messages: build conversations with --chat" if chats else ""))
+                         + (f"; {chats[0]!r} holds chat messages: build conversations with --chat" if chats else
+                            "; prompt/completion rows (TRL's form): build them with --chat" if trl else ""))
 
 
 def _check_text_column(path: str, schema, text_field: str | None, chat: bool = False) -> None:
@@ -279,6 +283,8 @@ def _check_text_column(path: str, schema, text_field: str | None, chat: bool = F
     if text_field is None:  # a --map build: the rows go to its function whole
         return
     where = arrow_field(schema, text_field) if not chat else [text_field] if text_field in schema.names else None
+    if where is None and chat and {"prompt", "completion"} <= set(schema.names):
+        return  # TRL's prompt/completion form (chat.prompt_completion)
     if where is None:
         raise InputError(f"{path}: no column {text_field!r} (columns: {', '.join(schema.names)}); "
                          "pass --text-field with the name of the text column (a.b: field b of struct column a)")

@@ -1,0 +1,106 @@
+"""TRL's dataset forms (issue 63.5): prompt/completion rows, conversational and text, built with
+--chat are the ids and completion masks TRL's own SFTTrainer preparation gives the same rows (its
+code from its package, run in a child process), whatever the template's spans; rows of another
+form are counted with what they are and what to pass."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import random
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from helixtok.pipeline.builder import build
+from helixtok.pipeline.chat import load_spec
+from helixtok.pipeline.config import BuildConfig
+
+from test_chat import QWEN, TEMPLATES, _documents, real_conversations
+
+
+def _trl_prepared(folder: str, template: str, rows: list[dict]) -> list[tuple[list, list]]:
+    """TRL's SFTTrainer preparation of `rows` (completion_only_loss, its default for prompt/completion
+    rows; no truncation): (input_ids, 1 where labels train) each -- in a child process."""
+    import datasets
+    import transformers
+    from trl import SFTConfig, SFTTrainer
+
+    config = json.loads((Path(folder) / "tokenizer_config.json").read_text())
+    tok = transformers.PreTrainedTokenizerFast(
+        tokenizer_file=str(Path(folder) / "tokenizer.json"),
+        **{k: v for k, v in config.items() if k in ("bos_token", "eos_token", "pad_token")})
+    tok.chat_template = template
+    trainer = SFTTrainer.__new__(SFTTrainer)  # its preparation alone: no model
+    trainer._tokenizer, trainer.chat_template, trainer.completion_only_loss = tok, None, True
+    args = SFTConfig(output_dir=str(Path(folder) / "unused"), report_to=[], use_cpu=True, bf16=False,
+                     max_length=None, dataset_num_proc=None)
+    datasets.disable_progress_bars()
+    got = trainer._prepare_dataset(datasets.Dataset.from_list(rows), tok, args, False, None, "train")
+    return [(list(r["input_ids"]), [int(x != -100) for x in r["labels"]]) for r in got]
+
+
+def _rows(dev_docs: list[str]) -> tuple[list[dict], list[dict]]:
+    """Conversational prompt/completion rows (real text: a conversation less its last answer, and that
+    answer) and text ones (a paragraph cut in two)."""
+    convs = real_conversations(dev_docs, 60, seed=11)
+    chat = [{"prompt": c["messages"][:-1], "completion": c["messages"][-1:]} for c in convs]
+    rng = random.Random(5)
+    paras = [p.strip() for t in dev_docs for p in t.split("\n\n") if len(p.strip()) > 80]
+    text = []
+    for p in rng.sample(paras, 60):
+        cut = rng.randint(10, len(p) - 10)
+        text.append({"prompt": p[:cut], "completion": p[cut:]})
+    text.append({"prompt": "Say it.", "completion": "Done<|im_end|>"})  # (ends with EOS: none appended)
+    return chat, text
+
+
+@pytest.mark.parametrize("form", ["messages", "text"])
+def test_prompt_completion_rows_are_what_trl_prepares(tmp_path, dev_docs, apart, form):
+    chat, text = _rows(dev_docs)
+    rows = chat if form == "messages" else text
+    corpus = tmp_path / "c"
+    corpus.mkdir()
+    half = len(rows) // 2
+    with gzip.open(corpus / "a.jsonl.gz", "wt", encoding="utf-8") as fh:
+        fh.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in rows[:half])
+    pq.write_table(pa.table({"prompt": [r["prompt"] for r in rows[half:]],
+                             "completion": [r["completion"] for r in rows[half:]]}), corpus / "b.parquet",
+                   row_group_size=8)
+    # Qwen3's own template (no {% generation %} span) with --loss completion, and TRL's training one
+    # with the default --loss assistant: a prompt/completion row trains its completion under both.
+    own = json.loads((QWEN / "tokenizer_config.json").read_text())["chat_template"]
+    for k, (template, loss) in enumerate([(None, "completion"), (TEMPLATES / "qwen3_training.jinja", "assistant")]):
+        out = str(tmp_path / f"out{k}")
+        spec = load_spec(str(QWEN), template and str(template), loss, False, "messages")
+        build(str(corpus), out, str(QWEN / "tokenizer.json"),
+              BuildConfig(seq_len=4096, packing="bestfit", workers=2, unit_bytes=16 << 10, chat=spec))
+        want = apart.submit(_trl_prepared, str(QWEN), template.read_text() if template else own, rows).result()
+        got = _documents(out)
+        assert len(got) == len(want) == len(rows)
+        bad = [i for i, (g, w) in enumerate(zip(got, want)) if g != w]
+        assert not bad, (form, loss, bad[:5])
+        assert all(0 < sum(m) < len(m) for _, m in got)
+
+
+def test_rows_of_another_form_say_what_they_are(tmp_path, dev_docs):
+    corpus = tmp_path / "c"
+    corpus.mkdir()
+    chat, _ = _rows(dev_docs)
+    rows = chat[:5] + [{"text": "plain text"}, {"conversations": [{"from": "human", "value": "hi"}]},
+                       {"prompt": "no completion"}, {"prompt": "x", "completion": [{"role": "assistant"}]}]
+    (corpus / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = str(tmp_path / "out")
+    spec = load_spec(str(QWEN), None, "completion", False, "messages")
+    build(str(corpus), out, str(QWEN / "tokenizer.json"), BuildConfig(seq_len=4096, workers=1, chat=spec))
+    m = json.loads(Path(out, "manifest.json").read_text())
+    skipped = m["skipped"]["not_a_conversation"]
+    assert skipped["count"] == 4 and m["splits"]["train"]["documents"] == 5
+    said = " | ".join(skipped["examples"])
+    for line, what in [(6, "a text row ('text'): build it without --chat"),
+                       (7, "ShareGPT 'conversations' rows (from/value): write them as 'messages'"),
+                       (8, "a 'prompt' without a 'completion'"),
+                       (9, "'prompt' and 'completion' are neither both text nor both lists of messages")]:
+        assert f"a.jsonl:{line} (no 'messages' field ({what}" in said or f"a.jsonl:{line} ({what}" in said, said
