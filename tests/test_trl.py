@@ -57,18 +57,20 @@ def _rows(dev_docs: list[str]) -> tuple[list[dict], list[dict]]:
     return chat, text
 
 
-@pytest.mark.parametrize("form", ["messages", "text"])
-def test_prompt_completion_rows_are_what_trl_prepares(tmp_path, dev_docs, apart, form):
+def _trl_both(folder: str, template: str, forms: list[list[dict]]) -> list[tuple[list, list]]:
+    """_trl_prepared of each form's rows (TRL prepares one form a dataset), one after the other."""
+    return [x for rows in forms for x in _trl_prepared(folder, template, rows)]
+
+
+def test_prompt_completion_rows_are_what_trl_prepares(tmp_path, dev_docs, apart):
+    """Conversational rows as JSON lines and text rows as Parquet (row groups of 8) in one build."""
     chat, text = _rows(dev_docs)
-    rows = chat if form == "messages" else text
     corpus = tmp_path / "c"
     corpus.mkdir()
-    half = len(rows) // 2
     with gzip.open(corpus / "a.jsonl.gz", "wt", encoding="utf-8") as fh:
-        fh.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in rows[:half])
-    pq.write_table(pa.table({"prompt": [r["prompt"] for r in rows[half:]],
-                             "completion": [r["completion"] for r in rows[half:]]}), corpus / "b.parquet",
-                   row_group_size=8)
+        fh.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in chat)
+    pq.write_table(pa.table({"prompt": [r["prompt"] for r in text], "completion": [r["completion"] for r in text]}),
+                   corpus / "b.parquet", row_group_size=8)
     # Qwen3's own template (no {% generation %} span) with --loss completion, and TRL's training one
     # with the default --loss assistant: a prompt/completion row trains its completion under both.
     own = json.loads((QWEN / "tokenizer_config.json").read_text())["chat_template"]
@@ -77,11 +79,11 @@ def test_prompt_completion_rows_are_what_trl_prepares(tmp_path, dev_docs, apart,
         spec = load_spec(str(QWEN), template and str(template), loss, False, "messages")
         build(str(corpus), out, str(QWEN / "tokenizer.json"),
               BuildConfig(seq_len=4096, packing="bestfit", workers=2, unit_bytes=16 << 10, chat=spec))
-        want = apart.submit(_trl_prepared, str(QWEN), template.read_text() if template else own, rows).result()
+        want = apart.submit(_trl_both, str(QWEN), template.read_text() if template else own, [chat, text]).result()
         got = _documents(out)
-        assert len(got) == len(want) == len(rows)
+        assert len(got) == len(want) == len(chat) + len(text)
         bad = [i for i, (g, w) in enumerate(zip(got, want)) if g != w]
-        assert not bad, (form, loss, bad[:5])
+        assert not bad, (loss, bad[:5])
         assert all(0 < sum(m) < len(m) for _, m in got)
 
 

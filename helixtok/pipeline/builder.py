@@ -38,7 +38,8 @@ from ..version import __version__
 from . import preload
 from .backend_check import choose_backend
 from .backends import FAST, backend_version, forget_fast_tokenizers
-from .catalog import CHAT_TEMPLATE, bestfit_index, build_manifest, chat_counts, join_split, published, unit_counts
+from .catalog import (CHAT_TEMPLATE, Built, UpToDate, bestfit_index, build_manifest, chat_counts, join_split,  # noqa: F401
+                      published, unit_counts)
 from .chat import check_date
 from .config import BuildConfig
 from .discover import discover
@@ -292,20 +293,6 @@ def _build_in(run: Run, info) -> dict:
         if created:
             with contextlib.suppress(OSError):
                 os.rmdir(out)  # only if the build left nothing: a failed first build leaves no trace
-
-
-class Built(dict):
-    """What build() returns: the manifest, and how the run went (not part of the dataset)."""
-
-    reused_units = 0  # work units an interrupted run had finished, taken as they were
-    units = 0
-    notes: list[str] = []  # what the user should know of the run (one line each, on stderr)
-    processes: tuple[int, str] | None = None  # how many processes tokenized, and why that many
-    copied = 0  # units of this run whose ids were written to a file of their own, then copied into place
-
-
-class UpToDate(Built):
-    """The manifest build() returns when OUT already held this very build: nothing was written."""
 
 
 def _build_to_url(inputs, url, tokenizer, config, overwrite, on_progress, task, staging) -> dict:

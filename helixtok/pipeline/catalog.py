@@ -10,6 +10,21 @@ CHAT_TEMPLATE = "chat_template.jinja"  # a chat build's template, beside its tok
 COUNTED = ("documents", "tokens", "text_bytes", "pad_tokens", "dropped_tokens", "dropped_documents")
 
 
+
+class Built(dict):
+    """What build() returns: the manifest, and how the run went (not part of the dataset)."""
+
+    reused_units = 0  # work units an interrupted run had finished, taken as they were
+    units = 0
+    notes: list[str] = []  # what the user should know of the run (one line each, on stderr)
+    processes: tuple[int, str] | None = None  # how many processes tokenized, and why that many
+    copied = 0  # units of this run whose ids were written to a file of their own, then copied into place
+
+
+class UpToDate(Built):
+    """The manifest build() returns when OUT already held this very build: nothing was written."""
+
+
 def join_split(pieces: list[dict], shards: list[dict], seq_len: int, packing: str, index=None) -> dict:
     """The entry of a split made of `pieces` (each with the COUNTED keys: one unit's counts, or a
     part's split entry), whose shards in order are `shards`.

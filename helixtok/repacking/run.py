@@ -17,8 +17,7 @@ from ..format.errors import ConfigError, DatasetError, HelixtokError
 from ..format.manifest import FORMAT_VERSION, MANIFEST
 from ..format.planid import PLAN_FILE, encode_plan
 from ..format.shards import DOCS_DTYPE
-from ..pipeline.builder import Built
-from ..pipeline.catalog import CHAT_TEMPLATE, bestfit_index, chat_counts, join_split, published, split_totals
+from ..pipeline.catalog import CHAT_TEMPLATE, Built, bestfit_index, chat_counts, join_split, published, split_totals
 from ..pipeline.journal import state_files
 from ..pipeline.outdir import (STATE, OutLock, check_out_path, publish, refuse_foreign, refuse_foreign_state,
                                remove_owned, unpublish)
