@@ -277,6 +277,7 @@ def _as_version_1(src: str, dst) -> str:
     sha = {f: hashlib.sha256(open(os.path.join(dst, f), "rb").read()).hexdigest()
            for f in ("train-00000.bin", "train-00000.docs")}
     m["format_version"] = 1
+    m.pop("fields", None)  # (0.1 kept no record fields)
     m["splits"]["train"]["shards"] = [{"path": "train-00000.bin", "bytes": ids.nbytes, "sha256": sha["train-00000.bin"],
                                       "num_chunks": n // m["seq_len"],
                                       "docs": {"path": "train-00000.docs", "sha256": sha["train-00000.docs"],
