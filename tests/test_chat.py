@@ -197,22 +197,95 @@ def test_special_token_strings_in_content_are_text(llama_dir):
     assert got.text.count("<|eot_id|>") == 4
 
 
-def test_template_without_generation_is_refused_in_one_line(tmp_path, llama_dir, dev_corpus):
-    plain = tmp_path / "plain.jinja"
-    plain.write_text((TEMPLATES / "llama3.jinja").read_text())
-    with pytest.raises(ConfigError, match=r"no \{% generation %\} span.*_training\.jinja.*--loss all"):
-        load_spec(str(llama_dir), str(plain), "assistant", False, "messages")
-    load_spec(str(llama_dir), str(plain), "all", False, "messages")  # every token trains: no span needed
-    r = CliRunner().invoke(cli, ["build", str(dev_corpus), str(tmp_path / "out"), "-t", str(llama_dir),
-                                 "--chat", "--chat-template", str(plain)])
-    assert r.exit_code == 1 and "Traceback" not in r.output
-    assert len(r.output.strip().splitlines()) == 1 and "--chat-template" in r.output
-    assert not (tmp_path / "out").exists()
-    # a comment that names the tag is not a span
-    commented = tmp_path / "commented.jinja"
-    commented.write_text("{# uses {% generation %} one day #}" + plain.read_text())
-    with pytest.raises(ConfigError, match="no {% generation %} span"):
-        load_spec(str(llama_dir), str(commented), "assistant", False, "messages")
+def test_a_template_without_generation_spans_gets_masks_derived_from_its_renderings(tmp_path, llama_dir, dev_docs,
+                                                                                    apart):
+    """Issue 57.9: Llama 3's own template (no {% generation %}) builds; its derived masks equal, token
+    for token, what transformers gives with TRL's marked llama3_training.jinja (the hand set and real
+    conversations, both encoding paths, a pinned date); a comment naming the tag is not a span; a
+    template that renders an earlier turn otherwise once later ones follow gets the row counted with why."""
+    own, marked = (TEMPLATES / "llama3.jinja").read_text(), (TEMPLATES / "llama3_training.jinja").read_text()
+    convs = [c for c in hand_conversations() + real_conversations(dev_docs, 60, seed=4)
+             if not any("reasoning_content" in m for m in c["messages"])]
+    want = apart.submit(_transformers_encode, str(llama_dir), marked, convs, "2024-07-26").result()
+    for backend in (None, "fastokens"):
+        got = _ours(llama_dir, own, convs, backend=backend, date="2024-07-26")
+        assert [(g.ids.tolist(), g.mask.tolist()) for g in got] == [(list(i), list(m)) for i, m in want]
+    commented = "{# uses {% generation %} one day #}" + own
+    spec = load_spec(str(llama_dir), None, "assistant", False, "messages")
+    assert ChatEncoder(ChatSpec(template=commented, loss="assistant", field="messages"), None, 99, np.uint32,
+                       ids_fn=lambda x: x, vocab=_vocab(llama_dir)).derive and spec.template
+    # A template that writes how many turns follow each one: no turn renders alike once more follow.
+    counting = ("{% for m in messages %}<|start_header_id|>{{ m.role }} {{ messages|length - loop.index }}"
+                "<|end_header_id|>{{ m.content }}<|eot_id|>{% endfor %}"
+                "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>{% endif %}")
+    [single, multi] = _ours(llama_dir, counting, [convs[0], {"messages": [
+        {"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+        {"role": "user", "content": "c"}, {"role": "assistant", "content": "d"}]}])
+    assert isinstance(multi, str) and "renders assistant message 2 otherwise once later messages follow" in multi
+    assert isinstance(single, str) and "which tokens train is not derivable" in single
+    # And a build with it: every stored conversation is transformers' with the marked template.
+    plain = [c for c in convs if "tools" not in c]
+    corpus = _write_chat_corpus(tmp_path / "c", plain)
+    (tmp_path / "llama3.jinja").write_text(own)
+    out = str(tmp_path / "out")
+    build(str(corpus), out, str(llama_dir), BuildConfig(seq_len=1 << 14, workers=2, chat=load_spec(
+        str(llama_dir), str(tmp_path / "llama3.jinja"), "assistant", False, "messages", date="2024-07-26")))
+    keep = [w for c, w in zip(convs, want) if "tools" not in c]
+    assert _documents(out) == [(list(i), list(m)) for i, m in keep]
+
+
+def _vocab(folder):
+    from helixtok.pipeline.chat import Vocabulary
+
+    return Vocabulary.of((folder / "tokenizer.json").read_bytes())
+
+
+# TRL ships each template twice: the model's own and a training one with {% generation %} spans.
+# Derived from the own one, the spans are the training one's for these (spans that meet merged) ...
+DERIVED_EQUAL = ("cohere", "cohere2", "gemma", "gemma3", "idefics3", "lfm2", "lfm2_v2", "llama3", "phi3", "phi3_5",
+                 "qwen2_5_vl", "qwen3", "qwen3_instruct_2507", "qwen3_vl", "smolvlm")
+# ... and for these the training span starts earlier, at what the generation prompt itself writes (a
+# role header, "<think>\n", a newline): derived, the same span less those, the same end.
+DERIVED_AFTER_PROMPT = ("gptoss", "muse_glimmer", "nemotron_3_5_lightning", "nemotron_3_nano", "nemotron_3_super",
+                        "nemotron_3_ultra", "qwen2_5", "qwen3_5_nothink", "qwen3_5_think", "qwen3_6", "qwen3_8")
+
+
+def test_derived_spans_against_every_marked_template_trl_ships(dev_docs):
+    """The table of issue 57.9, by characters (no tokenizer needed: both render the same text), over the
+    hand set and real conversations: every pair TRL ships in both forms, where the two render alike."""
+    from helixtok.pipeline.chat import compile_template, conversation, derived_spans, render
+
+    convs = hand_conversations() + real_conversations(dev_docs, 25, seed=7)
+    strings = {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>"}
+    table = {}
+    for name in DERIVED_EQUAL + DERIVED_AFTER_PROMPT:
+        own = compile_template((TEMPLATES / f"{name}.jinja").read_text(), date="2026-01-01")
+        marked = compile_template((TEMPLATES / f"{name}_training.jinja").read_text(), date="2026-01-01")
+        seen = table[name] = {"equal": 0, "after_prompt": 0, "refused": 0}
+        for c in convs:
+            msgs, tools = conversation(c, "messages")
+            try:
+                text, spans = render(marked, msgs, tools, strings)
+            except Exception:  # noqa: BLE001 - a template that refuses the row (e.g. tools it cannot take)
+                continue
+            if render(own, msgs, tools, strings)[0] != text:  # (the training template renders otherwise)
+                continue
+            got = derived_spans(own, msgs, tools, strings, text)
+            if isinstance(got, str):
+                seen["refused"] += 1
+                continue
+            merged = []
+            for a, b in spans:
+                merged[-1:] = [(merged[-1][0], b)] if merged and merged[-1][1] == a else merged[-1:] + [(a, b)]
+            if got == merged:
+                seen["equal"] += 1
+                continue
+            assert name in DERIVED_AFTER_PROMPT, (name, got, merged, text)
+            assert len(got) == len(merged) and all(b == d and a <= c for (a, b), (c, d) in zip(merged, got)), name
+            seen["after_prompt"] += 1
+    for name in DERIVED_EQUAL:
+        assert table[name]["equal"] > 0 and table[name]["after_prompt"] == 0, (name, table[name])
+    assert all(table[n]["equal"] + table[n]["after_prompt"] + table[n]["refused"] > 0 for n in DERIVED_AFTER_PROMPT)
 
 
 def _write_chat_corpus(root: Path, convs: list[dict]) -> Path:

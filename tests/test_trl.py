@@ -45,12 +45,12 @@ def _trl_prepared(folder: str, template: str, rows: list[dict]) -> list[tuple[li
 def _rows(dev_docs: list[str]) -> tuple[list[dict], list[dict]]:
     """Conversational prompt/completion rows (real text: a conversation less its last answer, and that
     answer) and text ones (a paragraph cut in two)."""
-    convs = real_conversations(dev_docs, 60, seed=11)
+    convs = real_conversations(dev_docs, 30, seed=11)
     chat = [{"prompt": c["messages"][:-1], "completion": c["messages"][-1:]} for c in convs]
     rng = random.Random(5)
     paras = [p.strip() for t in dev_docs for p in t.split("\n\n") if len(p.strip()) > 80]
     text = []
-    for p in rng.sample(paras, 60):
+    for p in rng.sample(paras, 30):
         cut = rng.randint(10, len(p) - 10)
         text.append({"prompt": p[:cut], "completion": p[cut:]})
     text.append({"prompt": "Say it.", "completion": "Done<|im_end|>"})  # (ends with EOS: none appended)

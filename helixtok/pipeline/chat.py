@@ -145,11 +145,8 @@ def load_spec(tokenizer: str, template_file: str | None, loss: str, truncate: bo
         where = cfg_path
     if loss not in LOSSES:
         raise ConfigError(f"--loss {loss}: give one of {', '.join(LOSSES)}")
-    if loss not in ("all", "completion") and not GENERATION_TAG.search(_COMMENT.sub("", template)):
-        raise ConfigError(f"{where}: the template has no {{% generation %}} span, so which tokens are the assistant's "
-                          "is unknown; pass --chat-template with a training template that marks them (TRL ships "
-                          "patched ones: trl/chat_templates/*_training.jinja), --loss completion for prompt/completion "
-                          "rows, or --loss all")
+    # A template without {% generation %} spans: the assistant's tokens are derived from its own
+    # renderings, conversation by conversation, where they prove it (ChatEncoder.derived_spans).
     strings = tuple(sorted((k, s) for k, v in config.items() if k.endswith("_token") and (s := _token_string(v))))
     compile_template(template, where)  # a syntax error is said now, once, not per worker
     return ChatSpec(template=template, loss=loss, truncate=truncate, field=field_name, token_strings=strings,
@@ -370,6 +367,32 @@ def conversation(record, field_name: str, strings: list | None = None) -> tuple[
     return out, tools or None
 
 
+def derived_spans(compiled, messages: list, tools, variables: dict, text: str) -> list[tuple[int, int]] | str:
+    """The assistant spans of a conversation rendered (`text`) by a template without {% generation %}
+    tags, from the template's own renderings: for assistant message j, the conversation up to it
+    with the generation prompt (P) and up to and including it (Q).  Where both are prefixes of the
+    whole rendering and Q is longer, the span is Q less P, less its trailing whitespace (the newline
+    a ChatML turn ends with: TRL's training templates end the span at the end-of-turn token); any
+    other conversation, whose earlier turns the template renders otherwise once later ones follow,
+    gets why (counted, not guessed).  The renderings together are bounded as one is (RENDER_CHARS)."""
+    spans, budget = [], limits.RENDER_CHARS
+    for j, m in enumerate(messages):
+        if m.get("role") != "assistant":
+            continue
+        p, _ = render(compiled, messages[:j], tools, variables, True)
+        q, _ = render(compiled, messages[: j + 1], tools, variables, False)
+        budget -= len(p) + len(q)
+        if budget < 0:
+            raise RenderBound(f"deriving its assistant tokens rendered over {limits.RENDER_CHARS:,} characters")
+        start, end = len(p), len(q)
+        if not (text.startswith(q) and q.startswith(p) and end > start):
+            return (f"the template renders assistant message {j + 1} otherwise once later messages follow (it has no "
+                    "{% generation %} span to mark it): which tokens train is not derivable; give a training "
+                    "template with the spans (trl/chat_templates/*_training.jinja)")
+        spans.append((start, end))
+    return spans
+
+
 def _row_form(record: dict) -> str:
     """What a row that is not a conversation looks like, and what to pass for it."""
     if isinstance(record.get("text"), str):
@@ -549,6 +572,8 @@ class ChatEncoder:
 
         self.spec, self._tok, self.L, self.dtype = spec, tok, seq_len, np.dtype(dtype)
         self.compiled = compile_template(spec.template, date=spec.date)
+        # No {% generation %} span in the template: each assistant turn's span derived from renderings.
+        self.derive = not GENERATION_TAG.search(_COMMENT.sub("", spec.template))
         # transformers: the special tokens' strings, then the kwargs (which win)
         self.variables = {**dict(spec.token_strings), **(json.loads(spec.kwargs) if spec.kwargs else {})}
         if vocab is None:
@@ -741,8 +766,12 @@ class ChatEncoder:
             messages, tools = _mark(messages, self.special), _mark(tools, self.special)
             row = _mark(row, self.special)
         try:
-            text, spans = render(self.compiled, messages, tools, {**self.variables, **row} if row else self.variables,
-                                 generation_prompt)
+            variables = {**self.variables, **row} if row else self.variables
+            text, spans = render(self.compiled, messages, tools, variables, generation_prompt)
+            if self.derive and not generation_prompt and self.spec.loss in ("assistant", "last"):
+                spans = derived_spans(self.compiled, messages, tools, variables, text)
+                if isinstance(spans, str):
+                    return spans
         except RenderBound as e:
             return f"the template's rendering was stopped: {e}"
         except jinja2.TemplateError as e:
