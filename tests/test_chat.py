@@ -234,6 +234,36 @@ def test_a_template_without_generation_spans_gets_masks_derived_from_its_renderi
     assert _documents(out) == [(list(i), list(m)) for i, m in keep]
 
 
+def test_chat_split_turns_derives_each_turn_of_a_template_that_rewrites_earlier_ones(dev_docs):
+    """Qwen3's own template renders an earlier turn otherwise once a later one follows, so whole
+    conversations are refused a derived mask; with --chat-split turns each sample's turn is its last
+    and is derived: none refused, one sample per assistant turn, and wherever Qwen3's own and TRL's
+    qwen3_training render a sample alike, the masks are equal."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(QWEN / "tokenizer.json"))
+    strings = load_spec(str(QWEN), None, "all", False, "messages").token_strings
+    convs = [c for c in hand_conversations() + real_conversations(dev_docs, 40, seed=9) if "tools" not in c]
+
+    def encoder(name: str, split: bool) -> ChatEncoder:
+        return ChatEncoder(ChatSpec(template=(TEMPLATES / f"{name}.jinja").read_text(), loss="assistant",
+                                    field="messages", token_strings=strings, date="2026-01-01", split_turns=split),
+                           tok, 1 << 20, np.uint32)
+
+    whole = [encoder("qwen3", False).samples(c) for c in convs]
+    assert sum(isinstance(x, str) and "renders assistant message" in x for x in whole) > 10
+    own, marked = encoder("qwen3", True), encoder("qwen3_training", True)
+    alike = 0
+    for c in convs:
+        x, y = own.samples(c), marked.samples(c)
+        assert not isinstance(x, str) and len(x) == len(y) == sum(m["role"] == "assistant" for m in c["messages"])
+        for s, t in zip(x, y):
+            if s.ids.tolist() == t.ids.tolist():
+                assert s.mask.tolist() == t.mask.tolist()
+                alike += 1
+    assert alike > 20
+
+
 def _vocab(folder):
     from helixtok.pipeline.chat import Vocabulary
 

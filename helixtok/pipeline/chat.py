@@ -367,17 +367,21 @@ def conversation(record, field_name: str, strings: list | None = None) -> tuple[
     return out, tools or None
 
 
-def derived_spans(compiled, messages: list, tools, variables: dict, text: str) -> list[tuple[int, int]] | str:
+def derived_spans(compiled, messages: list, tools, variables: dict, text: str, last_only: bool = False
+                  ) -> list[tuple[int, int]] | str:
     """The assistant spans of a conversation rendered (`text`) by a template without {% generation %}
     tags, from the template's own renderings: for assistant message j, the conversation up to it
     with the generation prompt (P) and up to and including it (Q).  Where both are prefixes of the
     whole rendering and Q is longer, the span is Q less P, less its trailing whitespace (the newline
     a ChatML turn ends with: TRL's training templates end the span at the end-of-turn token); any
     other conversation, whose earlier turns the template renders otherwise once later ones follow,
-    gets why (counted, not guessed).  The renderings together are bounded as one is (RENDER_CHARS)."""
+    gets why (counted, not guessed).  The renderings together are bounded as one is (RENDER_CHARS).
+    last_only: the last assistant message's span alone (--chat-split turns: each sample's turn is its
+    last, which a template that rewrites earlier turns still renders as it will at inference)."""
     spans, budget = [], limits.RENDER_CHARS
+    last = max((j for j, m in enumerate(messages) if m.get("role") == "assistant"), default=-1)
     for j, m in enumerate(messages):
-        if m.get("role") != "assistant":
+        if m.get("role") != "assistant" or (last_only and j != last):
             continue
         p, _ = render(compiled, messages[:j], tools, variables, True)
         q, _ = render(compiled, messages[: j + 1], tools, variables, False)
@@ -387,8 +391,9 @@ def derived_spans(compiled, messages: list, tools, variables: dict, text: str) -
         start, end = len(p), len(q)
         if not (text.startswith(q) and q.startswith(p) and end > start):
             return (f"the template renders assistant message {j + 1} otherwise once later messages follow (it has no "
-                    "{% generation %} span to mark it): which tokens train is not derivable; give a training "
-                    "template with the spans (trl/chat_templates/*_training.jinja)")
+                    "{% generation %} span to mark it): which tokens train is not derivable; give --chat-split "
+                    "turns (a sample per turn) or a training template with the spans (trl/chat_templates/"
+                    "*_training.jinja)")
         spans.append((start, end))
     return spans
 
@@ -599,7 +604,7 @@ class ChatEncoder:
         if not self.spec.split_turns or prompt_completion(record, self.spec.field) is not None:
             got = self.encode(record)
             return got if isinstance(got, str) else [got]
-        whole = self.rendered(record)
+        whole = self.rendered(record, last_only=True)  # (its text: the samples' split; a span is derived for its last turn only)
         if isinstance(whole, str):
             return whole
         msgs = list(record[self.spec.field])
@@ -665,7 +670,7 @@ class ChatEncoder:
         pc = prompt_completion(record, self.spec.field) if not generation_prompt else None
         if pc is not None:
             return self._prompt_completion(pc)
-        got = self.rendered(record, generation_prompt)
+        got = self.rendered(record, generation_prompt, last_only)
         if isinstance(got, str):
             return got
         text, spans, ranges = got
@@ -734,7 +739,8 @@ class ChatEncoder:
         text, _, ranges = got
         return [text[a:b] for a, b, special in self._split(text, ranges) if not special]
 
-    def rendered(self, record, generation_prompt: bool = False) -> tuple[str, list, list] | str:
+    def rendered(self, record, generation_prompt: bool = False, last_only: bool = False
+                 ) -> tuple[str, list, list] | str:
         """(rendered text, generation spans, ranges of the conversation's own special-token
         strings) of a row, or why it is not a conversation."""
         import jinja2
@@ -768,8 +774,9 @@ class ChatEncoder:
         try:
             variables = {**self.variables, **row} if row else self.variables
             text, spans = render(self.compiled, messages, tools, variables, generation_prompt)
-            if self.derive and not generation_prompt and self.spec.loss in ("assistant", "last"):
-                spans = derived_spans(self.compiled, messages, tools, variables, text)
+            derived = self.derive and not generation_prompt and self.spec.loss in ("assistant", "last")
+            if derived:
+                spans = derived_spans(self.compiled, messages, tools, variables, text, last_only)
                 if isinstance(spans, str):
                     return spans
         except RenderBound as e:
@@ -781,6 +788,8 @@ class ChatEncoder:
         # Turns a row says not to train (axolotl's and open-instruct's field): their spans dropped,
         # span k being assistant message k -- only where the template gave one span each.
         assistants = [m for m in messages if m.get("role") == "assistant"]
+        if derived and last_only:  # the last message's span alone (its own "train" the caller judged)
+            assistants = assistants[-1:]
         off = {k for k, m in enumerate(assistants) if m.get("train") is False or m.get("weight") == 0}
         if off and len(spans) != len(assistants):
             return (f"sets 'train': false on a message, but the template marked {len(spans)} spans for its "
