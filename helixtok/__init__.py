@@ -6,7 +6,7 @@ from .version import __version__
 
 __all__ = ["BuildConfig", "ChunkSampler", "MemmapChunkDataset", "MemmapDocumentDataset", "Mixture", "MixtureDataset",
            "Skip", "Stage", "TokenBudgetSampler", "build",
-           "collate_varlen", "repack", "__version__"]
+           "collate_varlen", "repack", "to_hf", "__version__"]
 
 
 def __getattr__(name):
@@ -19,6 +19,10 @@ def __getattr__(name):
         from .pipeline.sources import Skip
 
         return Skip
+    if name == "to_hf":
+        from .export.hf import to_hf
+
+        return to_hf
     if name == "repack":
         from .repacking import repack
 

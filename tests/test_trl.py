@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import random
 from pathlib import Path
 
@@ -106,3 +107,58 @@ def test_rows_of_another_form_say_what_they_are(tmp_path, dev_docs):
                        (8, "a 'prompt' without a 'completion'"),
                        (9, "'prompt' and 'completion' are neither both text nor both lists of messages")]:
         assert f"a.jsonl:{line} (no 'messages' field ({what}" in said or f"a.jsonl:{line} ({what}" in said, said
+
+
+def _recipe(args: list[str]) -> dict:
+    """scripts/recipe_trl_sft.py's main(args), in a child process (TRL and a model's heap stay there)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("recipe_trl_sft", Path(__file__).parents[1] / "scripts" /
+                                                  "recipe_trl_sft.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.main(args)
+
+
+def test_to_hf_rows_are_the_builds_documents_and_sft_trainer_trains_on_them(tmp_path, dev_docs, apart):
+    """Issue 63.7: helixtok.to_hf(OUT) is one row per stored conversation (its ids and mask), written
+    once; TRL's own SFTTrainer trains on it without tokenizing, its labels exactly the build's mask
+    (scripts/recipe_trl_sft.py), and packs it; a text build's rows are its documents."""
+    import helixtok
+    from helixtok.format.errors import DatasetError
+    from test_chat import llama_style_tokenizer
+
+    folder = llama_style_tokenizer(tmp_path / "tok", dev_docs[:200])
+    corpus = tmp_path / "c"
+    corpus.mkdir()
+    convs = real_conversations(dev_docs, 40, seed=13)
+    (corpus / "a.jsonl").write_text("".join(json.dumps(c) + "\n" for c in convs))
+    out = str(tmp_path / "out")
+    build(str(corpus), out, str(folder), BuildConfig(seq_len=2048, workers=1, chat=load_spec(
+        str(folder), None, "assistant", False, "messages", date="2026-01-01")))
+    cache = str(tmp_path / "hf")
+    ds = helixtok.to_hf(out, cache_dir=cache)
+    assert [(r["input_ids"], r["assistant_masks"]) for r in ds] == _documents(out)
+    [file] = os.listdir(cache)
+    stamp = os.stat(os.path.join(cache, file)).st_mtime_ns
+    assert len(helixtok.to_hf(out, cache_dir=cache)) == len(ds)  # the same file, not written again
+    assert os.listdir(cache) == [file] and os.stat(os.path.join(cache, file)).st_mtime_ns == stamp
+    got = apart.submit(_recipe, [out, "-t", str(folder), "--steps", "3"]).result()
+    assert got["steps"] == 3 and got["labels_are_the_mask"] is True and got["rows"] == len(ds)
+    assert apart.submit(_recipe, [out, "-t", str(folder), "--steps", "2", "--packing"]).result()["steps"] == 2
+    # A text build: its documents (EOS included), no mask column; document packing is refused.
+    text, doc = str(tmp_path / "text"), str(tmp_path / "doc")
+    (tmp_path / "t").mkdir()
+    (tmp_path / "t" / "a.txt").write_text(dev_docs[0])
+    (tmp_path / "t" / "b.txt").write_text(dev_docs[1])
+    build(str(tmp_path / "t"), text, str(folder), BuildConfig(seq_len=64, workers=1))
+    rows = helixtok.to_hf(text, cache_dir=cache)
+    assert rows.column_names == ["input_ids"] and len(rows) == 2
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    eos = json.loads(Path(text, "manifest.json").read_text())["tokenizer"]["eos_id"]
+    assert rows[0]["input_ids"] == tok.encode(dev_docs[0]).ids + [eos]
+    build(str(tmp_path / "t"), doc, str(folder), BuildConfig(seq_len=64, workers=1, packing="document"))
+    with pytest.raises(DatasetError, match="keep no boundary between documents; helixtok repack"):
+        helixtok.to_hf(doc, cache_dir=cache)
