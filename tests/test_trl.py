@@ -11,12 +11,13 @@ import os
 import random
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
 from helixtok.pipeline.builder import build
-from helixtok.pipeline.chat import load_spec
+from helixtok.pipeline.chat import ChatEncoder, load_spec
 from helixtok.pipeline.config import BuildConfig
 
 from test_chat import QWEN, TEMPLATES, _documents, real_conversations
@@ -72,20 +73,30 @@ def test_prompt_completion_rows_are_what_trl_prepares(tmp_path, dev_docs, apart)
         fh.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in chat)
     pq.write_table(pa.table({"prompt": [r["prompt"] for r in text], "completion": [r["completion"] for r in text]}),
                    corpus / "b.parquet", row_group_size=8)
-    # Qwen3's own template (no {% generation %} span) with --loss completion, and TRL's training one
-    # with the default --loss assistant: a prompt/completion row trains its completion under both.
-    own = json.loads((QWEN / "tokenizer_config.json").read_text())["chat_template"]
-    for k, (template, loss) in enumerate([(None, "completion"), (TEMPLATES / "qwen3_training.jinja", "assistant")]):
-        out = str(tmp_path / f"out{k}")
-        spec = load_spec(str(QWEN), template and str(template), loss, False, "messages")
-        build(str(corpus), out, str(QWEN / "tokenizer.json"),
-              BuildConfig(seq_len=4096, packing="bestfit", workers=2, unit_bytes=16 << 10, chat=spec))
-        want = apart.submit(_trl_both, str(QWEN), template.read_text() if template else own, [chat, text]).result()
-        got = _documents(out)
-        assert len(got) == len(want) == len(chat) + len(text)
-        bad = [i for i, (g, w) in enumerate(zip(got, want)) if g != w]
-        assert not bad, (loss, bad[:5])
-        assert all(0 < sum(m) < len(m) for _, m in got)
+    # Qwen3's own template (no {% generation %} span) with --loss completion, built; and TRL's training
+    # one under the default --loss assistant, encoded: a prompt/completion row trains its completion under both.
+    own, training = json.loads((QWEN / "tokenizer_config.json").read_text())["chat_template"], \
+        (TEMPLATES / "qwen3_training.jinja").read_text()
+    wants = apart.submit(_trl_both_templates, str(QWEN), [own, training], [chat, text]).result()
+    out = str(tmp_path / "out")
+    build(str(corpus), out, str(QWEN / "tokenizer.json"), BuildConfig(
+        seq_len=4096, packing="bestfit", workers=2, unit_bytes=16 << 10,
+        chat=load_spec(str(QWEN), None, "completion", False, "messages")))
+    got = _documents(out)
+    assert len(got) == len(wants[0]) == len(chat) + len(text)
+    assert [i for i, (g, w) in enumerate(zip(got, wants[0])) if g != w] == []
+    assert all(0 < sum(m) < len(m) for _, m in got)
+    from tokenizers import Tokenizer
+
+    spec = load_spec(str(QWEN), str(TEMPLATES / "qwen3_training.jinja"), "assistant", False, "messages")
+    enc = ChatEncoder(spec, Tokenizer.from_file(str(QWEN / "tokenizer.json")), 4096, np.uint32)
+    rows = chat + text
+    assert [i for i, (r, w) in enumerate(zip(rows, wants[1]))
+            if (lambda e: (e.ids.tolist(), e.mask.tolist()))(enc.encode(r)) != w] == []
+
+
+def _trl_both_templates(folder: str, templates: list[str], forms: list[list[dict]]) -> list[list]:
+    return [_trl_both(folder, t, forms) for t in templates]
 
 
 def test_rows_of_another_form_say_what_they_are(tmp_path, dev_docs):
