@@ -199,10 +199,20 @@ def kinds(tmp_path_factory, docs, dev_docs):
     llama = llama_style_tokenizer(root / "llama", dev_docs[:200])
     chats = str(_write_chat_corpus(root / "chat", real_conversations(dev_docs, 80, seed=11)))
     spec = load_spec(str(llama), None, "assistant", False, "messages")
-    return {"text": (text, None), "chat": (chats, (str(llama / "tokenizer.json"), spec))}
+    # Records through a --map function, with ids kept (--keep-fields' default) and --val-size's first pass.
+    (root / "records").mkdir()
+    (root / "records" / "a.jsonl").write_text("".join(json.dumps({"id": f"r{i}", "body": d, "n": i}) + "\n"
+                                                      for i, d in enumerate(docs[:60])))
+    (root / "kindsmap.py").write_text("def body(rec):\n    return None if rec['n'] % 7 == 3 else rec['body']\n")
+    import sys
+
+    sys.path.insert(0, str(root))  # (a --map module: importable by name, here and in the build's processes)
+    return {"text": (text, None), "chat": (chats, (str(llama / "tokenizer.json"), spec)),
+            "records": (str(root / "records"), None)}
 
 
-KINDS = [("text", "packed"), ("text", "document"), ("text", "bestfit"), ("chat", "bestfit"), ("chat", "packed")]
+KINDS = [("text", "packed"), ("text", "document"), ("text", "bestfit"), ("chat", "bestfit"), ("chat", "packed"),
+         ("records", "packed")]
 
 
 @pytest.mark.parametrize("kind, packing", KINDS, ids=[f"{k}-{p}" for k, p in KINDS])
@@ -218,9 +228,13 @@ def test_every_build_kind_stopped_at_each_step_resumes_to_the_same_bytes(tmp_pat
     corpus, chat = kinds[kind]
     tok = chat[0] if chat else tokenizer_path
     cfg = BuildConfig(seq_len=128, packing=packing, workers=1, unit_bytes=8 << 10, shard_bytes=16 << 10,
-                      val_fraction=0.2, chat=chat[1] if chat else None)
+                      val_fraction=0.2, chat=chat[1] if chat else None) if kind != "records" else \
+        BuildConfig(seq_len=128, packing=packing, workers=1, unit_bytes=8 << 10, shard_bytes=16 << 10, val_size=6,
+                    transform="kindsmap:body")
     ref = str(tmp_path / "ref")
     m = build([corpus], ref, tok, cfg)
+    if kind == "records":  # (what this kind adds is there to be compared)
+        assert m["splits"]["val"]["documents"] == 6 and m["fields"]["names"] == ["id"] and m["skipped"]["map:none"]
     n = m["inputs"]["units"]
     assert n >= 4 and len(m["splits"]["train"]["shards"]) >= 2
     real_run, real_replace = hdisp.run_unit, hb.os.replace
