@@ -24,8 +24,10 @@ def to_hf(out: str, split: str = "train", *, cache_dir: str | None = None):
     tokenizes nothing and may pack it (packing=True).  Written once as an Arrow file under
     `cache_dir` (default $HELIXTOK_CACHE/hf), named for the manifest's sha256: the same dataset is
     not written again; a rebuilt one gets its own file.  Packed and bestfit builds, local."""
-    import datasets
-
+    try:
+        import datasets
+    except ImportError:
+        raise ConfigError("to_hf needs Hugging Face datasets: pip install datasets") from None
     if is_url(out):
         raise ConfigError(f"{out}: to_hf reads a local dataset; helixtok pull it first")
     m = load_manifest(out)
