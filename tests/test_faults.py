@@ -553,7 +553,7 @@ def test_a_failed_pool_build_leaves_no_traceback_from_the_pool_thread(tmp_path, 
         (c / f"b{k:02d}.jsonl").write_text('{"text": "hello world"}\n' * 200)
     errors = []
     monkeypatch.setattr(threading, "excepthook", lambda a: errors.append(a.exc_value))
-    with pytest.raises(InputError, match=r"a\.jsonl:2 .*malformed json \(strict=True\)"):
+    with pytest.raises(InputError, match=r"a\.jsonl:2 .*malformed json \(strict=True: fix it, or leave strict=True out to skip and count such records\)"):
         build([str(c)], str(tmp_path / "o"), small_tok, BuildConfig(seq_len=8, workers=2, strict=True))
     time.sleep(0.5)  # the pool's threads see the workers' pipes close
     assert errors == []

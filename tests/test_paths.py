@@ -341,7 +341,7 @@ def test_a_deeply_nested_row_is_a_counted_bad_line(tmp_path, kinds, tokenizer_pa
     r = CliRunner().invoke(main, [*args[:2], str(tmp_path / "strict"), *args[2:], "--strict"])
     assert r.exit_code == 1 and r.stderr.strip().splitlines()[-1] == (
         "Error: c.jsonl:2 (nested too deeply: more levels of arrays and objects than a JSON reader follows): "
-        "malformed json (--strict)")
+        "malformed json (--strict: fix it, or leave --strict out to skip and count such records)")
 
 
 def test_a_damaged_placement_found_while_closes_run_is_one_line(tmp_path, docs, tokenizer_path, monkeypatch):

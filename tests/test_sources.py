@@ -101,7 +101,7 @@ def test_jsonl_bad_records_are_skipped_and_counted(tmp_path, small_tok):
 
 def test_strict_turns_a_skip_into_failure(tmp_path, small_tok):
     p = jsonl(tmp_path / "a.jsonl", ['{"text": "hello world"}\n', "{oops\n", '{"text": "fox"}\n'])
-    with pytest.raises(InputError, match=r"a.jsonl:2 .*malformed json \(strict=True\)"):
+    with pytest.raises(InputError, match=r"a.jsonl:2 .*malformed json \(strict=True: fix it, or leave strict=True out to skip and count such records\)"):
         do_build(tmp_path, small_tok, p, strict=True)
     assert not os.path.exists(tmp_path / "out" / "manifest.json")
 
@@ -120,7 +120,7 @@ def test_lines_deep_in_a_split_jsonl_are_named_by_their_file_line(tmp_path, smal
     assert m["inputs"]["units"] > 20
     assert m["skipped"]["malformed_json"]["examples"][0].startswith("a.jsonl:237 ")
     assert m["skipped"]["non_string_text"]["examples"] == ["a.jsonl:378 (int)"]
-    with pytest.raises(InputError, match=r"^a\.jsonl:237 \(.*malformed json \(strict=True\)$"):
+    with pytest.raises(InputError, match=r"^a\.jsonl:237 \(.*malformed json \(strict=True: fix it, or leave strict=True out to skip and count such records\)$"):
         do_build(tmp_path, small_tok, p, unit_bytes=500, workers=workers, strict=True)
 
 
@@ -233,7 +233,7 @@ def test_a_large_jsonl_zst_is_read_by_several_workers_with_the_same_bytes(tmp_pa
     assert_same_build(whole, ow, split, osp)
     if frames == 1:
         return  # (--strict and a cut file: the same for every plan, one of the others checks them)
-    with pytest.raises(InputError, match=r"^big\.jsonl\.zst:238 \(.*malformed json \(strict=True\)$"):
+    with pytest.raises(InputError, match=r"^big\.jsonl\.zst:238 \(.*malformed json \(strict=True: fix it, or leave strict=True out to skip and count such records\)$"):
         do_build(tmp_path / "strict", small_tok, c, seq_len=64, workers=2, unit_bytes=len(data) // 20, strict=True)
     (c / "big.jsonl.zst").write_bytes(blob[:-300])
     with pytest.raises(InputError, match=r"big\.jsonl\.zst: truncated or corrupt after line \d+"):
@@ -419,7 +419,7 @@ def test_directory_walk_symlink_loop_unsupported_and_duplicates(tmp_path, small_
     assert warn.counts == {"unsupported_file": 1, "symlink_loop": 1, "duplicate_file": 1}
     m, _ = do_build(tmp_path, small_tok, d)
     assert m["warnings"]["symlink_loop"]["count"] == 1
-    with pytest.raises(InputError, match=r"notes.csv: unsupported file \(strict=True\)"):  # the first, in order
+    with pytest.raises(InputError, match=r"notes.csv: unsupported file \(strict=True: fix it"):  # the first, in order
         do_build(tmp_path, small_tok, d, strict=True)
 
 
@@ -706,7 +706,7 @@ def test_fifos_and_devices_are_never_read(tmp_path, small_tok):
     assert [f.name for f in files] == ["a.jsonl"] and warn.counts == {"not_a_regular_file": 1}
     m, _ = do_build(tmp_path, small_tok, d)
     assert m["totals"]["documents"] == 1 and m["warnings"]["not_a_regular_file"]["count"] == 2
-    with pytest.raises(InputError, match=r"b.jsonl \(a FIFO\): not a regular file \(strict=True\)"):
+    with pytest.raises(InputError, match=r"b.jsonl \(a FIFO\): not a regular file \(strict=True: fix it"):
         do_build(tmp_path, small_tok, d, strict=True)
     with pytest.raises(InputError, match=r"b.jsonl: a FIFO, not a regular file; name the corpus files"):
         discover([str(d / "a.jsonl"), str(d / "b.jsonl")])
@@ -722,7 +722,7 @@ def test_strict_reports_the_first_bad_input_in_corpus_order(tmp_path, small_tok,
     c.mkdir()
     (c / "missing_text.jsonl").write_text('{"text": "hello world"}\n{"id": 3}\n')
     (c / "not_gzip.jsonl.gz").write_text("not gzip at all\n")
-    with pytest.raises(InputError, match=r"^missing_text\.jsonl:2: missing text \(strict=True\)$"):
+    with pytest.raises(InputError, match=r"^missing_text\.jsonl:2: missing text \(strict=True: fix it, or leave strict=True out to skip and count such records\)$"):
         do_build(tmp_path, small_tok, c, strict=True, workers=workers, unit_bytes=1)
     with pytest.raises(InputError, match=r"not_gzip\.jsonl\.gz: truncated or corrupt"):
         do_build(tmp_path, small_tok, c, workers=workers, unit_bytes=1)

@@ -137,7 +137,7 @@ def _build_local(inputs, out, path, sha, config, overwrite, on_progress, task, r
                                   any_fields=config.transform is not None)
     warnings.merge(plan_warn)
     if config.strict and warnings.first:
-        raise InputError(f"{warnings.first} (--strict)")
+        raise InputError(f"{warnings.first} (--strict: fix it, or leave --strict out to skip and count it)")
     if not units:
         raise InputError(f"no documents to read in {' '.join(inputs)}")
     if config.val_size:

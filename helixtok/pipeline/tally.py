@@ -9,6 +9,9 @@ from ..format.errors import InputError
 MAX_EXAMPLES = 5  # locations kept per skip reason, for the summary and the manifest
 
 
+STRICT = "(--strict: fix it, or leave --strict out to skip and count such records)"
+
+
 @dataclass
 class Tally:
     """Counts of what was skipped or repaired, with the first few locations of each."""
@@ -20,7 +23,7 @@ class Tally:
 
     def add(self, reason: str, where: str, n: int = 1) -> None:
         if self.strict:
-            raise InputError(f"{where}: {reason.replace('_', ' ')} (--strict)")
+            raise InputError(f"{where}: {reason.replace('_', ' ')} {STRICT}")
         if self.first is None:
             self.first = f"{where}: {reason.replace('_', ' ')}"
         self.counts[reason] = self.counts.get(reason, 0) + n
