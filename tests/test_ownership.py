@@ -340,7 +340,7 @@ def test_strict_stops_at_the_first_bad_input_in_corpus_order(tmp_path, small_tok
     (c / "a.jsonl").write_text("\n".join(early) + "\n")
     (c / "b.jsonl").write_text("\n".join(late) + "\n")
     for workers in (1, 2):
-        with pytest.raises(InputError, match=r"a.jsonl:2501 \(int\): non string text \(strict=True\)"):
+        with pytest.raises(InputError, match=r"a.jsonl:2501 \(int\): non string text \(strict=True: fix it"):
             build([str(c)], str(tmp_path / f"o{workers}"), small_tok,
                   BuildConfig(seq_len=4, workers=workers, strict=True, unit_bytes=8 << 10))
         assert not (tmp_path / f"o{workers}").exists()

@@ -116,7 +116,7 @@ def _token_string(v) -> str | None:
 def load_spec(tokenizer: str, template_file: str | None, loss: str, truncate: bool | str, field_name: str,
               date: str = "", kwargs: str | dict = "", split_turns: bool = False) -> ChatSpec:
     """The template from --chat-template, else `chat_template` of the tokenizer_config.json beside
-    the tokenizer; refused in one line when it has no `{% generation %}` span and --loss needs one."""
+    the tokenizer (one without `{% generation %}` spans: ChatEncoder derives them)."""
     folder = tokenizer if os.path.isdir(tokenizer) else os.path.dirname(os.path.abspath(tokenizer))
     cfg_path = os.path.join(folder, "tokenizer_config.json")
     config = {}
@@ -371,11 +371,11 @@ def derived_spans(compiled, messages: list, tools, variables: dict, text: str, l
                   ) -> list[tuple[int, int]] | str:
     """The assistant spans of a conversation rendered (`text`) by a template without {% generation %}
     tags, from the template's own renderings: for assistant message j, the conversation up to it
-    with the generation prompt (P) and up to and including it (Q).  Where both are prefixes of the
-    whole rendering and Q is longer, the span is Q less P, less its trailing whitespace (the newline
-    a ChatML turn ends with: TRL's training templates end the span at the end-of-turn token); any
-    other conversation, whose earlier turns the template renders otherwise once later ones follow,
-    gets why (counted, not guessed).  The renderings together are bounded as one is (RENDER_CHARS).
+    with the generation prompt (P) and up to and including it (Q).  Where Q is a prefix of the whole
+    rendering and P a prefix of Q, the span is [len(P), len(Q)): what the model writes after the
+    generation prompt, through its end of turn and what Q adds after it; any other conversation
+    (the template renders an earlier turn otherwise once later ones follow) gets why (counted, not
+    guessed).  The renderings together are bounded as one is (RENDER_CHARS).
     last_only: the last assistant message's span alone (--chat-split turns: each sample's turn is its
     last, which a template that rewrites earlier turns still renders as it will at inference)."""
     spans, budget = [], limits.RENDER_CHARS
@@ -604,7 +604,7 @@ class ChatEncoder:
         if not self.spec.split_turns or prompt_completion(record, self.spec.field) is not None:
             got = self.encode(record)
             return got if isinstance(got, str) else [got]
-        whole = self.rendered(record, last_only=True)  # (its text: the samples' split; a span is derived for its last turn only)
+        whole = self.rendered(record, last_only=True)  # (its text: the samples' split; only its last span derived)
         if isinstance(whole, str):
             return whole
         msgs = list(record[self.spec.field])
