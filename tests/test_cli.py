@@ -815,3 +815,20 @@ def test_a_text_build_imports_nothing_heavy_it_does_not_use(tmp_path, small_tok)
                         "-L", "16", "-j", "1", "-q"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip().splitlines()[-1] == "[]", r.stdout
+
+
+def test_the_summary_and_the_html_report_name_sources_alike(tmp_path, small_corpus, small_tok):
+    """Issue 63.11: the files directly in the corpus folder are one source, named "(top-level files)"
+    by the build's summary, `info` and the HTML report alike (the manifest's key is ".")."""
+    sub = small_corpus / "more"
+    sub.mkdir()
+    (small_corpus / "a.txt").rename(sub / "a.txt")
+    out, page = tmp_path / "out", tmp_path / "r.html"
+    r = CliRunner().invoke(main, ["build", str(small_corpus), str(out), "-t", small_tok, "-L", "16", "-j", "1"])
+    assert r.exit_code == 0, r.output
+    said = [line for line in r.stdout.splitlines() if line.startswith("sources: ")]  # (the summary: a result)
+    assert said and said[0].startswith("sources: (top-level files) ") and "; more " in said[0]
+    assert json.loads((out / "manifest.json").read_text())["sources"].keys() == {".", "more"}
+    r = CliRunner().invoke(main, ["info", str(out), "--html", str(page)])
+    assert r.exit_code == 0 and "sources: (top-level files) " in r.output
+    assert "(top-level files)" in page.read_text() and ">.<" not in page.read_text()

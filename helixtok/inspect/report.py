@@ -8,7 +8,7 @@ import os
 import numpy as np
 
 from ..read.splitview import SplitView
-from .summary import lines, summarize
+from .summary import lines, source_name, summarize
 
 _BAR_W, _BAR_H, _AXIS = 560, 160, 56  # plot area and the room left of it for the y axis's values
 
@@ -75,7 +75,7 @@ def render(out: str, m: dict, *, chunks: int = 3) -> str:
     parts.append(_split_table(m))
     src = summ["sources"]
     # "." is the files directly in the corpus folder (docs/format.md): named so on the chart.
-    parts.append(_bars("Tokens per source", [k if k != "." else "(top-level files)" for k in src],
+    parts.append(_bars("Tokens per source", [source_name(k) for k in src],
                        [v["tokens"] for v in src.values()], "tokens"))
     view = SplitView(out, m, split)
     # The charts that say something for each packing: packed chunks are all full (no fill chart);

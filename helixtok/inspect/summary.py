@@ -109,6 +109,12 @@ def summarize(m: dict, folder: str) -> dict:
     }
 
 
+def source_name(key: str) -> str:
+    """A source as people read it: its top-level folder, or the files directly in the corpus root
+    (the manifest's "."), said alike by the summary and the HTML report."""
+    return "(top-level files)" if key == "." else key
+
+
 def human_bytes(n: float) -> str:
     for unit in ("B", "KB", "MB", "GB", "TB"):
         if n < 1000 or unit == "TB":
@@ -145,6 +151,6 @@ def lines(s: dict, *, elapsed: float | None = None, reused: int = 0, units: int 
     if reused:
         out.append(f"resumed: {reused:,} of {units:,} work units reused from an interrupted run")
     if len(s["sources"]) > 1:
-        out.append("sources: " + "; ".join(f"{k} {v['tokens']:,} tokens ({v['token_share']:.1%}), "
+        out.append("sources: " + "; ".join(f"{source_name(k)} {v['tokens']:,} tokens ({v['token_share']:.1%}), "
                                            f"{v['documents']:,} documents" for k, v in s["sources"].items()))
     return out
