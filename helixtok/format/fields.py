@@ -9,6 +9,7 @@ import os
 from .errors import DatasetError
 
 FIELDS_FILE = "fields.jsonl"
+UNITS_KEPT = 16  # units' lines a reader keeps parsed (a shuffled walk touches many; each is ~1 MB at most)
 
 
 def unit_line(fields: dict[str, dict]) -> bytes:
@@ -67,7 +68,8 @@ def moved_fields(entry: dict, move) -> dict:
 class DocumentFields:
     """A split's documents' kept fields: document `doc` (its unit from `unit_documents`) at place k
     (its .src entry) -> its fields, or None.  `read(path, offset, length)` reads a dataset file's bytes
-    (local or in object storage); a unit's line is read once and checked against its sha256."""
+    (local or in object storage); a unit's line is read when first asked for, checked against its
+    sha256, and kept while it is among the UNITS_KEPT used last."""
 
     def __init__(self, m: dict, split: str, read):
         e = m.get("fields")
@@ -88,12 +90,16 @@ class DocumentFields:
         u = bisect.bisect_right(self.ends, doc)
         if u >= len(self._e["units"]) or self._e["units"][u] is None:
             return None
-        if u not in self._lines:
+        line = self._lines.pop(u, None)
+        if line is None:
             f, off, n, sha = self._e["units"][u]
             path = self._e["files"][f]["path"]
             data = self._read(path, off, n)
             if len(data) != n or hashlib.sha256(data).hexdigest() != sha:
                 raise DatasetError(f"{path}: bytes {off}-{off + n} are not what the manifest says (damaged or changed "
                                    "since the build); copy the dataset again or rebuild it (helixtok verify says more)")
-            self._lines = {u: json.loads(data)}  # one unit at a time: memory stays flat over a long walk
-        return self._lines[u].get(str(k))
+            line = json.loads(data)
+            if len(self._lines) >= UNITS_KEPT:  # the least recently used goes: memory stays flat
+                self._lines.pop(next(iter(self._lines)))
+        self._lines[u] = line  # (last in the dict: the most recently used)
+        return line.get(str(k))
