@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -1019,3 +1020,36 @@ def test_a_record_hook_maps_and_filters_in_the_workers(tmp_path, small_tok, monk
         assert r.exit_code == 1 and line in r.output and "Traceback" not in r.output, r.output
     r = CliRunner().invoke(main, ["build", str(tmp_path / "c"), str(tmp_path / "x"), *base, "--map", "nosuch:f"])
     assert r.exit_code != 0 and "cannot import 'nosuch'" in r.output
+
+
+def test_code_reads_source_files_as_text_documents(tmp_path, small_tok):
+    """Issue 63.1: --code (code=True) reads source files (discover.CODE_SUFFIXES) as text documents,
+    one a file, in path order with the other inputs; without it they are left out and counted, the
+    summary naming --code, and a source file named itself is refused with it; the plan records it."""
+    from click.testing import CliRunner
+
+    from helixtok.cli import main
+    from helixtok.pipeline.discover import CODE_SUFFIXES
+
+    c = tmp_path / "c"
+    (c / "src").mkdir(parents=True)
+    texts = {"src/main.rs": 'fn main() {\n    println!("hello world");\n}\n', "src/a.py": "def f():\n    return 1\n",
+             "README.md": "the quick brown fox\n", "src/Lib.C": "int x = 1;\n"}
+    for name, t in texts.items():
+        (c / name).write_text(t)
+    assert {".rs", ".py", ".c", ".go", ".ts"} <= set(CODE_SUFFIXES) and ".json" not in CODE_SUFFIXES
+    m, out = do_build(tmp_path, small_tok, c)
+    assert m["totals"]["documents"] == 1 and m["warnings"]["unsupported_file"]["count"] == 3
+    assert "code" not in json.loads(Path(out, "build-plan.json").read_text())["config"]
+    r = CliRunner().invoke(main, ["build", str(c), str(tmp_path / "cli"), "-t", small_tok, "-L", "2", "-j", "1"])
+    assert r.exit_code == 0 and "(source files: --code reads them as text documents)" in " ".join(r.output.split())
+    m, out = do_build(tmp_path, small_tok, c, code=True)
+    assert m["totals"]["documents"] == 4 and "unsupported_file" not in m["warnings"]
+    assert json.loads(Path(out, "build-plan.json").read_text())["config"]["code"] is True
+    tok = Tokenizer.from_file(small_tok)
+    eos = m["tokenizer"]["eos_id"]
+    want = [i for name in sorted(texts) for i in tok.encode(texts[name]).ids + [eos]]  # files in path order
+    got = np.fromfile(Path(out, m["splits"]["train"]["shards"][0]["path"]), np.uint16)
+    assert got.tolist() == want[: len(got)] and len(want) - len(got) < 2
+    with pytest.raises(InputError, match=r"main\.rs: unsupported file type.*pass code=True to read source files"):
+        do_build(tmp_path, small_tok, c / "src" / "main.rs")

@@ -35,6 +35,9 @@ from .common import console, handle_errors, parse_size, print_summary
               help="Fields of each record (JSON key or Parquet column; a dotted path reaches into nested ones) kept "
                    "beside its document's source, for `show`, `info` and the document view; '' for none "
                    "[default: id; packed and bestfit].")
+@click.option("--code", is_flag=True,
+              help="Also read source files (.py, .c, .rs, .go, .js, ... : docs/reference.md lists them) as text "
+                   "documents, one a file, as code corpora are built.")
 @click.option("--include", "include", multiple=True, metavar="GLOB",
               help="Keep only the files found in a folder (or by a pattern) whose path relative to it matches "
                    "GLOB ('*' crosses folders; repeatable): e.g. --include '*.jsonl.gz'.")
@@ -117,7 +120,7 @@ from .common import console, handle_errors, parse_size, print_summary
 @click.option("--task-index", type=click.IntRange(min=0), default=None,
               help="Which partition [default: $SLURM_ARRAY_TASK_ID or $JOB_COMPLETION_INDEX].")
 @handle_errors
-def build(corpus, out, tokenizer, seq_len, packing, min_tail_len, text_field, keep_fields, include, exclude, chat, chat_template, loss, truncate,
+def build(corpus, out, tokenizer, seq_len, packing, min_tail_len, text_field, keep_fields, code, include, exclude, chat, chat_template, loss, truncate,
           chat_kwargs, chat_split, chat_date, bos, eos_token, bos_token,
           pad_token, record_map, val_fraction, val_size, split_seed, shard_size, unit_size, workers, overwrite, strict, quiet, as_json,
           stall_timeout, special_tokens, strip, backend, staging, executor, num_tasks, task_index, log_interval):
@@ -150,7 +153,7 @@ def build(corpus, out, tokenizer, seq_len, packing, min_tail_len, text_field, ke
         raise click.UsageError("--chat-template, --loss, --truncate, --chat-kwargs, --chat-split and --chat-date "
                                "apply to --chat builds only")
     cfg = BuildConfig(seq_len=seq_len, packing=packing, min_tail_len=min_tail_len, text_field=text_field, chat=spec,
-                      keep_fields=keep_fields,
+                      keep_fields=keep_fields, code=code,
                       include=include, exclude=exclude,
                       add_bos=bos, eos_token=eos_token, bos_token=bos_token, pad_token=pad_token,
                       val_fraction=val_fraction, val_size=val_size, split_seed=split_seed, transform=record_map, shard_bytes=shard_size,

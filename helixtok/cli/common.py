@@ -15,6 +15,15 @@ from ..format.errors import ConfigError, HelixtokError, Interrupted, from_cli, m
 from ..read.sizes import parse_bytes
 
 
+
+def _fix(reason: str, examples: list[str]) -> str:
+    """What to do about a counted warning, where there is one thing to do."""
+    from ..pipeline.discover import CODE_SUFFIXES
+
+    if reason == "unsupported_file" and any(x.lower().endswith(CODE_SUFFIXES) for x in examples):
+        return " (source files: --code reads them as text documents)"
+    return ""
+
 def parse_size(ctx, param, value):
     if value is None:
         return value
@@ -143,6 +152,6 @@ def print_summary(m, out, as_json, con, up_to_date=None, elapsed=None, reused=0,
     for kind in ("skipped", "warnings"):
         for reason, v in m[kind].items():
             con.print(f"[yellow]warning[/]: {v['count']:,} x {reason.replace('_', ' ')}, e.g. "
-                      + escape("; ".join(v["examples"][:3])))
+                      + escape("; ".join(v["examples"][:3])) + _fix(reason, v["examples"]))
     for n in notes:
         con.print("[yellow]note[/]: " + escape(n))

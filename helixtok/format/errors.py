@@ -91,7 +91,7 @@ _KEYWORDS = {
     "--val-fraction": "val_fraction", "--val-size": "val_size", "--map": "transform", "--split-seed": "split_seed", "--shard-size": "shard_bytes",
     "--unit-size": "unit_bytes", "--workers": "workers", "--backend": "backend",
     "--special-tokens": "special_tokens", "--stall-timeout": "stall_seconds", "--executor": "executor",
-    "--text-field": "text_field", "--keep-fields": "keep_fields", "--strict": "strict=True", "--eos-token": "eos_token",
+    "--text-field": "text_field", "--keep-fields": "keep_fields", "--code": "code=True", "--strict": "strict=True", "--eos-token": "eos_token",
     "--bos-token": "bos_token", "--pad-token": "pad_token", "--no-bos": "add_bos=False", "--bos": "add_bos=True",
     "--staging": "staging", "--strip": "strip=True", "--num-tasks": "task=(k, n)", "--task-index": "task=(k, n)",
     "--chat-template": "chat_template", "--chat-kwargs": "chat_kwargs", "--chat-date": "chat_date",

@@ -116,7 +116,7 @@ def _locate(corpus: str, plan: dict, u: int, split: str, nth: int) -> str | None
     from ..pipeline.units import plan_units
 
     cfg = BuildConfig(**{k: v for k, v in plan["config"].items() if k in BuildConfig.__dataclass_fields__})
-    files, _ = discover([corpus])
+    files, _ = discover([corpus], code=cfg.code)
     units, _ = plan_units(files, unit_bytes=cfg.unit_bytes, text_field=cfg.text_field)
     if [x.to_json() for x in units] != plan["units"]:
         return None

@@ -131,7 +131,8 @@ def _build(corpus, out, tokenizer, config, overwrite, on_progress, task, staging
 def _build_local(inputs, out, path, sha, config, overwrite, on_progress, task, remote) -> "Built":
     """build() for a local OUT, the tokenizer's bytes held as `sha`: plan, start what tokenizes, inspect."""
     config = _pinned_chat_date(config, out, overwrite)
-    files, warnings = discover(inputs, exclude=out, include_globs=config.include, exclude_globs=config.exclude)
+    files, warnings = discover(inputs, exclude=out, include_globs=config.include, exclude_globs=config.exclude,
+                               code=config.code)
     units, plan_warn = plan_units(files, unit_bytes=config.unit_bytes, text_field=config.text_field,
                                   stall=config.stall_seconds, chat=config.chat is not None,
                                   any_fields=config.transform is not None)

@@ -51,6 +51,7 @@ class BuildConfig:
     text_field: str | None = None  # None: "text", or "messages" for a chat build
     include: tuple[str, ...] = ()  # --include: keep only the files found whose relative path matches one
     exclude: tuple[str, ...] = ()  # --exclude: leave out the files found whose relative path matches one
+    code: bool = False  # --code: source files (discover.CODE_SUFFIXES) are read as text documents, one a file
     add_bos: bool | None = None  # None: the tokenizer's own rule (its post-processor); True/False: --bos/--no-bos
     eos_token: str | None = None
     bos_token: str | None = None
@@ -194,6 +195,8 @@ class BuildConfig:
         if self.transform is None:
             d.pop("transform")
             d.pop("transform_sha256")
+        if not self.code:  # (absent unless given, as val_size)
+            d.pop("code")
         if self.packing != "packed":
             d["min_tail_len"] = self.tail_len
         return d

@@ -38,11 +38,20 @@ def _hf_metadata(path: str) -> bool:
     name = posixpath.basename(path)
     return name in HF_DATASETS_METADATA or name.endswith(".lock")
 SUPPORTED = ", ".join(SUFFIXES)
+# --code: source files, each read as one text document (as .txt); docs/reference.md lists them.
+CODE_SUFFIXES = (".py", ".pyi", ".pyx", ".c", ".h", ".cc", ".cpp", ".cxx", ".hpp", ".hh", ".cu", ".cuh", ".rs", ".go",
+                 ".java", ".kt", ".kts", ".scala", ".js", ".mjs", ".cjs", ".ts", ".tsx", ".jsx", ".rb", ".php", ".cs",
+                 ".swift", ".m", ".mm", ".lua", ".pl", ".pm", ".r", ".jl", ".hs", ".ml", ".mli", ".ex", ".exs", ".erl",
+                 ".clj", ".el", ".lisp", ".scm", ".dart", ".zig", ".nim", ".f90", ".f", ".sh", ".bash", ".zsh", ".ps1",
+                 ".sql", ".html", ".css", ".scss", ".vue", ".svelte", ".rst", ".tex", ".toml", ".yaml", ".yml", ".ini",
+                 ".cfg", ".proto", ".cmake", ".gradle", ".tf", ".nix")
 
 
 def _hint(path: str) -> str:
     """How to turn a file of a kind helixtok does not read into one it does."""
     low = path.lower()
+    if low.endswith(CODE_SUFFIXES):
+        return " A source file: pass --code to read source files as text documents, one a file."
     if low.endswith((".csv", ".tsv")):
         sep = "\\t" if low.endswith(".tsv") else ","
         return (f" Convert it to JSON Lines, e.g. python -c \"import pandas as p; p.read_csv('{path}', "
@@ -85,12 +94,13 @@ def _is_dataset(folder: str) -> bool:
     return b'"format_version"' in head and b'"helixtok_version"' in head
 
 
-def file_kind(path: str) -> str | None:
+def file_kind(path: str, code: bool = False) -> str | None:
+    """What a file is read as, by its name: a SUFFIXES kind, with --code a source file as text; None: not read."""
     low = path.lower()
     for suffix in sorted(SUFFIXES, key=len, reverse=True):
         if low.endswith(suffix):
             return SUFFIXES[suffix]
-    return None
+    return "text" if code and low.endswith(CODE_SUFFIXES) else None
 
 
 # --------------------------------------------------------------------------- discovery
@@ -108,7 +118,7 @@ def _fixed_prefix(pattern: str) -> str:
 
 
 def discover(paths: list[str], *, exclude: str | None = None, include_globs: tuple[str, ...] = (),
-             exclude_globs: tuple[str, ...] = ()) -> tuple[list[InputFile], Tally]:
+             exclude_globs: tuple[str, ...] = (), code: bool = False) -> tuple[list[InputFile], Tally]:
     """Expand files, directories (recursively, following links) and globs into a sorted file list.
 
     `exclude`: the output folder (never read).  include_globs / exclude_globs (--include, --exclude):
@@ -127,7 +137,7 @@ def discover(paths: list[str], *, exclude: str | None = None, include_globs: tup
         if len(urls) != len(paths):
             raise InputError(f"{urls[0]}: local paths and URLs in one build; build each separately "
                              "(docs/scale.md shows how to merge builds)")
-        return _discover_urls(urls)
+        return _discover_urls(urls, code)
     warnings = Tally()
     found: dict[tuple[int, int], str] = {}  # (dev, inode) -> path as found
     visited: set[tuple[int, int]] = set()
@@ -157,7 +167,7 @@ def discover(paths: list[str], *, exclude: str | None = None, include_globs: tup
             return
         if not explicit and not wanted(p):
             return
-        kind = file_kind(p)
+        kind = file_kind(p, code)
         if kind is None:
             if explicit:
                 raise InputError(f"{p}: unsupported file type; supported: {SUPPORTED}.{_hint(p)}")
@@ -250,7 +260,7 @@ def discover(paths: list[str], *, exclude: str | None = None, include_globs: tup
         if not os.access(p, os.R_OK):
             raise InputError(f"{p}: permission denied; make it readable or leave it out")
         st = os.stat(p)
-        files.append(InputFile(p, os.path.relpath(os.path.abspath(p), root), file_kind(p), st.st_size,
+        files.append(InputFile(p, os.path.relpath(os.path.abspath(p), root), file_kind(p, code), st.st_size,
                                local_stamp(st)))
     # The manifest keeps warning locations relative to the corpus root, never host paths.
     top = os.path.commonpath([root] + [os.path.abspath(a) for a in paths if os.path.isdir(a)])
@@ -261,7 +271,7 @@ def discover(paths: list[str], *, exclude: str | None = None, include_globs: tup
 
 
 @reports_storage_errors
-def _discover_urls(urls: list[str]) -> tuple[list[InputFile], Tally]:
+def _discover_urls(urls: list[str], code: bool = False) -> tuple[list[InputFile], Tally]:
     """discover() for object storage: prefixes (every object below), globs and single objects.
 
     Names are relative to the common prefix of the objects found, as local names are to the
@@ -299,7 +309,7 @@ def _discover_urls(urls: list[str]) -> tuple[list[InputFile], Tally]:
                 continue
             if not explicit and _hf_metadata(p):
                 continue
-            kind = file_kind(p)
+            kind = file_kind(p, code)
             if kind is None:
                 if explicit:
                     raise InputError(f"{redact(url)}: unsupported file type; supported: {SUPPORTED}")
@@ -310,7 +320,7 @@ def _discover_urls(urls: list[str]) -> tuple[list[InputFile], Tally]:
         raise InputError(f"no corpus files found in {' '.join(map(redact, urls))} (supported: {SUPPORTED})")
     ordered = sorted(found)
     root = posixpath.commonpath([posixpath.dirname(p) for p in ordered])
-    files = [InputFile(redact(fs.unstrip_protocol(p)), posixpath.relpath(p, root), file_kind(p),
+    files = [InputFile(redact(fs.unstrip_protocol(p)), posixpath.relpath(p, root), file_kind(p, code),
                        int(found[p].get("size") or 0), stamp(found[p])) for p in ordered]
     for reason, ex in warnings.examples.items():
         warnings.examples[reason] = [posixpath.relpath(x, root) if x.startswith(root) else x for x in ex]
