@@ -66,29 +66,19 @@ def moved_fields(entry: dict, move) -> dict:
 
 
 class DocumentFields:
-    """A split's documents' kept fields: document `doc` (its unit from `unit_documents`) at place k
-    (its .src entry) -> its fields, or None.  `read(path, offset, length)` reads a dataset file's bytes
+    """The kept fields of the records of a dataset's work units: (unit, place k in it: a document's
+    .src entry) -> its fields, or None.  `read(path, offset, length)` reads a dataset file's bytes
     (local or in object storage); a unit's line is read when first asked for, checked against its
     sha256, and kept while it is among the UNITS_KEPT used last."""
 
-    def __init__(self, m: dict, split: str, read):
+    def __init__(self, m: dict, read):
         e = m.get("fields")
-        counts = (m.get("unit_documents") or {}).get(split)
-        self.known = isinstance(e, dict) and counts is not None and len(e.get("units", ())) == len(counts)
-        self.names = list(e["names"]) if isinstance(e, dict) else []
+        # Aligned with unit_sources (one entry a unit, whatever the split), or unknown.
+        self.known = isinstance(e, dict) and len(e.get("units", ())) == len(m.get("unit_sources") or ())
         self._e, self._read, self._lines = e, read, {}
-        self.ends, at = [], 0
-        for n in counts or []:
-            at += n
-            self.ends.append(at)
 
-    def __call__(self, doc: int, k: int) -> dict | None:
-        if not self.known:
-            return None
-        import bisect
-
-        u = bisect.bisect_right(self.ends, doc)
-        if u >= len(self._e["units"]) or self._e["units"][u] is None:
+    def __call__(self, u: int | None, k: int) -> dict | None:
+        if not self.known or u is None or self._e["units"][u] is None:
             return None
         line = self._lines.pop(u, None)
         if line is None:

@@ -371,12 +371,15 @@ class DocumentSources:
                 first.append(None)
         self.first = first
 
+    def unit_of(self, doc: int) -> int | None:
+        """The work unit document `doc` of the split (in stream order) was read in; None if unknown."""
+        u = bisect.bisect_right(self.ends, doc) if self.known else len(self.units)
+        return u if u < len(self.units) else None
+
     def __call__(self, doc: int, k: int) -> str | None:
         """Document `doc` of the split (in stream order), whose .src entry is k."""
-        if not self.known:
-            return None
-        u = bisect.bisect_right(self.ends, doc)
-        if u >= len(self.units):
+        u = self.unit_of(doc)
+        if u is None:
             return None
         e = self.units[u]
         if e[0] == "file":

@@ -250,11 +250,12 @@ def current(path: str) -> tuple[int, str] | None:
 
 
 class Folder:
-    """Files under a local folder or a URL prefix, by relative path (what verify reads)."""
+    """Files under a local folder or a URL prefix, by relative path (what verify reads); `stall`
+    bounds each storage call (default: the watched filesystem's)."""
 
-    def __init__(self, root: str):
+    def __init__(self, root: str, stall: float | None = None):
         self.root = root
-        self.fs = watched_filesystem(root)[0] if is_url(root) else None
+        self.fs = watched_filesystem(root, stall)[0] if is_url(root) else None
 
     def _path(self, rel: str) -> str:
         return f"{self.root.rstrip('/')}/{rel}" if self.fs else os.path.join(self.root, rel)
@@ -273,3 +274,11 @@ class Folder:
         if self.fs is None:
             return open_input(self._path(rel))
         return self.fs.open(self._path(rel), "rb", block_size=READ_BLOCK)
+
+    def read_range(self, rel: str, offset: int, n: int) -> bytes:
+        """Bytes [offset, offset + n) of a file (one ranged GET from object storage)."""
+        if self.fs is not None:
+            return self.fs.cat_file(self._path(rel), start=offset, end=offset + n)
+        with open(self._path(rel), "rb") as fh:
+            fh.seek(offset)
+            return fh.read(n)

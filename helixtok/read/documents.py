@@ -3,8 +3,6 @@ max_len), for runtime packers, and the token-budget batches a varlen attention s
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 
 from . import require_torch
@@ -13,7 +11,6 @@ require_torch()
 import torch  # noqa: E402
 
 from ..format.errors import ConfigError, DatasetError  # noqa: E402
-from ..format.objstore import filesystem  # noqa: E402
 from .budget import budget_batches, document_items  # noqa: E402
 from .dataset import IGNORE_INDEX, MemmapChunkDataset  # noqa: E402
 from .sampler import ChunkSampler  # noqa: E402
@@ -62,6 +59,23 @@ class MemmapDocumentDataset(MemmapChunkDataset):
     def source(self, i: int) -> str | None:
         """Where item i's document was read: `file:line`, `file row N`, `file element N` or the text
         file (docs/format.md); None for a dataset written before builds recorded it."""
+        d, k = self._place(i)
+        return None if k is None else self._where(d, k)
+
+    def kept_fields(self, i: int) -> dict | None:
+        """The fields of item i's record that the build kept (--keep-fields; by default its "id"),
+        or None: none kept, the record had none, or a dataset written before builds kept them."""
+        from ..format.fields import DocumentFields
+        from ..format.objstore import Folder
+
+        d, k = self._place(i)
+        if self.__dict__.get("_kept") is None:
+            self._kept = DocumentFields(self.manifest, Folder(self.path, self.stall_timeout).read_range)
+        return None if k is None else self._kept(self._where.unit_of(d), k)
+
+    def _place(self, i: int) -> tuple[int, int | None]:
+        """(item i's document, its .src entry: its place in its work unit, None without .src sidecars),
+        the sidecars read once per process, with the split's DocumentSources."""
         from ..format.manifest import DocumentSources
 
         self._item_spans()
@@ -70,31 +84,8 @@ class MemmapDocumentDataset(MemmapChunkDataset):
             src = [side["src"] for _, side in maps if "src" in side]
             self._src = np.concatenate(src) if src and len(src) == len(maps) else None
             self._where = DocumentSources(self.manifest, self.split)
-        if self._src is None:
-            return None
         d = int(self._docs_of[int(i)])
-        return self._where(d, int(self._src[d]))
-
-    def kept_fields(self, i: int) -> dict | None:
-        """The fields of item i's record that the build kept (--keep-fields; by default its "id"),
-        or None: none kept, the record had none, or a dataset written before builds kept them."""
-        from ..format.fields import DocumentFields
-
-        self.source(i)  # (the .src entries)
-        if self.__dict__.get("_kept") is None:
-            self._kept = DocumentFields(self.manifest, self.split, self._read_range)
-        if self._src is None or not self._kept.known:
-            return None
-        d = int(self._docs_of[int(i)])
-        return self._kept(d, int(self._src[d]))
-
-    def _read_range(self, rel: str, offset: int, n: int) -> bytes:
-        if self.remote:
-            root = filesystem(self.path)[1].rstrip("/")
-            return self._cache.fs.cat_file(f"{root}/{rel}", start=offset, end=offset + n)
-        with open(os.path.join(self.path, rel), "rb") as fh:
-            fh.seek(offset)
-            return fh.read(n)
+        return d, None if self._src is None else int(self._src[d])
 
     def __getstate__(self):
         d = super().__getstate__()

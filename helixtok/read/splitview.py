@@ -174,21 +174,26 @@ class SplitView:
     def document_source(self, doc: int) -> str | None:
         """Where document `doc` of the split (in stream order) was read, from its .src entry and the
         manifest (format.manifest.DocumentSources); None for a dataset written without them."""
-        from ..format.manifest import DocumentSources
-
-        if self.__dict__.get("_sources") is None:
-            self._sources = DocumentSources(self.m, self.split)
-        k = self._place(doc) if self._sources.known else None
-        return None if k is None else self._sources(doc, k)
+        k = self._place(doc) if self._sources().known else None
+        return None if k is None else self._sources()(doc, k)
 
     def document_fields(self, doc: int) -> dict | None:
         """The --keep-fields its record had (format/fields.py), or None (none kept, or none there)."""
         from ..format.fields import DocumentFields
+        from ..format.objstore import Folder
 
         if self.__dict__.get("_fields") is None:
-            self._fields = DocumentFields(self.m, self.split, self._read_range)
+            self._fields = DocumentFields(self.m, (self.folder or Folder(self.root)).read_range)
         k = self._place(doc) if self._fields.known else None
-        return None if k is None else self._fields(doc, k)
+        return None if k is None else self._fields(self._sources().unit_of(doc), k)
+
+    def _sources(self):
+        """The split's format.manifest.DocumentSources (made once)."""
+        from ..format.manifest import DocumentSources
+
+        if self.__dict__.get("_where") is None:
+            self._where = DocumentSources(self.m, self.split)
+        return self._where
 
     def _place(self, doc: int) -> int | None:
         """Document `doc`'s .src entry: its place in its work unit; None without .src sidecars."""
@@ -200,11 +205,6 @@ class SplitView:
         if k >= len(self.shards):
             return None
         return int(self._map(k, "src")[doc - (int(self._doc_ends[k - 1]) if k else 0)])
-
-    def _read_range(self, path: str, offset: int, n: int) -> bytes:
-        with (self.folder.open(path) if self.folder is not None else open(os.path.join(self.root, path), "rb")) as fh:
-            fh.seek(offset)
-            return fh.read(n)
 
     def valid(self, i: int) -> int:
         """Real tokens at the start of chunk i (the rest is padding); seq_len for packed data."""
