@@ -173,3 +173,22 @@ def test_to_hf_rows_are_the_builds_documents_and_sft_trainer_trains_on_them(tmp_
     build(str(tmp_path / "t"), doc, str(folder), BuildConfig(seq_len=64, workers=1, packing="document"))
     with pytest.raises(DatasetError, match="keep no boundary between documents; helixtok repack"):
         helixtok.to_hf(doc, cache_dir=cache)
+
+
+def test_a_prompt_completion_row_needs_no_span_whatever_the_loss(dev_docs):
+    """Review: a prompt/completion row's mask is where its prompt ends, so no span is derived for it:
+    under Qwen3's own template (which renders earlier turns otherwise once later ones follow, so a
+    whole multi-turn conversation gets no derived mask) --loss assistant builds every row exactly as
+    --loss completion does (it refused the multi-turn ones)."""
+    from tokenizers import Tokenizer
+
+    chat, _ = _rows(dev_docs)
+    assert sum(len(r["prompt"]) > 2 for r in chat) > 5  # (earlier assistant turns in the prompts)
+    tok = Tokenizer.from_file(str(QWEN / "tokenizer.json"))
+    got = {}
+    for loss in ("assistant", "completion"):
+        enc = ChatEncoder(load_spec(str(QWEN), None, loss, False, "messages"), tok, 1 << 20, np.uint32)
+        got[loss] = [enc.encode(r) for r in chat]
+        assert not any(isinstance(e, str) for e in got[loss]), [e for e in got[loss] if isinstance(e, str)][:1]
+    assert [(e.ids.tolist(), e.mask.tolist()) for e in got["assistant"]] == \
+        [(e.ids.tolist(), e.mask.tolist()) for e in got["completion"]]

@@ -15,7 +15,6 @@ from ..format.errors import ConfigError, HelixtokError, Interrupted, from_cli, m
 from ..read.sizes import parse_bytes
 
 
-
 def _fix(reason: str, examples: list[str]) -> str:
     """What to do about a counted warning, where there is one thing to do."""
     from ..pipeline.discover import CODE_SUFFIXES
@@ -23,6 +22,7 @@ def _fix(reason: str, examples: list[str]) -> str:
     if reason == "unsupported_file" and any(x.lower().endswith(CODE_SUFFIXES) for x in examples):
         return " (source files: --code reads them as text documents)"
     return ""
+
 
 def parse_size(ctx, param, value):
     if value is None:

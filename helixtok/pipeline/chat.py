@@ -604,7 +604,7 @@ class ChatEncoder:
         if not self.spec.split_turns or prompt_completion(record, self.spec.field) is not None:
             got = self.encode(record)
             return got if isinstance(got, str) else [got]
-        whole = self.rendered(record, last_only=True)  # (its text: the samples' split; only its last span derived)
+        whole = self.rendered(record, want_spans=False)  # (its text: the samples' split)
         if isinstance(whole, str):
             return whole
         msgs = list(record[self.spec.field])
@@ -663,14 +663,16 @@ class ChatEncoder:
         d, (ids, mask, _) = best
         return Encoded(ids.astype(self.dtype), mask, text, dropped_turns=d)
 
-    def _encoded(self, record, last_only: bool = False, generation_prompt: bool = False) -> tuple | str:
-        """(ids, mask, rendered text) of a row, whatever their length, or why it is not a conversation."""
+    def _encoded(self, record, last_only: bool = False, generation_prompt: bool = False, want_spans: bool = True
+                 ) -> tuple | str:
+        """(ids, mask, rendered text) of a row, whatever their length, or why it is not a conversation
+        (want_spans False: its ids and text alone are wanted; the mask is then no span's)."""
         import numpy as np
 
         pc = prompt_completion(record, self.spec.field) if not generation_prompt else None
         if pc is not None:
             return self._prompt_completion(pc)
-        got = self.rendered(record, generation_prompt, last_only)
+        got = self.rendered(record, generation_prompt, last_only, want_spans)
         if isinstance(got, str):
             return got
         text, spans, ranges = got
@@ -709,11 +711,11 @@ class ChatEncoder:
             ids = np.asarray(self.tok.encode(text).ids, np.int64)
         else:
             _, prompt_row, whole_row = pc
-            got = self._encoded(prompt_row, generation_prompt=True)
+            got = self._encoded(prompt_row, generation_prompt=True, want_spans=False)
             if isinstance(got, str):
                 return got
             a = got[0]
-            got = self._encoded(whole_row)
+            got = self._encoded(whole_row, want_spans=False)  # (the mask is the prompt's end: no span needed)
             if isinstance(got, str):
                 return got
             ids, _, text = got
@@ -733,16 +735,17 @@ class ChatEncoder:
             if pc[0] == "text":  # (tokenized by tokenizers itself: nothing of it goes to the backend)
                 return []
             record = pc[2]
-        got = self.rendered(record)
+        got = self.rendered(record, want_spans=False)
         if isinstance(got, str):
             return []
         text, _, ranges = got
         return [text[a:b] for a, b, special in self._split(text, ranges) if not special]
 
-    def rendered(self, record, generation_prompt: bool = False, last_only: bool = False
+    def rendered(self, record, generation_prompt: bool = False, last_only: bool = False, want_spans: bool = True
                  ) -> tuple[str, list, list] | str:
         """(rendered text, generation spans, ranges of the conversation's own special-token
-        strings) of a row, or why it is not a conversation."""
+        strings) of a row, or why it is not a conversation.  want_spans False: the text is all that
+        is wanted (no span derived, no "train" field judged; spans [])."""
         import jinja2
 
         strings: list[str] = []
@@ -774,7 +777,9 @@ class ChatEncoder:
         try:
             variables = {**self.variables, **row} if row else self.variables
             text, spans = render(self.compiled, messages, tools, variables, generation_prompt)
-            derived = self.derive and not generation_prompt and self.spec.loss in ("assistant", "last")
+            if not want_spans:
+                spans = []
+            derived = want_spans and self.derive and not generation_prompt and self.spec.loss in ("assistant", "last")
             if derived:
                 spans = derived_spans(self.compiled, messages, tools, variables, text, last_only)
                 if isinstance(spans, str):
@@ -787,7 +792,7 @@ class ChatEncoder:
             return f"the template failed on it: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
         # Turns a row says not to train (axolotl's and open-instruct's field): their spans dropped,
         # span k being assistant message k -- only where the template gave one span each.
-        assistants = [m for m in messages if m.get("role") == "assistant"]
+        assistants = [m for m in messages if m.get("role") == "assistant"] if want_spans else []
         if derived and last_only:  # the last message's span alone (its own "train" the caller judged)
             assistants = assistants[-1:]
         off = {k for k, m in enumerate(assistants) if m.get("train") is False or m.get("weight") == 0}
