@@ -312,3 +312,103 @@ def test_docs_name_files_and_keys_that_exist():
     keys = set(Stats.__dataclass_fields__) | set(CHAT_COUNTS) | {"dropped_trainable_tokens"}
     said = {k for p, t in texts.items() if p.suffix == ".md" for k in re.findall(r"`([a-z_]*trainable[a-z_]*)`", t)}
     assert said and said <= keys, said - keys
+
+
+def _commands() -> dict[str, set[str]]:
+    """Every helixtok command ('export llmc' for a group's) -> its long options."""
+    import click
+
+    from helixtok.cli.app import main
+
+    def opts(cmd) -> set[str]:
+        return {o for p in cmd.params if isinstance(p, click.Option) for o in p.opts + p.secondary_opts
+                if o.startswith("--")} | {"--help"}
+
+    out = {}
+    for name, c in main.commands.items():
+        subs = c.commands if isinstance(c, click.Group) else {}
+        out.update({f"{name} {s}": opts(sc) for s, sc in subs.items()})
+        out[name] = set().union(*map(opts, subs.values())) if subs else opts(c)
+    return out
+
+
+def _doc_code() -> list[tuple[str, str]]:
+    """(file, text) of each line of the docs' code blocks and each inline code span."""
+    found = []
+    for p in [ROOT / "README.md", *(ROOT / "docs").glob("*.md")]:
+        inside, prose = False, []
+        for line in p.read_text().splitlines():
+            if line.lstrip().startswith("```"):
+                inside = not inside
+            elif inside:
+                found.append((p.name, line))
+            else:
+                prose.append(line)
+        found += [(p.name, s) for s in re.findall(r"`([^`]+)`", "\n".join(prose))]
+    return found
+
+
+OPTION = re.compile(r"(?<![\w-])(--[a-z][a-z0-9-]*)")
+# Tools the docs show beside helixtok: their options are theirs.
+FOREIGN = re.compile(r"^\W*(sbatch|pip|ray|torchrun|jq|git|scontrol|kubectl|\S*python -m pip)\b")
+SLURM = {"--dependency"}  # sbatch's, named in prose
+
+
+def test_docs_name_only_commands_and_options_that_exist():
+    """Issue 63.13: every `helixtok CMD` the README and docs show is a command, every option after it
+    is that command's, every other option they name is some command's or a script's (scripts/NAME
+    lines are checked against that script's text; one named alone, a command's or a script's)."""
+    cmds = _commands()
+    every = set().union(*cmds.values())
+    scripts = {p.name: p.read_text() for p in (ROOT / "scripts").iterdir()}
+    bad, checked = [], 0
+    for where, code in _doc_code():
+        for m in re.finditer(r"\bhelixtok ((?:export|import) [a-z]+|[a-z][a-z-]*)((?:[^|;&`]|\|\|)*)", code):
+            cmd, rest = m[1], m[2]
+            if cmd not in cmds:
+                # prose in a span ("helixtok is ..."): only a word at the start of a span is a command
+                if code.lstrip("$ ").startswith(f"helixtok {cmd}"):
+                    bad.append((where, f"no command {cmd!r}", code))
+                continue
+            checked += 1
+            bad += [(where, f"{cmd} has no {o}", code) for o in OPTION.findall(rest) if o not in cmds[cmd]]
+            code = code.replace(m[0], " ")
+        for m in re.finditer(r"scripts/([\w.]+)((?:[^|;&`])*)", code):
+            text = scripts.get(m[1])
+            if text is None:
+                bad.append((where, f"no script {m[1]}", code))
+                continue
+            checked += 1
+            bad += [(where, f"{m[1]} has no {o}", code) for o in OPTION.findall(m[2]) if o not in text]
+            code = code.replace(m[0], " ")
+        if not FOREIGN.search(code):
+            bad += [(where, f"no command or script has {o}", code) for o in OPTION.findall(code)
+                    if o not in every | SLURM and not any(re.search(rf"['\"\s]{o}\b", t) for t in scripts.values())]
+    assert checked > 40 and not bad, bad
+
+
+def test_docs_name_only_json_keys_that_exist(workdir):
+    """Issue 63.13: a key the docs name beside `--json` is one `stats --json` or `info --json` prints."""
+    import json
+    import subprocess
+    import sys
+
+    def keys(v) -> set[str]:
+        if isinstance(v, dict):
+            return set(v) | {k for x in v.values() for k in keys(x)}
+        return {k for x in v for k in keys(x)} if isinstance(v, list) else set()
+
+    printed = set()
+    for args in (["stats", "--json"], ["stats", "--json", "--max-tokens", "1024", "--max-len", "256"],
+                 ["info", "--json"]):
+        r = subprocess.run([sys.executable, "-m", "helixtok", args[0], str(workdir / "out"), *args[1:]],
+                           capture_output=True, text=True, cwd=workdir, check=True)
+        printed |= keys(json.loads(r.stdout))
+    named = set()
+    for p in [ROOT / "README.md", *(ROOT / "docs").glob("*.md")]:
+        for sentence in re.split(r"(?<=[.;:])\s|\n\n", p.read_text()):
+            after = sentence.partition("--json")[2]
+            named |= {(p.name, k) for k in re.findall(r"`([a-z][a-z0-9]*_[a-z0-9_]+)`", after)}
+    # Python arguments named beside a key: DataLoader's drop_last, collate_varlen's pad_to.
+    named = {(w, k) for w, k in named if k not in ("drop_last", "pad_to")}
+    assert len(named) >= 3 and not [(w, k) for w, k in named if k not in printed], sorted(printed)

@@ -131,7 +131,7 @@ def _cli(corpus, out, tok, address, *extra):
 def _signal_a_task(p, sig) -> list[int]:
     """Send `sig` to the first Ray worker seen running a unit while build `p` runs: [its pid], or []."""
     t = time.time()
-    while p.poll() is None and time.time() - t < 120:
+    while p.poll() is None and time.time() - t < 300:
         for pid in _ray_tasks():
             os.kill(pid, sig)
             return [pid]
@@ -294,20 +294,23 @@ def test_without_ray_installed_one_line_and_nothing_written(tmp_path, small_corp
 def test_a_stopped_ray_task_ends_the_build_within_the_stall_timeout(tmp_path, dev_corpus, tokenizer_path, cluster):
     """A Ray task's process stopped mid-unit (SIGSTOP: a stuck NFS read) sends no beat: the build
     fails within --stall-timeout naming the unit, and cancels its tasks (issue 39: it ran 90 s
-    past a 5 s bound, Ray waiting for ever).  (A 3 s bound here.)"""
-    # Units of ~0.5 s: a stop lands inside one.
+    past a 5 s bound, Ray waiting for ever).  (A 3 s bound here.)  The cluster's start-up has its own
+    bound ($HELIXTOK_RAY_START_SECONDS, 60 s): at load 10 here it takes more than 3 s (issue 63.12)."""
+    # Two units of ~0.5 s, one a node: the stop lands inside one, as a rule before its first beat
+    # (the worker is still importing what unpickles the task); the build fails once the other
+    # unit's task has ended and nothing beats for 3 s.  (Under load 10: 40-50 s after the stop.)
     p = _cli(dev_corpus / "txt", tmp_path / "o", tokenizer_path, cluster, "--stall-timeout", "3", "--unit-size", "1MiB")
     stopped = _signal_a_task(p, signal.SIGSTOP)
     try:
         t = time.time()
-        _, err = p.communicate(timeout=120)
+        _, err = p.communicate(timeout=240)
     finally:
         for pid in stopped:
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGCONT)
     assert stopped and p.returncode == 1, err
     # (stopped before its first beat, it is found as no task showing it works)
-    assert time.time() - t < 60 and re.search(r"no progress for 3 s: (a Ray task seems hung while tokenizing|no Ray "
+    assert time.time() - t < 150 and re.search(r"no progress for 3 s: (a Ray task seems hung while tokenizing|no Ray "
                                               r"task shows it works \(\d+ units pending, the first tokenizing)", err), err
     assert "Traceback" not in err and not (tmp_path / "o" / "manifest.json").exists()
     # One line: cancelling the tasks once more after disconnecting had Ray start a local instance of
@@ -317,7 +320,8 @@ def test_a_stopped_ray_task_ends_the_build_within_the_stall_timeout(tmp_path, de
 
 def test_a_cluster_that_never_answers_the_connect_fails_within_the_stall_timeout(tmp_path, small_corpus, small_tok):
     """A head that accepts the connection and never answers (it died while the driver connected, a
-    hung GCS): the build fails within --stall-timeout (2 s here), one line (issue 39: ray.init waited more
+    hung GCS): the build fails within the start-up bound (the larger of --stall-timeout and
+    $HELIXTOK_RAY_START_SECONDS, both 2 s here), one line (issue 39: ray.init waited more
     than 6.5 minutes, printing Ray's C++ warnings)."""
     silent = socket.socket()
     silent.bind(("127.0.0.1", 0))
@@ -327,7 +331,8 @@ def test_a_cluster_that_never_answers_the_connect_fails_within_the_stall_timeout
         r = subprocess.run([sys.executable, "-m", "helixtok.cli", "build", str(small_corpus), str(tmp_path / "o"),
                             "-t", small_tok, "--executor", f"ray:127.0.0.1:{silent.getsockname()[1]}",
                             "--stall-timeout", "2", "-q"],
-                           capture_output=True, text=True, timeout=120, env={**os.environ, "RAY_AUTH_MODE": "disabled"})
+                           capture_output=True, text=True, timeout=120,
+                           env={**os.environ, "RAY_AUTH_MODE": "disabled", "HELIXTOK_RAY_START_SECONDS": "2"})
     finally:
         silent.close()
     assert r.returncode == 1 and time.time() - t < 60, r.stderr

@@ -47,10 +47,8 @@ class _Watch:
 
 
 def _beating(watch, index: int, stop: threading.Event) -> None:
-    while True:
+    while not stop.wait(BEAT_SECONDS):
         watch.beat.remote(index)
-        if stop.wait(BEAT_SECONDS):
-            return
 
 
 def _task(cwd: str, key: int, watch, fn, *args):
@@ -58,6 +56,13 @@ def _task(cwd: str, key: int, watch, fn, *args):
     group's join -- beating into the watch under `key` (a unit's index; a join's, negative), in the
     driver's folder (relative input paths, as its command line gave them).  Errors come back as
     values (class name, message): the driver raises them as the one-line errors they are."""
+    # The first beat is answered before the work starts: from then on the watch knows this task,
+    # so a stop anywhere in it is found within the stall bound (a first beat only sent could be
+    # stopped with the process before it left: the task then counted as not yet started).
+    import ray
+
+    with contextlib.suppress(Exception):  # a watch that does not answer: the driver's monitor says so
+        ray.get(watch.beat.remote(key), timeout=BEAT_SECONDS * 30)
     stop = threading.Event()
     threading.Thread(target=_beating, args=(watch, key, stop), daemon=True).start()
     os.chdir(cwd)
@@ -132,8 +137,8 @@ def _unreachable(address: str | None, e: BaseException) -> str:
     return f"{where}: cannot reach the Ray cluster ({msg}); start it (ray start --head) or fix the address"
 
 
-def _connect(ray, address: str | None, stall: float, log: str) -> threading.Event:
-    """ray.init, bounded by `stall`: a head that dies while the driver connects left Ray's own
+def _connect(ray, address: str | None, bound: float, log: str) -> threading.Event:
+    """ray.init, bounded by `bound` (start_bound): a head that dies while the driver connects left Ray's own
     connect retrying in C++ for many minutes.  It runs in a thread of its own (a daemon: one that
     never returns is left behind when the build fails), which also keeps Ray's SIGTERM handler
     (sys.exit) off the build's main thread.  Meanwhile the process's stderr goes to `log`: Ray's
@@ -174,7 +179,7 @@ def _connect(ray, address: str | None, stall: float, log: str) -> threading.Even
             os.close(fd)
         t = threading.Thread(target=connect, daemon=True, name="helixtok-ray-connect")
         t.start()
-        answered.wait(stall)
+        answered.wait(bound)
     finally:
         if saved is not None:
             os.dup2(saved, 2)
@@ -182,8 +187,8 @@ def _connect(ray, address: str | None, stall: float, log: str) -> threading.Even
         quiet.setLevel(level)
     where = f"--executor ray{':' + address if address else ''}"
     if not box:
-        raise ConfigError(f"{where}: no answer from the Ray cluster within {stall:g} s while connecting (its head "
-                          "stopped or is unreachable?); check `ray status` on the head, or raise --stall-timeout"
+        raise ConfigError(f"{where}: no answer from the Ray cluster within {bound:g} s while connecting (its head "
+                          f"stopped or is unreachable?); check `ray status` on the head (the bound: {START_HINT})"
                           + ("" if keep else f" (Ray's own messages: {log})"))
     if box[0] is not None:
         if isinstance(box[0], (ConnectionError, ValueError, RuntimeError)) or "auth" in str(box[0]).lower():
@@ -206,6 +211,23 @@ def _start_watch(ray):
     return ray.remote(**options)(_Watch).remote()
 
 
+# The cluster's start-up -- the connect, the stall watch's actor, the first task's first beat (each
+# a process's start on some node) -- is bounded apart from --stall-timeout: a one-off start, not a
+# stall, it takes seconds on a loaded machine, more than a short stall bound.
+START_SECONDS = 60.0
+START_HINT = "the larger of --stall-timeout and $HELIXTOK_RAY_START_SECONDS (default 60)"
+
+
+def start_bound(stall: float) -> float:
+    """How long the cluster's start-up may take: the larger of the stall bound and START_SECONDS
+    ($HELIXTOK_RAY_START_SECONDS; the tests lower it to see a silent head fail fast)."""
+    try:
+        start = float(os.environ.get("HELIXTOK_RAY_START_SECONDS", START_SECONDS))
+    except ValueError:
+        raise ConfigError("$HELIXTOK_RAY_START_SECONDS must be a number of seconds") from None
+    return max(stall, start)
+
+
 class RayExecutor:
     """submit(fn=run_unit, unit, info) -> Future of the journal entry, on a Ray cluster: the one at
     ADDRESS, the one $RAY_ADDRESS names, or a local one started for this build."""
@@ -217,12 +239,13 @@ class RayExecutor:
         self.ray = ray = require_ray()
         self._started = not ray.is_initialized()
         self._hold = None
+        self.stall, self.start = config.stall_seconds, start_bound(config.stall_seconds)
         if self._started:
-            self._hold = _connect(ray, address, config.stall_seconds, os.path.join(state, "ray-driver.log"))
+            self._hold = _connect(ray, address, self.start, os.path.join(state, "ray-driver.log"))
         self.n = max(1, int(ray.cluster_resources().get("CPU", 1)))
         self.counters = [0, 0, 0]  # bytes, documents, tokens of the units finished
-        self.stall = config.stall_seconds
         self._watch = _start_watch(ray)
+        self._await_watch()
         self._since = time.monotonic()
         # The tokenizer's bytes go into the object store once; each task gets them from there.
         self._cwd, self._state = os.getcwd(), os.path.abspath(state)
@@ -239,6 +262,19 @@ class RayExecutor:
         self._calls = 0
         self._refs: list = []
         self._uploads = remote is not None  # the tasks journal on their own nodes: the driver journals too
+
+    def _await_watch(self) -> None:
+        """The watch's first answer, before any task goes out: its start is a worker process's start,
+        seconds on a loaded node and longer than a short --stall-timeout, and a task stopped while
+        its own worker started would hold the node's worker start-up (and so the watch's) for ever."""
+        try:
+            self.ray.get(self._watch.ages.remote(), timeout=self.start)
+        except Exception as e:  # noqa: BLE001 - GetTimeoutError, or the actor could not be placed
+            what = (str(e).strip().splitlines() or [""])[0][:160]
+            self._disconnect()
+            raise HelixtokError(f"the Ray cluster did not start helixtok's stall watch within {self.start:g} s "
+                                f"({type(e).__name__}: {what}); check `ray status` (the bound: {START_HINT}), "
+                                "then rerun the same command") from None
 
     def submit(self, fn, *args, what: str, beats: bool = False, urgent: bool = False) -> Future:
         """fn(*args) on the cluster: run_unit(unit, info) as a unit's task, anything else (a join) as itself."""
@@ -292,11 +328,14 @@ class RayExecutor:
             with self._lock:
                 stuck = [(i, v) for i, v in self._running.items() if ages.get(i, 0.0) > self.stall]
                 # A task stopped before its first beat has no age; nor has one still queued.  So also:
-                # no beat from any task for `stall` s while units are pending -- nothing moves.
-                newest = min(ages.values(), default=time.monotonic() - self._since)
-                why = "a Ray task seems hung while {what}"
-                if not stuck and self._running and newest > self.stall:
-                    stuck = [min(self._running.items())]
+                # no beat from any task for `stall` s while units are pending -- nothing moves.  Until
+                # the build's first beat that is the workers' start-up, bounded as the watch's own.
+                newest = min(ages.values(), default=None)
+                idle, idle_bound = ((time.monotonic() - self._since, self.start)
+                                    if newest is None else (newest, self.stall))
+                why, bound = "a Ray task seems hung while {what}", self.stall
+                if not stuck and self._running and idle > idle_bound:
+                    stuck, bound = [min(self._running.items())], idle_bound
                     why = (f"no Ray task shows it works ({len(self._running)} units pending, the first "
                            "{what}): one is stopped or stuck, or the cluster has no free CPU")
                 for i, _ in stuck:
@@ -306,7 +345,7 @@ class RayExecutor:
                     self.ray.cancel(ref, force=True)
                 if not fut.done():
                     fut.set_exception(HelixtokError(
-                        f"no progress for {self.stall:g} s: {why.format(what=what)}; rerun the same command to "
+                        f"no progress for {bound:g} s: {why.format(what=what)}; rerun the same command to "
                         "resume (or raise --stall-timeout)"))
 
     def _done(self, f, out: Future, unit, what: str) -> None:
@@ -350,6 +389,9 @@ class RayExecutor:
         self._closed.set()
         if threading.current_thread() is not self._watcher:  # its last call to Ray ends before the shutdown
             self._watcher.join(self.stall + 1)
+        self._disconnect()
+
+    def _disconnect(self) -> None:
         if self._started and self.ray.is_initialized():
             self.ray.shutdown()
         if self._hold is not None:
