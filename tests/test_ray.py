@@ -52,13 +52,19 @@ def _ours(mark: str, home: str) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def nodes(tmp_path_factory):
+def nodes():
     """`ray start --head` and `ray start --address` as a user runs them: two nodes, one CPU each,
     isolated from anything else on the machine: their own temp folder and ports, token
     authentication off and a HOME of their own (a ~/.ray/auth_token that another Ray left made the
     second node fail to join), and stopped by killing their own processes only: (address, kill)."""
-    with _two_nodes(str(tmp_path_factory.mktemp("ray"))) as got:
-        yield got
+    # A short folder of its own: Ray's sockets live below it, and a Unix socket's path holds at most
+    # 107 bytes (pytest's temp folders under a test process of pytest-xdist's are too long).
+    tmp = tempfile.mkdtemp(prefix="hxray-")
+    try:
+        with _two_nodes(tmp) as got:
+            yield got
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
