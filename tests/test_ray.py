@@ -128,10 +128,10 @@ def local(tmp_path_factory, dev_corpus, tokenizer_path):
     return out
 
 
-def _cli(corpus, out, tok, address, *extra):
+def _cli(corpus, out, tok, address, *extra, cwd=None):
     return subprocess.Popen([sys.executable, "-m", "helixtok.cli", "build", str(corpus), str(out), "-t", tok,
                              "--executor", f"ray:{address}", *ARGS, *extra], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, cwd=cwd)
 
 
 def _signal_a_task(p, sig) -> list[int]:
@@ -142,6 +142,20 @@ def _signal_a_task(p, sig) -> list[int]:
             os.kill(pid, sig)
             return [pid]
         time.sleep(0.02)
+    return []
+
+
+def _signal_a_working_task(p, sig, cwd: str) -> list[int]:
+    """Send `sig` to the first Ray worker seen running a unit in the driver's folder `cwd`: a task
+    moves there after its first beat is answered (rayexec._task), so it is past that beat."""
+    t = time.time()
+    while p.poll() is None and time.time() - t < 300:
+        for pid in _ray_tasks():
+            with contextlib.suppress(OSError):
+                if os.readlink(f"/proc/{pid}/cwd") == cwd:
+                    os.kill(pid, sig)
+                    return [pid]
+        time.sleep(0.01)
     return []
 
 
@@ -322,6 +336,26 @@ def test_a_stopped_ray_task_ends_the_build_within_the_stall_timeout(tmp_path, de
     # One line: cancelling the tasks once more after disconnecting had Ray start a local instance of
     # its own to answer (2-3 s, and its warning about token authentication on stderr).
     assert len(err.splitlines()) == 1, err
+
+
+def test_a_task_stopped_past_its_first_beat_is_found_within_the_stall_timeout(tmp_path, dev_corpus, tokenizer_path,
+                                                                              cluster):
+    """A task stopped once its first beat was answered (it has moved to the driver's folder) is a
+    task that seems hung: found 3 s after its last beat, whatever the other tasks do or the
+    machine's load (the first beat is answered before the unit starts: issue 63.12)."""
+    (tmp_path / "here").mkdir()
+    p = _cli(dev_corpus / "txt", tmp_path / "o", tokenizer_path, cluster, "--stall-timeout", "3", "--unit-size", "1MiB",
+             cwd=tmp_path / "here")
+    stopped = _signal_a_working_task(p, signal.SIGSTOP, str(tmp_path / "here"))
+    try:
+        _, err = p.communicate(timeout=240)
+    finally:
+        for pid in stopped:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGCONT)
+    assert stopped and p.returncode == 1, err
+    assert re.search(r"^Error: no progress for 3 s: a Ray task seems hung while tokenizing \S+/txt/doc\d+\.txt", err), err
+    assert len(err.splitlines()) == 1 and not (tmp_path / "o" / "manifest.json").exists(), err
 
 
 def test_a_cluster_that_never_answers_the_connect_fails_within_the_stall_timeout(tmp_path, small_corpus, small_tok):

@@ -100,7 +100,9 @@ from .common import console, handle_errors, parse_size, print_summary
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as one JSON object.")
 @click.option("--stall-timeout", type=click.FloatRange(min=0, min_open=True), default=600, show_default=True,
               help="Fail when no worker makes progress for this many seconds. A worker's start-up and a "
-                   "resume's re-hashing count, and both slow down on a loaded machine: keep it generous.")
+                   "resume's re-hashing count, and both slow down on a loaded machine: keep it generous. "
+                   "(--executor ray: the cluster's start-up is bounded by the larger of this and "
+                   "$HELIXTOK_RAY_START_SECONDS, 60 by default.)")
 @click.option("--special-tokens", type=click.Choice(list(SPECIAL_POLICIES)), default="text", show_default=True,
               help="Special-token strings inside documents (e.g. '<|endoftext|>' in crawled text): text = "
                    "encode them as ordinary characters; extract = turn them into their special ids (markup).")
