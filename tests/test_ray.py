@@ -134,25 +134,15 @@ def _cli(corpus, out, tok, address, *extra, cwd=None):
                             stderr=subprocess.PIPE, text=True, cwd=cwd)
 
 
-def _signal_a_task(p, sig) -> list[int]:
-    """Send `sig` to the first Ray worker seen running a unit while build `p` runs: [its pid], or []."""
-    t = time.time()
-    while p.poll() is None and time.time() - t < 300:
-        for pid in _ray_tasks():
-            os.kill(pid, sig)
-            return [pid]
-        time.sleep(0.02)
-    return []
-
-
-def _signal_a_working_task(p, sig, cwd: str) -> list[int]:
-    """Send `sig` to the first Ray worker seen running a unit in the driver's folder `cwd`: a task
-    moves there after its first beat is answered (rayexec._task), so it is past that beat."""
+def _signal_a_task(p, sig, cwd: str | None = None) -> list[int]:
+    """Send `sig` to the first Ray worker seen running a unit while build `p` runs: [its pid], or [].
+    With `cwd` (the driver's folder), only one already there: a task moves there after its first
+    beat is answered (rayexec._task), so it is past that beat."""
     t = time.time()
     while p.poll() is None and time.time() - t < 300:
         for pid in _ray_tasks():
             with contextlib.suppress(OSError):
-                if os.readlink(f"/proc/{pid}/cwd") == cwd:
+                if cwd is None or os.readlink(f"/proc/{pid}/cwd") == cwd:
                     os.kill(pid, sig)
                     return [pid]
         time.sleep(0.01)
@@ -346,7 +336,7 @@ def test_a_task_stopped_past_its_first_beat_is_found_within_the_stall_timeout(tm
     (tmp_path / "here").mkdir()
     p = _cli(dev_corpus / "txt", tmp_path / "o", tokenizer_path, cluster, "--stall-timeout", "3", "--unit-size", "1MiB",
              cwd=tmp_path / "here")
-    stopped = _signal_a_working_task(p, signal.SIGSTOP, str(tmp_path / "here"))
+    stopped = _signal_a_task(p, signal.SIGSTOP, cwd=str(tmp_path / "here"))
     try:
         _, err = p.communicate(timeout=240)
     finally:
