@@ -565,6 +565,20 @@ def _byte_lengths(cfg: dict, added: list) -> tuple[object, bool] | None:
     return lens, "NFC" in kinds
 
 
+def _trained(messages: list, spans: list, last_only: bool) -> list | str:
+    """The spans less those of the turns a row says not to train (axolotl's and open-instruct's
+    field), span k being assistant message k -- only where the template gave one span each;
+    last_only: the spans are the last message's alone (its own "train" the caller judged)."""
+    assistants = [m for m in messages if m.get("role") == "assistant"]
+    if last_only:
+        assistants = assistants[-1:]
+    off = {k for k, m in enumerate(assistants) if m.get("train") is False or m.get("weight") == 0}
+    if off and len(spans) != len(assistants):
+        return (f"sets 'train': false on a message, but the template marked {len(spans)} spans for its "
+                f"{len(assistants)} assistant messages: which turn is which is unknown")
+    return [s for k, s in enumerate(spans) if k not in off]
+
+
 class ChatEncoder:
     """Renders and tokenizes conversations.  Ids: the build's backend (`ids_fn`, exact as checked)
     on the pieces between the template's special tokens; token offsets: each id's byte length
@@ -777,8 +791,6 @@ class ChatEncoder:
         try:
             variables = {**self.variables, **row} if row else self.variables
             text, spans = render(self.compiled, messages, tools, variables, generation_prompt)
-            if not want_spans:
-                spans = []
             derived = want_spans and self.derive and not generation_prompt and self.spec.loss in ("assistant", "last")
             if derived:
                 spans = derived_spans(self.compiled, messages, tools, variables, text, last_only)
@@ -790,17 +802,9 @@ class ChatEncoder:
             return f"the template refused it: {str(e).splitlines()[0][:120] if str(e) else type(e).__name__}"
         except (TypeError, ValueError, KeyError, AttributeError, IndexError, RecursionError) as e:
             return f"the template failed on it: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
-        # Turns a row says not to train (axolotl's and open-instruct's field): their spans dropped,
-        # span k being assistant message k -- only where the template gave one span each.
-        assistants = [m for m in messages if m.get("role") == "assistant"] if want_spans else []
-        if derived and last_only:  # the last message's span alone (its own "train" the caller judged)
-            assistants = assistants[-1:]
-        off = {k for k, m in enumerate(assistants) if m.get("train") is False or m.get("weight") == 0}
-        if off and len(spans) != len(assistants):
-            return (f"sets 'train': false on a message, but the template marked {len(spans)} spans for its "
-                    f"{len(assistants)} assistant messages: which turn is which is unknown")
-        if off:
-            spans = [s for k, s in enumerate(spans) if k not in off]
+        spans = _trained(messages, spans, derived and last_only) if want_spans else []
+        if isinstance(spans, str):
+            return spans
         if marked:
             return _unmark(text, spans)
         return text, spans, []

@@ -138,8 +138,8 @@ def _unreachable(address: str | None, e: BaseException) -> str:
 
 
 def _connect(ray, address: str | None, bound: float, log: str) -> threading.Event:
-    """ray.init, bounded by `bound` (start_bound): a head that dies while the driver connects left Ray's own
-    connect retrying in C++ for many minutes.  It runs in a thread of its own (a daemon: one that
+    """ray.init, bounded by `bound` (start_bound): a head that dies while the driver connects left
+    Ray's own connect retrying in C++ for many minutes.  It runs in a thread of its own (a daemon: one that
     never returns is left behind when the build fails), which also keeps Ray's SIGTERM handler
     (sys.exit) off the build's main thread.  Meanwhile the process's stderr goes to `log`: Ray's
     C++ client writes a warning there every few seconds it cannot connect ($HELIXTOK_RAY_LOGS=1:
@@ -215,7 +215,7 @@ def _start_watch(ray):
 # a process's start on some node) -- is bounded apart from --stall-timeout: a one-off start, not a
 # stall, it takes seconds on a loaded machine, more than a short stall bound.
 START_SECONDS = 60.0
-START_HINT = "the larger of --stall-timeout and $HELIXTOK_RAY_START_SECONDS (default 60)"
+START_HINT = f"the larger of --stall-timeout and $HELIXTOK_RAY_START_SECONDS (default {START_SECONDS:g})"
 
 
 def start_bound(stall: float) -> float:
